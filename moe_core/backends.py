@@ -1,0 +1,173 @@
+"""Backend declarations (``BackendSpec``) and structured availability (``Reason``, ``Code``).
+
+A plugin declares its backends as static data: listing them never imports a vendor library.
+The implementation class and the probe are named as lazy ``"module:attr"`` strings.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import traceback
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+from moe_core.contracts import Activation, Format, QuantScheme, WireDtype, _StrEnum
+
+if TYPE_CHECKING:
+    from moe_core.config import MoEConfig
+
+__all__ = ["Role", "Code", "Reason", "BackendSpec", "available", "unavailable", "load_object"]
+
+
+class Role(_StrEnum):
+    DISPATCHER = "dispatcher"
+    EXPERTS = "experts"
+    FUSED = "fused"  # dispatch + experts + combine in one backend
+
+
+class Code(_StrEnum):
+    """Why a backend or a combination cannot be used."""
+
+    OK = "OK"
+    NOT_INSTALLED = "NOT_INSTALLED"
+    LOAD_ERROR = "LOAD_ERROR"
+    API_MISMATCH = "API_MISMATCH"
+    NO_DEVICE = "NO_DEVICE"
+    UNSUPPORTED_ARCH = "UNSUPPORTED_ARCH"
+    UNSUPPORTED_QUANT = "UNSUPPORTED_QUANT"
+    UNSUPPORTED_SHAPE = "UNSUPPORTED_SHAPE"
+    UNSUPPORTED_PARALLEL = "UNSUPPORTED_PARALLEL"
+    FORMAT_MISMATCH = "FORMAT_MISMATCH"
+    NO_COMMON_DTYPE = "NO_COMMON_DTYPE"
+    NOT_GRAPH_SAFE = "NOT_GRAPH_SAFE"
+    DISABLED = "DISABLED"
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One structured verdict: a code, a sentence, and what the user can do about it."""
+
+    code: Code
+    message: str
+    hint: str = ""
+    traceback: Optional[str] = field(default=None, compare=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.code is Code.OK
+
+    def to_json(self) -> dict[str, str]:
+        return {"code": str(self.code), "message": self.message, "hint": self.hint}
+
+    def __str__(self) -> str:
+        text = f"{self.code}: {self.message}"
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+
+def available(message: str = "available") -> Reason:
+    return Reason(Code.OK, message)
+
+
+def unavailable(code: Code, message: str, hint: str = "") -> Reason:
+    return Reason(code, message, hint)
+
+
+def from_exception(code: Code, what: str, exc: BaseException) -> Reason:
+    """A ``Reason`` for an exception, keeping its traceback."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return Reason(code, f"{what}: {type(exc).__name__}: {exc}", "", tb)
+
+
+def load_object(path: str) -> Any:
+    """Import ``"package.module:attr"`` (the lazy reference format of specs)."""
+    module_name, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"expected 'module:attr', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+Probe = Callable[[], Reason]
+Check = Callable[["MoEConfig", "BackendSpec"], list[Reason]]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """Static declaration of one backend. Returned by ``moe_core_backends``.
+
+    Capabilities are data that the core's planner checks; anything that is not expressible as
+    data goes in ``check``, a lazy function ``(config, spec) -> list[Reason]`` run at plan time.
+
+    - ``formats``: dispatcher: formats it can produce, in preference order; experts: formats
+      it accepts; fused: ``(Format.FUSED,)``.
+    - ``wire_dtypes``: dtypes the dispatcher can carry / the experts accept, preferred first.
+    - ``graph_safe_formats``: formats in which the backend never syncs with the host, so it can
+      be captured in a CUDA graph.
+    - ``devices``: device kinds it runs on: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"npu"``.
+    - ``impl``: ``"module:Class"``; the class is instantiated with a ``BackendContext`` at plan
+      time (see ``moe_core.runtime``).
+    - ``probe``: ``"module:function"`` returning a ``Reason`` (OK or why not); it must be cheap,
+      never raise and never import a vendor library at module import time of the plugin.
+    - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
+    - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
+      ``"required"`` (only with an EP group of size > 1).
+    """
+
+    name: str
+    role: Role
+    impl: str
+    formats: tuple[Format, ...]
+    devices: frozenset[str]
+    wire_dtypes: tuple[WireDtype, ...] = (WireDtype.BF16,)
+    quant_schemes: frozenset[QuantScheme] = frozenset({QuantScheme.UNQUANTIZED})
+    activations: frozenset[Activation] = frozenset({Activation.SILU})
+    graph_safe_formats: frozenset[Format] = frozenset()
+    ep: str = "any"
+    priority: int = 0
+    probe: Optional[Union[str, Probe]] = None
+    check: Optional[Union[str, Check]] = None
+    quantizes_internally: bool = False
+    description: str = ""
+    # filled in by the plugin manager at registration:
+    plugin: str = ""
+    plugin_version: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"backend name {self.name!r} must be a simple identifier")
+        if self.ep not in ("none", "any", "required"):
+            raise ValueError(f"BackendSpec.ep must be 'none', 'any' or 'required', got {self.ep!r}")
+        if self.role is Role.FUSED and self.formats != (Format.FUSED,):
+            raise ValueError("a fused backend declares formats=(Format.FUSED,)")
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.plugin}.{self.name}" if self.plugin else self.name
+
+    def run_probe(self) -> Reason:
+        """Availability on this machine. Never raises: errors become ``LOAD_ERROR``."""
+        if self.probe is None:
+            return available()
+        try:
+            fn = load_object(self.probe) if isinstance(self.probe, str) else self.probe
+            reason = fn()
+            if not isinstance(reason, Reason):
+                return Reason(Code.LOAD_ERROR, f"probe of {self.name} returned {reason!r}")
+            return reason
+        except Exception as exc:  # a broken probe must not break listing
+            return from_exception(Code.LOAD_ERROR, f"probe of {self.name} raised", exc)
+
+    def run_check(self, config: "MoEConfig") -> list[Reason]:
+        if self.check is None:
+            return []
+        try:
+            fn = load_object(self.check) if isinstance(self.check, str) else self.check
+            return [r for r in fn(config, self) if not r.ok]
+        except Exception as exc:
+            return [from_exception(Code.LOAD_ERROR, f"config check of {self.name} raised", exc)]
+
+    def load_impl(self) -> type:
+        return load_object(self.impl)

@@ -1,0 +1,298 @@
+"""Typed contracts of the MoE pipeline: route -> dispatch -> apply -> combine.
+
+Every object that crosses a stage boundary is a frozen dataclass defined here. There are no
+positional tuples and no ``hasattr`` probing: the format of a dispatch output is its type.
+
+Who applies the top-k routing weights is fixed per format (see ``CombineInput`` subclasses):
+
+========== ============================================ ===========================================
+format     experts output (combine input)               combine
+========== ============================================ ===========================================
+STANDARD   ``[T, H]`` weighted, summed over the local     identity (plus an all-reduce over the EP
+           experts of each token                          group when experts are split)
+EP_NORMAL  ``[R, H]`` weighted, summed over the local     sends rows back to their source rank and
+           experts of each received token                 sums them (no weights)
+EP_MASKED  ``[E_local, C, H]`` **unweighted**             weights with the sender's TopK, sums
+FUSED      the fused backend returns the final ``[T, H]``
+========== ============================================ ===========================================
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import torch
+
+__all__ = [
+    "Format",
+    "WireDtype",
+    "QuantScheme",
+    "Activation",
+    "TopK",
+    "QuantizedActivations",
+    "DispatchOutput",
+    "StandardDispatch",
+    "EPNormalDispatch",
+    "EPMaskedDispatch",
+    "CombineInput",
+    "StandardCombine",
+    "EPNormalCombine",
+    "EPMaskedCombine",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_GROUP",
+    "NVFP4_BLOCK",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP8_GROUP = 128  # channels per activation scale group (and weight block edge)
+NVFP4_BLOCK = 16  # elements per NVFP4 block scale
+
+
+class _StrEnum(str, enum.Enum):
+    def __str__(self) -> str:  # "bf16", not "WireDtype.BF16", in messages and JSON
+        return self.value
+
+
+class Format(_StrEnum):
+    """What the experts receive from the dispatcher."""
+
+    STANDARD = "standard"
+    EP_NORMAL = "ep_normal"
+    EP_MASKED = "ep_masked"
+    FUSED = "fused"  # the backend owns dispatch + apply + combine
+
+
+class WireDtype(_StrEnum):
+    """Dtype of dispatched activations ("on the wire")."""
+
+    BF16 = "bf16"  # unquantized, in the layer's activation dtype (bf16, fp16 or fp32)
+    FP8 = "fp8"  # e4m3fn, per-token 128-channel group scales (fp32; power-of-two if ue8m0)
+    INT8 = "int8"  # per-token symmetric scale
+    NVFP4 = "nvfp4"  # e2m1 packed 2 per byte + e4m3 scale per 16 elements + fp32 global scale
+
+
+class QuantScheme(_StrEnum):
+    """How the expert weights are stored (and, for W8A8 schemes, how activations are quantized).
+
+    Weight tensors per scheme (``E`` local experts, ``N1 = 2 * I``):
+
+    - ``unquantized``: ``w13 [E, N1, H]``, ``w2 [E, H, I]`` in the params dtype.
+    - ``fp8_block``: fp8 e4m3fn weights; ``w13_scale [E, ceil(N1/128), ceil(H/128)]`` and
+      ``w2_scale [E, ceil(H/128), ceil(I/128)]`` fp32 (dequant = q * scale per 128x128 block);
+      activations quantized per token and 128-channel group.
+    - ``int8_w8a8``: int8 weights; ``w13_scale [E, N1]``, ``w2_scale [E, H]`` fp32 per output
+      channel; activations int8 per token, dynamic.
+    - ``w4a4``: int4 values in [-7, 7] stored one per int8; per-channel scales as int8_w8a8;
+      activations int4 per token, dynamic.
+    - ``nvfp4``: packed e2m1 ``w13 [E, N1, H/2]`` uint8 (even element in the low nibble),
+      ``w13_scale [E, N1, H/16]`` e4m3fn block scales, ``w13_scale_2 [E]`` fp32 global dequant
+      scale (dequant = e2m1 * block_scale * scale_2); same for w2. Activations are quantized to
+      NVFP4 with the global scale ``a13_global_scale`` / ``a2_global_scale`` (fp32 [E]).
+    """
+
+    UNQUANTIZED = "unquantized"
+    FP8_BLOCK = "fp8_block"
+    INT8_W8A8 = "int8_w8a8"
+    W4A4 = "w4a4"
+    NVFP4 = "nvfp4"
+
+
+class Activation(_StrEnum):
+    """Gated activation of the first GEMM's output ``[gate | up]``: ``act(gate) * up``."""
+
+    SILU = "silu"  # SwiGLU
+    GELU = "gelu"  # gated GELU (tanh approximation off)
+
+
+# --------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Routing of T tokens to K experts each.
+
+    ``weights``: float32 ``[T, K]``; ``ids``: int32 ``[T, K]``; id ``-1`` means "no expert"
+    (padding, or an expert on another rank after a local remap) and its weight is ignored.
+    """
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        w, i = self.weights, self.ids
+        if not isinstance(w, torch.Tensor) or not isinstance(i, torch.Tensor):
+            raise TypeError("TopK.weights and TopK.ids must be torch.Tensor")
+        if w.dtype != torch.float32:
+            raise TypeError(f"TopK.weights must be torch.float32, got {w.dtype}")
+        if i.dtype != torch.int32:
+            raise TypeError(f"TopK.ids must be torch.int32, got {i.dtype}")
+        if w.dim() != 2 or w.shape != i.shape:
+            raise ValueError(
+                f"TopK.weights and TopK.ids must both be [T, K]; got {tuple(w.shape)} and "
+                f"{tuple(i.shape)}"
+            )
+        if w.device != i.device:
+            raise ValueError(f"TopK.weights on {w.device} but TopK.ids on {i.device}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[1]
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class QuantizedActivations:
+    """A tensor of activations that may be quantized, travelling with its scales.
+
+    Leading dims are free (``[T, H]`` for token lists, ``[E, C, H]`` for masked slabs); ``H`` is
+    the logical hidden size (``data`` has ``H/2`` bytes per row for NVFP4).
+
+    - ``bf16``: ``data`` in the activation dtype; no scale.
+    - ``fp8``: ``data`` e4m3fn; ``scale`` fp32 ``[..., H/128]``; ``ue8m0`` marks power-of-two scales.
+    - ``int8``: ``data`` int8; ``scale`` fp32 ``[..., 1]``.
+    - ``nvfp4``: ``data`` uint8 ``[..., H/2]``; ``scale`` e4m3fn ``[..., H/16]``;
+      ``global_scale`` fp32 scalar tensor; dequant = e2m1 * scale / global_scale.
+    """
+
+    data: torch.Tensor
+    dtype: WireDtype = WireDtype.BF16
+    scale: Optional[torch.Tensor] = None
+    global_scale: Optional[torch.Tensor] = None
+    ue8m0: bool = False
+
+    def __post_init__(self) -> None:
+        needs_scale = self.dtype is not WireDtype.BF16
+        if needs_scale and self.scale is None:
+            raise ValueError(f"{self.dtype} activations need a scale tensor")
+        if not needs_scale and self.scale is not None:
+            raise ValueError("bf16 activations carry no scale")
+        if self.dtype is WireDtype.NVFP4 and self.global_scale is None:
+            raise ValueError("nvfp4 activations need a global_scale")
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical shape (``H`` unpacked for NVFP4)."""
+        if self.dtype is WireDtype.NVFP4:
+            return self.data.shape[:-1] + (self.data.shape[-1] * 2,)
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from moe_core import quant
+
+        return quant.dequantize_activations(self, out_dtype)
+
+
+# --------------------------------------------------------------------------- dispatch outputs
+
+
+@dataclass(frozen=True)
+class DispatchOutput:
+    """Base of what a dispatcher hands to the experts. ``format`` names the subclass."""
+
+    format: ClassVar[Format]
+
+
+@dataclass(frozen=True)
+class StandardDispatch(DispatchOutput):
+    """All T tokens; ``topk`` ids are local expert ids, -1 for experts on other ranks."""
+
+    format: ClassVar[Format] = Format.STANDARD
+    hidden: QuantizedActivations  # [T, H]
+    topk: TopK  # [T, K], local ids
+
+
+@dataclass(frozen=True)
+class EPNormalDispatch(DispatchOutput):
+    """Tokens received from every rank, each once per destination rank: ``[R, H]``.
+
+    ``topk`` ids are local (-1 and weight 0 for experts elsewhere). ``expert_counts`` int32
+    ``[E_local]`` on the device counts the (token, local expert) pairs per expert;
+    ``expert_counts_host`` is an optional host copy (a tuple of ints) when the dispatcher
+    already had to sync. ``handle`` is the dispatcher's own state for ``combine``.
+    """
+
+    format: ClassVar[Format] = Format.EP_NORMAL
+    hidden: QuantizedActivations  # [R, H]
+    topk: TopK  # [R, K], local ids
+    expert_counts: torch.Tensor  # int32 [E_local]
+    expert_counts_host: Optional[tuple[int, ...]] = None
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class EPMaskedDispatch(DispatchOutput):
+    """DeepEP low-latency layout: ``[E_local, C, H]`` slab, ``masked_m`` valid rows per expert.
+
+    Rows at and beyond ``masked_m[e]`` hold garbage and must not be read. ``topk`` is the
+    sender's original routing (global ids), kept for ``combine``.
+    """
+
+    format: ClassVar[Format] = Format.EP_MASKED
+    hidden: QuantizedActivations  # [E_local, C, H]
+    masked_m: torch.Tensor  # int32 [E_local]
+    topk: TopK  # [T, K] of this rank's own tokens, global ids
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+# --------------------------------------------------------------------------- combine inputs
+
+
+@dataclass(frozen=True)
+class CombineInput:
+    """Base of what the experts hand back to the dispatcher's ``combine``.
+
+    ``weighted`` says whether the top-k weights are already applied (the contract per format).
+    """
+
+    format: ClassVar[Format]
+    weighted: ClassVar[bool]
+
+
+@dataclass(frozen=True)
+class StandardCombine(CombineInput):
+    format: ClassVar[Format] = Format.STANDARD
+    weighted: ClassVar[bool] = True
+    hidden: torch.Tensor  # [T, H], weighted, summed over local experts
+
+
+@dataclass(frozen=True)
+class EPNormalCombine(CombineInput):
+    format: ClassVar[Format] = Format.EP_NORMAL
+    weighted: ClassVar[bool] = True
+    hidden: torch.Tensor  # [R, H], weighted, summed over local experts
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class EPMaskedCombine(CombineInput):
+    format: ClassVar[Format] = Format.EP_MASKED
+    weighted: ClassVar[bool] = False
+    hidden: torch.Tensor  # [E_local, C, H], unweighted
+    topk: TopK  # the sender's routing, as in EPMaskedDispatch
+    handle: Any = field(default=None, compare=False, repr=False)
+
+
+DISPATCH_TYPES: dict[Format, type[DispatchOutput]] = {
+    Format.STANDARD: StandardDispatch,
+    Format.EP_NORMAL: EPNormalDispatch,
+    Format.EP_MASKED: EPMaskedDispatch,
+}
+COMBINE_TYPES: dict[Format, type[CombineInput]] = {
+    Format.STANDARD: StandardCombine,
+    Format.EP_NORMAL: EPNormalCombine,
+    Format.EP_MASKED: EPMaskedCombine,
+}

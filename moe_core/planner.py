@@ -1,0 +1,397 @@
+"""The planner: negotiates dispatcher x experts x quant x config, and the dispatch dtype.
+
+``plan(config)`` evaluates every candidate (each dispatcher with each experts backend, and each
+fused backend) against the declared capabilities, collects **every** reason a candidate fails,
+and returns an immutable ``Plan`` for the highest-priority candidate that passes, or raises
+``PlanError`` carrying all rejections. A user's explicit choice (``config.dispatcher`` /
+``config.experts`` / ``config.dispatch_dtype``) restricts the candidates and fails closed.
+
+Dispatch dtype chain (DESIGN section 5), evaluated once per candidate through the firstresult
+hook ``select_dispatch_dtype``: user choice -> what the experts require -> platform default ->
+core default; then hardware validation by plugin hook wrappers. Every step lands in
+``Plan.dtype_trail``. No global state is touched and no environment variable is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from moe_core.backends import BackendSpec, Code, Reason, Role
+from moe_core.config import AUTO, MoEConfig
+from moe_core.contracts import Format, QuantScheme, WireDtype
+from moe_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from moe_core.plugins import PluginManager
+    from moe_core.runtime import Dispatcher, Experts, FusedMoE
+
+log = logging.getLogger("moe_core")
+
+__all__ = ["plan", "Plan", "PlanError", "Rejection", "DtypeRequest", "DtypeDecision", "DtypeStep"]
+
+
+# --------------------------------------------------------------------------- dtype chain
+
+
+@dataclass(frozen=True)
+class DtypeStep:
+    source: str  # who decided: "user", "core", a plugin name
+    dtype: Optional[WireDtype]
+    reason: str
+    warning: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "dtype": None if self.dtype is None else str(self.dtype),
+                "reason": self.reason, "warning": self.warning}
+
+    def __str__(self) -> str:
+        mark = "WARNING " if self.warning else ""
+        return f"{mark}[{self.source}] {self.dtype}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class DtypeDecision:
+    """Result of the dtype chain: the dtype, every step that led to it, or a rejection."""
+
+    dtype: Optional[WireDtype]
+    steps: tuple[DtypeStep, ...]
+    rejection: Optional[Reason] = None
+
+    def then(self, dtype: WireDtype, reason: str, *, source: str, warning: bool = False) -> "DtypeDecision":
+        """A validation step replacing (or confirming) the dtype; used by hook wrappers."""
+        dtype = WireDtype(dtype)
+        return dataclasses.replace(self, dtype=dtype, steps=self.steps + (DtypeStep(source, dtype, reason, warning),))
+
+    def reject(self, code: Code, message: str, hint: str = "", *, source: str) -> "DtypeDecision":
+        """Refuse the candidate (e.g. NVFP4 on a device that cannot carry it)."""
+        return dataclasses.replace(self, dtype=None, rejection=Reason(code, message, hint),
+                                   steps=self.steps + (DtypeStep(source, None, message, True),))
+
+
+@dataclass(frozen=True)
+class DtypeRequest:
+    """What ``select_dispatch_dtype`` implementations decide from."""
+
+    config: MoEConfig
+    dispatcher: Optional[BackendSpec]  # None for a fused backend
+    experts: BackendSpec  # experts or fused spec
+    format: Format
+    common: tuple[WireDtype, ...]  # dtypes both sides carry, in the experts' preference order
+
+    def decide(self, dtype: WireDtype, reason: str, *, source: str) -> DtypeDecision:
+        dtype = WireDtype(dtype)
+        return DtypeDecision(dtype, (DtypeStep(source, dtype, reason),))
+
+
+# the weight scheme's natural activation dtype (core default, step 4)
+_NATURAL_DTYPE = {
+    QuantScheme.UNQUANTIZED: WireDtype.BF16,
+    QuantScheme.FP8_BLOCK: WireDtype.FP8,
+    QuantScheme.INT8_W8A8: WireDtype.INT8,
+    QuantScheme.W4A4: WireDtype.BF16,
+    QuantScheme.NVFP4: WireDtype.NVFP4,
+}
+
+
+class CoreDtypeRules:
+    """The core's steps of the dtype chain (user choice, internal quantization, default)."""
+
+    @hookimpl(tryfirst=True)
+    def select_dispatch_dtype(self, request: DtypeRequest) -> Optional[DtypeDecision]:
+        cfg = request.config
+        if cfg.dispatch_dtype != AUTO:
+            return request.decide(WireDtype(cfg.dispatch_dtype), "explicit user choice", source="user")
+        if request.experts.quantizes_internally and WireDtype.BF16 in request.common:
+            return request.decide(WireDtype.BF16, f"experts {request.experts.name} quantize internally",
+                                  source="core")
+        return None
+
+
+class CoreDtypeDefault:
+    @hookimpl(trylast=True)
+    def select_dispatch_dtype(self, request: DtypeRequest) -> Optional[DtypeDecision]:
+        natural = _NATURAL_DTYPE[request.config.quant]
+        if natural in request.common:
+            return request.decide(natural, f"core default: natural activation dtype of {request.config.quant}",
+                                  source="core")
+        if WireDtype.BF16 in request.common:
+            return request.decide(WireDtype.BF16, f"core default: {natural} not carried by both sides, BF16",
+                                  source="core")
+        if request.common:
+            return request.decide(request.common[0], "core default: experts' most preferred common dtype",
+                                  source="core")
+        return None
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Rejection:
+    dispatcher: str
+    experts: str
+    reasons: tuple[Reason, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dispatcher": self.dispatcher, "experts": self.experts,
+                "reasons": [r.to_json() for r in self.reasons]}
+
+    def __str__(self) -> str:
+        lines = [f"  {self.dispatcher} x {self.experts}:"]
+        lines += [f"    - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+class PlanError(Exception):
+    """No candidate satisfies the config; ``rejected`` holds every reason of every candidate."""
+
+    def __init__(self, summary: str, rejected: tuple[Rejection, ...]) -> None:
+        self.summary = summary
+        self.rejected = rejected
+        super().__init__(summary + "\n" + "\n".join(str(r) for r in rejected))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": False, "error": self.summary, "plan": None,
+                "rejected": [r.to_json() for r in self.rejected]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The negotiated choice for one layer. Immutable; ``build()`` instantiates the backends."""
+
+    config: MoEConfig
+    dispatcher: Optional[BackendSpec]  # None when a fused backend owns the whole pipeline
+    experts: BackendSpec  # experts (or fused) backend
+    format: Format
+    dispatch_dtype: WireDtype
+    dtype_trail: tuple[DtypeStep, ...]
+    rejected: tuple[Rejection, ...] = ()
+    notes: tuple[str, ...] = ()
+    dry_run: bool = False
+
+    @property
+    def fused(self) -> bool:
+        return self.experts.role is Role.FUSED
+
+    @property
+    def graph_safe(self) -> bool:
+        specs = [self.experts] + ([self.dispatcher] if self.dispatcher else [])
+        return all(self.format in s.graph_safe_formats for s in specs)
+
+    @property
+    def dispatcher_name(self) -> str:
+        return self.dispatcher.name if self.dispatcher else self.experts.name
+
+    def build(self) -> tuple[Optional["Dispatcher"], "Experts | FusedMoE"]:
+        """Instantiate the implementations (imports the vendor code of the chosen backends)."""
+        from moe_core.runtime import BackendContext
+
+        if self.dry_run:
+            raise RuntimeError("a dry-run plan (availability not checked) cannot be built")
+
+        def make(spec: BackendSpec) -> Any:
+            cls = spec.load_impl()
+            return cls(BackendContext(self.config, spec, self.format, self.dispatch_dtype))
+
+        return (None if self.dispatcher is None else make(self.dispatcher)), make(self.experts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "plan": {
+                "dispatcher": self.dispatcher_name,
+                "experts": self.experts.name,
+                "dispatcher_plugin": self.dispatcher.plugin if self.dispatcher else self.experts.plugin,
+                "experts_plugin": self.experts.plugin,
+                "dispatch_dtype": str(self.dispatch_dtype),
+                "format": str(self.format),
+                "graph_safe": self.graph_safe,
+                "dtype_trail": [s.to_json() for s in self.dtype_trail],
+                "notes": list(self.notes),
+                "dry_run": self.dry_run,
+            },
+            "rejected": [r.to_json() for r in self.rejected],
+        }
+
+    def explain(self) -> str:
+        c = self.config
+        lines = [
+            f"MoE plan for E={c.num_experts} top-{c.top_k} H={c.hidden_size} I={c.intermediate_size} "
+            f"quant={c.quant} act={c.activation} ep={c.ep_size} device={c.device}"
+            + (" cuda_graph" if c.cuda_graph else "") + (" (dry run: availability not enforced)" if self.dry_run else ""),
+            f"  dispatcher:     {self.dispatcher.qualified_name if self.dispatcher else '(fused)'}",
+            f"  experts:        {self.experts.qualified_name}" + (" (fused)" if self.fused else ""),
+            f"  format:         {self.format}",
+            f"  dispatch dtype: {self.dispatch_dtype}",
+            f"  graph-safe:     {'yes' if self.graph_safe else 'no'}",
+            "  dtype chain:",
+        ]
+        lines += [f"    {i + 1}. {step}" for i, step in enumerate(self.dtype_trail)]
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.rejected:
+            lines.append(f"  rejected candidates ({len(self.rejected)}):")
+            lines += [str(r) for r in self.rejected]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- negotiation
+
+
+def _matches(choice: str, spec: BackendSpec) -> bool:
+    return choice == AUTO or choice in (spec.name, spec.qualified_name)
+
+
+def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: "PluginManager", dry_run: bool,
+                  notes: list[str]) -> list[Reason]:
+    """Reasons one backend alone cannot serve ``config``."""
+    reasons: list[Reason] = []
+    availability = manager.availability(spec)
+    if not availability.ok:
+        if dry_run:
+            notes.append(f"{spec.qualified_name} is not usable on this machine ({availability.code}); "
+                         "assumed available for the dry run")
+        else:
+            reasons.append(availability)
+    if config.device not in spec.devices:
+        reasons.append(Reason(Code.NO_DEVICE, f"{spec.qualified_name} runs on {'/'.join(sorted(spec.devices))}, "
+                              f"the layer targets {config.device}",
+                              f"plan with --device {sorted(spec.devices)[0]} on such a machine"))
+    if spec.ep == "none" and config.ep_size > 1:
+        reasons.append(Reason(Code.UNSUPPORTED_PARALLEL, f"{spec.qualified_name} does not support expert "
+                              f"parallelism (ep_size={config.ep_size})", "use an EP-capable dispatcher"))
+    if spec.ep == "required" and config.ep_size == 1:
+        reasons.append(Reason(Code.UNSUPPORTED_PARALLEL, f"{spec.qualified_name} needs an EP group of size > 1",
+                              "use the 'standard' dispatcher on a single rank"))
+    if spec.role is not Role.DISPATCHER:
+        if config.quant not in spec.quant_schemes:
+            reasons.append(Reason(Code.UNSUPPORTED_QUANT, f"{spec.qualified_name} does not support quant scheme "
+                                  f"{config.quant}", "supported: " + ", ".join(sorted(map(str, spec.quant_schemes)))))
+        if config.activation not in spec.activations:
+            reasons.append(Reason(Code.UNSUPPORTED_SHAPE, f"{spec.qualified_name} does not support activation "
+                                  f"{config.activation}", "supported: " + ", ".join(sorted(map(str, spec.activations)))))
+    reasons += spec.run_check(config)
+    return reasons
+
+
+def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) -> tuple[Optional[Format], list[Reason]]:
+    if d is None:
+        formats = [Format.FUSED]
+    else:
+        formats = [f for f in d.formats if f in e.formats]
+        if not formats:
+            return None, [Reason(Code.FORMAT_MISMATCH,
+                                 f"{d.qualified_name} produces {'/'.join(map(str, d.formats))}, "
+                                 f"{e.qualified_name} accepts {'/'.join(map(str, e.formats))}",
+                                 "pick experts that accept one of the dispatcher's formats")]
+    reasons: list[Reason] = []
+    if config.cuda_graph:
+        specs = [s for s in (d, e) if s is not None]
+        safe = [f for f in formats if all(f in s.graph_safe_formats for s in specs)]
+        if not safe:
+            return None, [Reason(Code.NOT_GRAPH_SAFE, "no graph-safe format for "
+                                 + " x ".join(s.qualified_name for s in specs) + " (" + "/".join(map(str, formats)) + ")",
+                                 "disable cuda_graph or choose graph-safe backends (e.g. masked dispatch)")]
+        formats = safe
+    if Format.EP_MASKED in formats and config.max_tokens_per_rank is None:
+        if len(formats) == 1:
+            reasons.append(Reason(Code.UNSUPPORTED_SHAPE, "masked (low-latency) dispatch needs a fixed capacity",
+                                  "set max_tokens_per_rank"))
+            return None, reasons
+        formats.remove(Format.EP_MASKED)
+    return formats[0], reasons
+
+
+def _negotiate_dtype(manager: "PluginManager", config: MoEConfig, d: Optional[BackendSpec], e: BackendSpec,
+                     fmt: Format) -> tuple[Optional[DtypeDecision], list[Reason]]:
+    carried = d.wire_dtypes if d is not None else e.wire_dtypes
+    common = tuple(x for x in e.wire_dtypes if x in carried)
+    if not common:
+        return None, [Reason(Code.NO_COMMON_DTYPE, f"{d.qualified_name if d else e.qualified_name} carries "
+                             f"{'/'.join(map(str, carried))}, {e.qualified_name} accepts "
+                             f"{'/'.join(map(str, e.wire_dtypes))}")]
+    request = DtypeRequest(config, d, e, fmt, common)
+    decision = manager.hook.select_dispatch_dtype(request=request)
+    if decision is None:
+        return None, [Reason(Code.NO_COMMON_DTYPE, "no dtype rule answered")]
+    if decision.rejection is not None:
+        return decision, [decision.rejection]
+    if decision.dtype not in common:
+        return decision, [Reason(Code.NO_COMMON_DTYPE, f"dispatch dtype {decision.dtype} (from "
+                                 f"{decision.steps[-1].source}: {decision.steps[-1].reason}) is not carried by both "
+                                 f"sides; common: {'/'.join(map(str, common))}",
+                                 "choose --dispatch-dtype among the common dtypes")]
+    return decision, []
+
+
+def plan(config: MoEConfig, *, manager: Optional["PluginManager"] = None, dry_run: bool = False) -> Plan:
+    """Negotiate the backends for ``config``.
+
+    :param manager: the plugin manager (default: installed plugins).
+    :param dry_run: plan for a target device this machine lacks: availability probes are
+        reported in ``Plan.notes`` but do not reject (the plan cannot be built).
+    :raises PlanError: no candidate fits; every rejected candidate with every reason.
+    """
+    if manager is None:
+        from moe_core.plugins import get_plugin_manager
+
+        manager = get_plugin_manager()
+    specs = manager.specs
+    dispatchers = [s for s in specs if s.role is Role.DISPATCHER]
+    experts = [s for s in specs if s.role is Role.EXPERTS]
+    fused = [s for s in specs if s.role is Role.FUSED]
+
+    unknown = [f"{what} {choice!r}" for what, choice in (("dispatcher", config.dispatcher), ("experts", config.experts))
+               if choice != AUTO and manager.spec(choice) is None]
+    if unknown:
+        known = ", ".join(sorted({s.name for s in specs}))
+        raise PlanError(f"unknown backend: {', '.join(unknown)}", (Rejection(
+            config.dispatcher, config.experts,
+            (Reason(Code.NOT_INSTALLED, f"no installed plugin declares {', '.join(unknown)}",
+                    f"known backends: {known}; run `moe-core backends`"),)),))
+
+    candidates: list[tuple[Optional[BackendSpec], BackendSpec]] = []
+    for f in fused:  # a fused backend answers to either choice
+        if config.dispatcher in (AUTO, f.name, f.qualified_name) and config.experts in (AUTO, f.name, f.qualified_name):
+            candidates.append((None, f))
+    for d in dispatchers:
+        for e in experts:
+            if _matches(config.dispatcher, d) and _matches(config.experts, e):
+                candidates.append((d, e))
+    # score: dispatcher + experts priority for a pair, the fused backend's own priority for fused
+    candidates.sort(key=lambda c: (-(c[1].priority + (c[0].priority if c[0] else 0)),
+                                   c[0].qualified_name if c[0] else "", c[1].qualified_name))
+
+    accepted: list[Plan] = []
+    rejected: list[Rejection] = []
+    for d, e in candidates:
+        notes: list[str] = []
+        reasons: list[Reason] = []
+        for spec in ([d] if d else []) + [e]:
+            reasons += _spec_reasons(spec, config, manager, dry_run, notes)
+        fmt, format_reasons = _choose_format(d, e, config)
+        reasons += format_reasons
+        decision = None
+        if fmt is not None:
+            decision, dtype_reasons = _negotiate_dtype(manager, config, d, e, fmt)
+            reasons += dtype_reasons
+        d_name = d.qualified_name if d else e.qualified_name
+        if reasons:
+            rejected.append(Rejection(d_name, e.qualified_name, tuple(reasons)))
+            log.debug("moe-core plan: rejected %s x %s: %s", d_name, e.qualified_name, "; ".join(map(str, reasons)))
+            continue
+        assert fmt is not None and decision is not None and decision.dtype is not None
+        accepted.append(Plan(config, d, e, fmt, decision.dtype, decision.steps, notes=tuple(notes), dry_run=dry_run))
+
+    if not accepted:
+        choice = ", ".join(f"{k}={v}" for k, v in (("dispatcher", config.dispatcher), ("experts", config.experts),
+                                                   ("dispatch_dtype", config.dispatch_dtype)) if v != AUTO)
+        summary = f"no MoE backend combination fits this layer{' with ' + choice if choice else ''} " \
+                  f"({len(rejected)} candidate(s) rejected)"
+        raise PlanError(summary, tuple(rejected))
+    chosen = dataclasses.replace(accepted[0], rejected=tuple(rejected))
+    log.info("moe-core plan: %s x %s, format %s, dispatch dtype %s", chosen.dispatcher_name,
+             chosen.experts.name, chosen.format, chosen.dispatch_dtype)
+    return chosen

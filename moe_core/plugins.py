@@ -1,0 +1,300 @@
+"""Plugin discovery and registration: entry points -> pluggy, with every failure recorded.
+
+Rules (DESIGN section 4):
+- plugins come from the entry-point group ``moe_core.plugins`` (``importlib.metadata``); the
+  built-in reference backends register the same way, under the name ``reference``;
+- a plugin that fails to import or to validate is recorded (``LOAD_ERROR`` / ``API_MISMATCH``,
+  traceback kept) and skipped, unless ``strict=True``, which raises ``PluginLoadError``;
+- ``allow`` / ``block`` filter by plugin (entry-point) name;
+- backends with the same name in two plugins: the first in (priority desc, plugin name) order
+  keeps the bare name, the others are still reachable as ``plugin.name``; the clash is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import pluggy
+
+from moe_core import hookspecs
+from moe_core.backends import BackendSpec, Code, Reason, from_exception
+from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl
+
+if sys.version_info >= (3, 12):
+    from importlib import metadata
+else:  # the backport has the 3.12 selection API on 3.11
+    import importlib_metadata as metadata
+
+log = logging.getLogger("moe_core")
+
+ENTRY_POINT_GROUP = "moe_core.plugins"
+BUILTIN_PLUGIN = "reference"
+
+__all__ = ["BackendPlugin", "PluginManager", "PluginRecord", "PluginLoadError", "get_plugin_manager"]
+
+
+class PluginLoadError(RuntimeError):
+    """Raised in strict mode when a plugin cannot be loaded."""
+
+
+class BackendPlugin:
+    """Convenient base for a plugin object: declare ``backends()``; the stage hooks answer for
+    backend objects built from those specs and pass on everything else.
+
+    Entry point example (pyproject.toml)::
+
+        [project.entry-points."moe_core.plugins"]
+        acme = "moe_plugin_acme.plugin:plugin"   # plugin = AcmePlugin()
+    """
+
+    moe_core_hookspec_version = HOOKSPEC_VERSION
+
+    def backends(self) -> list[BackendSpec]:
+        raise NotImplementedError
+
+    @functools.cached_property
+    def _impls(self) -> frozenset[str]:
+        return frozenset(spec.impl for spec in self.backends())
+
+    def _owns(self, backend: Any) -> bool:
+        ctx = getattr(backend, "ctx", None)
+        return ctx is not None and ctx.spec.impl in self._impls
+
+    @hookimpl
+    def moe_core_backends(self) -> list[BackendSpec]:
+        return self.backends()
+
+    @hookimpl
+    def dispatch(self, backend, hidden_states, topk):
+        return backend.dispatch(hidden_states, topk) if self._owns(backend) else None
+
+    @hookimpl
+    def apply(self, backend, layer, dispatched):
+        return backend.apply(layer, dispatched) if self._owns(backend) else None
+
+    @hookimpl
+    def combine(self, backend, combine_input):
+        return backend.combine(combine_input) if self._owns(backend) else None
+
+    @hookimpl
+    def process_weights(self, backend, layer):
+        if not self._owns(backend):
+            return None
+        backend.process_weights(layer)
+        return True
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """One discovered plugin and what became of it."""
+
+    name: str
+    version: str
+    source: str  # entry-point value, or "builtin"
+    status: Reason  # OK, LOAD_ERROR, API_MISMATCH or DISABLED
+
+
+@dataclass
+class _Registry:
+    specs: dict[str, BackendSpec] = field(default_factory=dict)  # bare and qualified names
+    ordered: list[BackendSpec] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+
+
+class PluginManager:
+    """Discovers plugins and holds their backend specs.
+
+    :param allow: plugin names to load (``None``: all). The built-in ``reference`` plugin is
+        always loaded unless blocked.
+    :param block: plugin names never to load.
+    :param strict: raise ``PluginLoadError`` instead of recording a broken plugin.
+    :param entry_points: use these entry points instead of the installed ones (tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow: Optional[Iterable[str]] = None,
+        block: Iterable[str] = (),
+        strict: bool = False,
+        entry_points: Optional[Iterable[Any]] = None,
+        load_builtin: bool = True,
+    ) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.allow = None if allow is None else frozenset(allow)
+        self.block = frozenset(block)
+        self.strict = strict
+        self.records: list[PluginRecord] = []
+        self._availability: dict[str, Reason] = {}
+        from moe_core.planner import CoreDtypeDefault, CoreDtypeRules
+
+        self.pm.register(CoreDtypeRules(), name="moe_core.dtype_rules")
+        self.pm.register(CoreDtypeDefault(), name="moe_core.dtype_default")
+        if load_builtin:
+            self._load_builtin()
+        eps = metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
+        for ep in sorted(eps, key=lambda e: e.name):
+            self._load_entry_point(ep)
+        self._registry = self._collect_specs()
+
+    # ---------------------------------------------------------------- loading
+
+    def _load_builtin(self) -> None:
+        from moe_core.reference.plugin import plugin
+
+        if BUILTIN_PLUGIN in self.block:
+            self.records.append(PluginRecord(BUILTIN_PLUGIN, _core_version(), "builtin",
+                                             Reason(Code.DISABLED, "blocked by the block-list")))
+            return
+        self._register(BUILTIN_PLUGIN, _core_version(), "builtin", plugin)
+
+    def _load_entry_point(self, ep: Any) -> None:
+        name = ep.name
+        version = _dist_version(ep)
+        if name == BUILTIN_PLUGIN:
+            self._fail(PluginRecord(name, version, ep.value, Reason(
+                Code.LOAD_ERROR, f"plugin name {name!r} is reserved for the built-in backends",
+                "rename the entry point")))
+            return
+        if name in self.block or (self.allow is not None and name not in self.allow):
+            why = "blocked by the block-list" if name in self.block else "not in the allow-list"
+            self.records.append(PluginRecord(name, version, ep.value, Reason(Code.DISABLED, why)))
+            return
+        try:
+            obj = ep.load()
+        except Exception as exc:
+            reason = from_exception(Code.LOAD_ERROR, f"importing plugin {name!r} ({ep.value}) failed", exc)
+            self._fail(PluginRecord(name, version, ep.value, dataclasses.replace(
+                reason, hint=f"fix or uninstall the distribution providing {ep.value.split(':')[0]}")))
+            return
+        self._register(name, version, ep.value, obj)
+
+    def _register(self, name: str, version: str, source: str, obj: Any) -> None:
+        declared = getattr(obj, "moe_core_hookspec_version", None)
+        if declared is None or tuple(declared)[0] != HOOKSPEC_VERSION[0] or tuple(declared) > HOOKSPEC_VERSION:
+            self._fail(PluginRecord(name, version, source, Reason(
+                Code.API_MISMATCH,
+                f"plugin {name!r} declares hookspec version {declared}, core has {HOOKSPEC_VERSION}",
+                "set moe_core_hookspec_version on the plugin object and upgrade the plugin or moe-core",
+            )))
+            return
+        try:
+            self.pm.register(obj, name=name)
+            self._validate(name)
+        except pluggy.PluginValidationError as exc:
+            if self.pm.is_registered(obj):
+                self.pm.unregister(obj)
+            reason = from_exception(Code.API_MISMATCH, f"plugin {name!r} does not match the hook specs", exc)
+            self._fail(PluginRecord(name, version, source, dataclasses.replace(
+                reason, hint="compare the hookimpl signatures with moe_core.hookspecs")))
+            return
+        except Exception as exc:
+            if self.pm.is_registered(obj):
+                self.pm.unregister(obj)
+            self._fail(PluginRecord(name, version, source,
+                                    from_exception(Code.LOAD_ERROR, f"registering plugin {name!r} failed", exc)))
+            return
+        self.records.append(PluginRecord(name, version, source, Reason(Code.OK, "loaded")))
+
+    def _validate(self, name: str) -> None:
+        """Every hookimpl must name a known hook (pluggy checks argument subsets at register)."""
+        plugin = self.pm.get_plugin(name)
+        for hook_caller in self.pm.get_hookcallers(plugin) or []:
+            if not hook_caller.has_spec():
+                raise pluggy.PluginValidationError(plugin, f"unknown hook {hook_caller.name!r}")
+
+    def _fail(self, record: PluginRecord) -> None:
+        if self.strict:
+            raise PluginLoadError(f"{record.name}: {record.status}\n{record.status.traceback or ''}")
+        log.warning("moe-core plugin %s skipped: %s", record.name, record.status)
+        self.records.append(record)
+
+    # ---------------------------------------------------------------- specs
+
+    def _collect_specs(self) -> _Registry:
+        reg = _Registry()
+        collected: list[BackendSpec] = []
+        for record in self.records:
+            if not record.status.ok:
+                continue
+            plugin = self.pm.get_plugin(record.name)
+            try:
+                specs = plugin.moe_core_backends()
+                if not isinstance(specs, (list, tuple)) or not all(isinstance(s, BackendSpec) for s in specs):
+                    raise TypeError(f"moe_core_backends() must return a list of BackendSpec, got {specs!r}")
+            except Exception as exc:
+                self.pm.unregister(plugin)
+                self.records[self.records.index(record)] = dataclasses.replace(
+                    record, status=from_exception(Code.LOAD_ERROR, f"moe_core_backends() of {record.name!r} failed", exc))
+                if self.strict:
+                    raise PluginLoadError(str(self.records[-1].status)) from exc
+                continue
+            for spec in specs:
+                collected.append(dataclasses.replace(spec, plugin=record.name, plugin_version=record.version))
+        # deterministic: highest priority first, then plugin name, then backend name
+        collected.sort(key=lambda s: (-s.priority, s.plugin != BUILTIN_PLUGIN, s.plugin, s.name))
+        for spec in collected:
+            reg.specs[spec.qualified_name] = spec
+            if spec.name in reg.specs:
+                kept = reg.specs[spec.name]
+                reg.duplicates.append(
+                    f"backend name {spec.name!r} is declared by plugins {kept.plugin!r} and {spec.plugin!r}: "
+                    f"'{spec.name}' means {kept.qualified_name}; use '{spec.qualified_name}' for the other"
+                )
+                log.warning(reg.duplicates[-1])
+            else:
+                reg.specs[spec.name] = spec
+            reg.ordered.append(spec)
+        return reg
+
+    @property
+    def specs(self) -> list[BackendSpec]:
+        """Every declared backend, highest priority first."""
+        return list(self._registry.ordered)
+
+    @property
+    def duplicates(self) -> list[str]:
+        return list(self._registry.duplicates)
+
+    def spec(self, name: str) -> Optional[BackendSpec]:
+        """A backend by bare name (``triton``) or qualified name (``cuda.triton``)."""
+        return self._registry.specs.get(name)
+
+    def availability(self, spec: BackendSpec) -> Reason:
+        """The spec's probe result, cached for the life of this manager."""
+        key = spec.qualified_name
+        if key not in self._availability:
+            self._availability[key] = spec.run_probe()
+        return self._availability[key]
+
+    @property
+    def hook(self) -> Any:
+        return self.pm.hook
+
+    def failed(self) -> list[PluginRecord]:
+        return [r for r in self.records if not r.status.ok and r.status.code is not Code.DISABLED]
+
+
+def _core_version() -> str:
+    try:
+        return metadata.version("moe-core")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _dist_version(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    return getattr(dist, "version", None) or "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def get_plugin_manager() -> PluginManager:
+    """The process-wide default manager (installed plugins, non-strict). Cached; build your own
+    ``PluginManager`` for allow/block-lists or strict mode and pass it to ``plan``."""
+    return PluginManager()

@@ -1,0 +1,80 @@
+"""Base classes of backend implementations, and the context they are built with.
+
+A backend's ``impl`` class is instantiated once per layer at plan time with a
+``BackendContext``; the forward pass then calls its methods directly (no hook loop).
+Subclass the one matching the backend's role:
+
+- ``Dispatcher``: ``dispatch(hidden_states, topk) -> DispatchOutput`` and
+  ``combine(combine_input) -> Tensor``;
+- ``Experts``: ``process_weights(layer)`` and ``apply(layer, dispatched) -> CombineInput``;
+- ``FusedMoE``: ``process_weights(layer)`` and ``forward(layer, hidden_states, topk) -> Tensor``.
+
+Implementations own any workspace they need (allocated in ``__init__`` or ``prepare``), keep
+no per-call state on ``self`` (state travels in the ``handle`` of the dispatch output), and
+never read environment variables: everything comes from the context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from moe_core.contracts import CombineInput, DispatchOutput, Format, TopK, WireDtype
+
+if TYPE_CHECKING:
+    from moe_core.backends import BackendSpec
+    from moe_core.config import MoEConfig
+    from moe_core.layer import MoELayer
+
+__all__ = ["BackendContext", "Dispatcher", "Experts", "FusedMoE"]
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is built with: the layer config and the negotiated plan choices."""
+
+    config: "MoEConfig"
+    spec: "BackendSpec"
+    format: Format
+    dispatch_dtype: WireDtype
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """This backend's entry of ``config.backend_options``."""
+        return self.config.options(self.spec.name)
+
+
+class _Backend:
+    def __init__(self, ctx: BackendContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.ctx.spec.qualified_name} format={self.ctx.format}>"
+
+
+class Dispatcher(_Backend):
+    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
+        raise NotImplementedError
+
+    def combine(self, combine_input: CombineInput) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Experts(_Backend):
+    def process_weights(self, layer: "MoELayer") -> None:
+        """Convert ``layer``'s loaded weights to this backend's layout. Must be idempotent:
+        the layer calls it after every (re)load; a second call must change nothing."""
+
+    def apply(self, layer: "MoELayer", dispatched: DispatchOutput) -> CombineInput:
+        raise NotImplementedError
+
+
+class FusedMoE(_Backend):
+    def process_weights(self, layer: "MoELayer") -> None:
+        """As ``Experts.process_weights``."""
+
+    def forward(self, layer: "MoELayer", hidden_states: torch.Tensor, topk: TopK) -> torch.Tensor:
+        raise NotImplementedError
