@@ -87,7 +87,7 @@ class DtypeRequest:
 
 
 # the weight scheme's natural activation dtype (core default, step 4)
-_NATURAL_DTYPE = {
+NATURAL_DTYPE = {
     QuantScheme.UNQUANTIZED: WireDtype.BF16,
     QuantScheme.FP8_BLOCK: WireDtype.FP8,
     QuantScheme.INT8_W8A8: WireDtype.INT8,
@@ -113,7 +113,7 @@ class CoreDtypeRules:
 class CoreDtypeDefault:
     @hookimpl(trylast=True)
     def select_dispatch_dtype(self, request: DtypeRequest) -> Optional[DtypeDecision]:
-        natural = _NATURAL_DTYPE[request.config.quant]
+        natural = NATURAL_DTYPE[request.config.quant]
         if natural in request.common:
             return request.decide(natural, f"core default: natural activation dtype of {request.config.quant}",
                                   source="core")

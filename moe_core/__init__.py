@@ -1,0 +1,40 @@
+"""moe-core: a hardware-neutral Mixture-of-Experts core.
+
+The pipeline is route -> dispatch -> apply -> combine. Plugins (entry-point group
+``moe_core.plugins``) declare dispatchers and experts backends; ``plan`` negotiates them for a
+layer; ``MoELayer`` runs the plan's bound backends.
+"""
+
+from moe_core.backends import BackendSpec, Code, Reason, Role, available, unavailable
+from moe_core.config import PRESETS, MoEConfig, RouterConfig, preset
+from moe_core.contracts import (
+    Activation,
+    CombineInput,
+    DispatchOutput,
+    EPMaskedCombine,
+    EPMaskedDispatch,
+    EPNormalCombine,
+    EPNormalDispatch,
+    Format,
+    QuantizedActivations,
+    QuantScheme,
+    StandardCombine,
+    StandardDispatch,
+    TopK,
+    WireDtype,
+)
+from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from moe_core.layer import MoELayer
+from moe_core.planner import DtypeDecision, DtypeRequest, Plan, PlanError, plan
+from moe_core.plugins import BackendPlugin, PluginLoadError, PluginManager, get_plugin_manager
+from moe_core.router import route
+from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
+
+__all__ = [
+    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DispatchOutput",
+    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
+    "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
+    "Plan", "PlanError", "PluginLoadError", "PluginManager", "QuantScheme", "QuantizedActivations", "Reason", "Role",
+    "RouterConfig", "StandardCombine", "StandardDispatch", "TopK", "WireDtype", "available", "get_plugin_manager",
+    "hookimpl", "hookspec", "plan", "preset", "route", "unavailable",
+]

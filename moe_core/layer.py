@@ -1,0 +1,205 @@
+"""``MoELayer``: one MoE layer whose stages are the plan's bound backends.
+
+Plan once, call direct: the constructor negotiates (or takes) a ``Plan``, instantiates its
+backends and binds their methods; ``forward`` then calls them with no hook loop and no
+branching on config. ``trace=True`` instead routes each stage through pluggy's hook callers
+with call monitoring (logged at DEBUG on the ``moe_core.trace`` logger), for debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from moe_core import quant
+from moe_core.config import MoEConfig
+from moe_core.contracts import TopK
+from moe_core.planner import Plan, plan as make_plan
+from moe_core.router import route
+
+__all__ = ["MoELayer"]
+
+_TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
+trace_log = logging.getLogger("moe_core.trace")
+
+
+class MoELayer(nn.Module):
+    """An MoE layer: ``forward(hidden_states [T, H], topk)`` -> ``[T, H]``.
+
+    :param config: the layer config (sizes, quant scheme, EP group, backend choices).
+    :param plan: a plan made earlier for ``config`` (default: ``moe_core.plan(config)``).
+    :param manager: plugin manager used for planning and tracing (default: installed plugins).
+    :param device: where weights live (default: from ``config.device``). Tests of plugins whose
+        vendor ops are emulated on CPU pass ``torch.device("cpu")`` for a plan targeting "npu".
+    :param check_ids: check that expert ids are in ``[-1, num_experts)`` on every forward
+        (one reduction and a host sync; default on unless ``config.cuda_graph``).
+    :param trace: route stage calls through the pluggy hooks, with monitoring.
+
+    Weights (this rank's experts only; ``E = config.num_local_experts``): ``w13 [E, 2I, H]``
+    (gate rows, then up rows), ``w2 [E, H, I]`` and the scales of ``config.quant`` (see
+    ``moe_core.contracts.QuantScheme``); plus ``correction_bias [num_experts]`` when the router
+    uses one. Load a full checkpoint with ``load_weights`` (it keeps this rank's slice), then call
+    ``process_weights()``.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        plan: Optional[Plan] = None,
+        manager: Any = None,
+        device: Optional[torch.device | str] = None,
+        check_ids: Optional[bool] = None,
+        trace: bool = False,
+    ) -> None:
+        super().__init__()
+        if plan is None:
+            plan = make_plan(config, manager=manager)
+        elif plan.config != config:
+            raise ValueError("plan was made for a different config")
+        self.config = config
+        self.plan = plan
+        self.device = torch.device(device if device is not None else _TORCH_DEVICE[config.device])
+        self.check_ids = (not config.cuda_graph) if check_ids is None else check_ids
+        self._weight_names = tuple(
+            self._allocate(quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
+                                               config.intermediate_size, config.params_dtype))
+        )
+        self.correction_bias: Optional[torch.Tensor]
+        if config.router.use_correction_bias:
+            self.register_buffer("correction_bias", torch.zeros(config.num_experts, device=self.device))
+        else:
+            self.correction_bias = None
+        self._loaded = False
+        self._processed = False
+
+        self.dispatcher, self.experts = plan.build()
+        if trace:
+            if manager is None:
+                from moe_core.plugins import get_plugin_manager
+
+                manager = get_plugin_manager()
+            self._bind_traced(manager)
+        else:
+            self._process = self.experts.process_weights
+            if plan.fused:
+                self._fused_forward = self.experts.forward
+            else:
+                self._dispatch = self.dispatcher.dispatch
+                self._apply = self.experts.apply
+                self._combine = self.dispatcher.combine
+
+    def _allocate(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+        for name, (shape, dtype) in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype, device=self.device),
+                                                       requires_grad=False))
+        return list(shapes)
+
+    def _bind_traced(self, manager: Any) -> None:
+        hook = manager.hook
+        manager.pm.add_hookcall_monitoring(
+            lambda name, impls, kwargs: trace_log.debug("-> %s via %s", name, [i.plugin_name for i in impls]),
+            lambda outcome, name, impls, kwargs: trace_log.debug("<- %s", name),
+        )
+        d, e = self.dispatcher, self.experts
+        if self.plan.fused:
+            self._fused_forward = lambda layer, x, topk: e.forward(layer, x, topk)
+        else:
+            self._dispatch = lambda x, topk: hook.dispatch(backend=d, hidden_states=x, topk=topk)
+            self._apply = lambda layer, dispatched: hook.apply(backend=e, layer=layer, dispatched=dispatched)
+            self._combine = lambda c: hook.combine(backend=d, combine_input=c)
+        self._process = lambda layer: hook.process_weights(backend=e, layer=layer)
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's weight tensors by checkpoint name (the scheme's names)."""
+        return {name: getattr(self, name) for name in self._weight_names}
+
+    @torch.no_grad()
+    def load_weights(self, **tensors: torch.Tensor) -> None:
+        """Copy a full checkpoint (``[num_experts, ...]`` per tensor) into this rank's slice.
+
+        Every weight of the scheme must be given (names as ``weight_tensors()``), plus
+        ``correction_bias`` when the router uses one. Call ``process_weights()`` afterwards.
+        """
+        expected = set(self._weight_names) | ({"correction_bias"} if self.correction_bias is not None else set())
+        missing, unknown = expected - set(tensors), set(tensors) - expected
+        if missing or unknown:
+            raise ValueError(f"load_weights for quant={self.config.quant}: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unknown)}; expected {sorted(expected)}")
+        experts = self.config.local_expert_range
+        for name, full in tensors.items():
+            target = getattr(self, name)
+            part = full if name == "correction_bias" else full[experts.start:experts.stop]
+            if tuple(part.shape) != tuple(target.shape) or (name != "correction_bias" and full.shape[0] != self.config.num_experts):
+                want = (self.config.num_experts,) + tuple(target.shape[1:]) if name != "correction_bias" else tuple(target.shape)
+                raise ValueError(f"load_weights: {name} must have shape {want} (full checkpoint), got {tuple(full.shape)}")
+            if part.dtype != target.dtype and (part.dtype.is_floating_point != target.dtype.is_floating_point
+                                               or target.dtype.itemsize == 1):
+                raise TypeError(f"load_weights: {name} must be {target.dtype}, got {part.dtype}")
+            # weights may have been replaced by process_weights (another layout): restore the slot
+            if target.shape != part.shape or target.dtype != part.dtype:
+                target = nn.Parameter(torch.empty_like(part, device=self.device), requires_grad=False)
+                setattr(self, name, target)
+            target.copy_(part)
+        self._loaded = True
+        self._processed = False
+
+    def process_weights(self) -> None:
+        """Convert the loaded weights to the plan's experts layout (idempotent)."""
+        if not self._loaded:
+            raise RuntimeError("MoELayer.process_weights() called before load_weights()")
+        self._process(self)
+        self._processed = True
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        topk: Optional[TopK] = None,
+        *,
+        router_logits: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if not self._processed:
+            raise RuntimeError("MoELayer: call load_weights(...) then process_weights() before forward")
+        cfg = self.config
+        if (topk is None) == (router_logits is None):
+            raise TypeError("MoELayer.forward takes exactly one of topk and router_logits")
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 \
+                or hidden_states.shape[1] != cfg.hidden_size:
+            raise ValueError(f"hidden_states must be a [T, {cfg.hidden_size}] tensor, got "
+                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
+        if hidden_states.dtype != cfg.params_dtype:
+            raise TypeError(f"hidden_states must be {cfg.params_dtype}, got {hidden_states.dtype}")
+        if hidden_states.device != self.device:
+            raise ValueError(f"hidden_states is on {hidden_states.device}, the layer's weights on {self.device}")
+        if topk is None:
+            topk = route(router_logits, cfg.top_k, cfg.router, self.correction_bias)
+        elif not isinstance(topk, TopK):
+            raise TypeError(f"topk must be a moe_core.TopK, got {type(topk).__name__}")
+        if topk.ids.shape != (hidden_states.shape[0], cfg.top_k):
+            raise ValueError(f"topk.ids must be [T={hidden_states.shape[0]}, top_k={cfg.top_k}], "
+                             f"got {tuple(topk.ids.shape)}")
+        if topk.ids.device != self.device:
+            raise ValueError(f"topk is on {topk.ids.device}, the layer's weights on {self.device}")
+        if self.check_ids and topk.ids.numel():
+            lo, hi = torch.aminmax(topk.ids)
+            lo, hi = int(lo), int(hi)
+            if lo < -1 or hi >= cfg.num_experts:
+                raise ValueError(f"topk.ids must be in [-1, {cfg.num_experts}) (-1 = no expert), "
+                                 f"got values in [{lo}, {hi}]")
+        if self.plan.fused:
+            return self._fused_forward(self, hidden_states, topk)
+        return self._combine(self._apply(self, self._dispatch(hidden_states, topk)))
+
+    def extra_repr(self) -> str:
+        p = self.plan
+        return (f"experts={self.config.num_experts} (local {self.config.num_local_experts}), top_k={self.config.top_k}, "
+                f"hidden={self.config.hidden_size}, intermediate={self.config.intermediate_size}, "
+                f"quant={self.config.quant}, plan={p.dispatcher_name} x {p.experts.name} "
+                f"[{p.format}, {p.dispatch_dtype}]")

@@ -1,0 +1,68 @@
+"""An independent float64 MoE computation, written for clarity, to test every backend against.
+
+It shares no code with the reference experts: a loop over experts, then over the (token, k)
+slots routed to each, in float64. Quantized schemes are checked against it with their
+dequantized weights; ``quantize_activation`` optionally applies the scheme's activation
+quantization (to separate weight-path errors from activation rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from moe_core.contracts import Activation
+
+
+def _act(x: torch.Tensor, activation: Activation) -> torch.Tensor:
+    if Activation(activation) is Activation.SILU:
+        return x / (1.0 + torch.exp(-x))
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def moe_float64(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: Activation = Activation.SILU,
+    routed_scaling_factor: float = 1.0,
+    apply_router_weight_on_input: bool = False,
+    quantize_activation: Optional[Callable[[torch.Tensor, str, int], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """``out[t] = rsf * sum_k w[t,k] * W2[e] (act(W1[e] x) * (W3[e] x))`` with ``e = ids[t,k]``,
+    skipping ``ids == -1``; ``w13 = [W1 (gate); W3 (up)]``. All in float64; returns float64."""
+    x = hidden_states.double()
+    w13, w2 = w13.double(), w2.double()
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
+        for t, k in zip(rows.tolist(), slots.tolist()):
+            weight = float(topk_weights[t, k])
+            xt = x[t] * weight if apply_router_weight_on_input else x[t]
+            if quantize_activation is not None:
+                xt = quantize_activation(xt.unsqueeze(0), "a13", e).squeeze(0).double()
+            gate = w13[e, :inter] @ xt
+            up = w13[e, inter:] @ xt
+            h = _act(gate, activation) * up
+            if quantize_activation is not None:
+                h = quantize_activation(h.unsqueeze(0), "a2", e).squeeze(0).double()
+            y = w2[e] @ h
+            out[t] += y if apply_router_weight_on_input else weight * y
+    return out * routed_scaling_factor
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are empty)."""
+    a, b = actual.double(), expected.double()
+    if b.numel() == 0:
+        return 0.0
+    denom = b.norm().item()
+    if not math.isfinite(a.norm().item()):
+        return math.inf
+    return (a - b).norm().item() / max(denom, 1e-300)
