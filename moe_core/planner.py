@@ -295,6 +295,12 @@ def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) 
                                  + " x ".join(s.qualified_name for s in specs) + " (" + "/".join(map(str, formats)) + ")",
                                  "disable cuda_graph or choose graph-safe backends (e.g. masked dispatch)")]
         formats = safe
+    if Format.EP_MASKED in formats and config.apply_router_weight_on_input:
+        # masked combine always applies the top-k weights; weighting the input too would apply them twice
+        if len(formats) == 1:
+            return None, [Reason(Code.FORMAT_MISMATCH, "masked dispatch weights in combine, so router weights "
+                                 "cannot also be applied on the input", "unset apply_router_weight_on_input")]
+        formats.remove(Format.EP_MASKED)
     if Format.EP_MASKED in formats and config.max_tokens_per_rank is None:
         if len(formats) == 1:
             reasons.append(Reason(Code.UNSUPPORTED_SHAPE, "masked (low-latency) dispatch needs a fixed capacity",

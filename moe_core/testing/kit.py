@@ -1,0 +1,379 @@
+"""The conformance kit's engine: options, cases generated from a ``BackendSpec``, running, report.
+
+It does not depend on pytest: ``run_kit`` runs every case in-process and returns a ``KitReport``
+(handy inside a plugin's own test suite, after its fixtures installed emulated vendor ops), and the
+pytest plugin (``moe_core.testing.plugin``) turns the same cases into test items.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+import traceback
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from moe_core.backends import BackendSpec, Code, Reason, Role, load_object
+from moe_core.contracts import Format, QuantScheme, WireDtype
+from moe_core.testing.data import Shape
+
+__all__ = ["KitOptions", "Case", "KitContext", "KitReport", "CaseResult", "KitFailure", "KitSkip",
+           "generate_cases", "run_kit"]
+
+
+class KitFailure(AssertionError):
+    """A conformance case failed; the message names the case and what was wrong."""
+
+
+class KitSkip(Exception):
+    """A case cannot run here (no device, backend unavailable, ...); the message says why."""
+
+
+ManagerFactory = Union[str, Callable[[], Any], None]
+
+
+@dataclass(frozen=True)
+class KitOptions:
+    """How the kit runs.
+
+    :param backends: backend names to certify (bare ``triton`` or qualified ``cuda.triton``).
+    :param setup: ``"module:function"`` called (no arguments) before plugins are loaded, in this
+        process and in every spawned EP worker: install emulated vendor ops there.
+    :param manager_factory: ``"module:function"`` (or, in-process only, a callable) returning the
+        ``moe_core.plugins.PluginManager`` to use; default: the installed plugins.
+    :param device: torch device where tensors live (e.g. ``"cpu"`` for a plan targeting ``npu``
+        whose vendor ops are emulated on CPU); default: the device of the kind the backend runs on.
+    :param device_kind: the config's device kind (``cpu``/``cuda``/``rocm``/``npu``); default: the
+        first of the backend's declared kinds present on this machine.
+    :param ep_sizes: EP world sizes for dispatcher cases (gloo on CPU, NCCL on CUDA).
+    :param seed: data seed (default: fresh each run, printed in the report for replay).
+    :param select: only cases whose id contains one of these substrings.
+    :param ep_timeout_s: hard limit for one spawned EP world.
+    """
+
+    backends: tuple[str, ...]
+    setup: Optional[str] = None
+    manager_factory: ManagerFactory = None
+    device: Optional[str] = None
+    device_kind: Optional[str] = None
+    shape: Shape = Shape()
+    ep_sizes: tuple[int, ...] = (1, 2, 4)
+    seed: Optional[int] = None
+    select: tuple[str, ...] = ()
+    ep_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backends, str):
+            object.__setattr__(self, "backends", (self.backends,))
+        if isinstance(self.select, str):
+            object.__setattr__(self, "select", (self.select,))
+        if self.seed is None:
+            object.__setattr__(self, "seed", random.SystemRandom().randrange(1, 2**31))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One conformance case of one backend. ``id`` is stable across runs (it names the item)."""
+
+    backend: str
+    id: str
+    run: Callable[["KitContext", "Case"], None] = field(compare=False, repr=False)
+    params: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def title(self) -> str:
+        return f"[{self.backend}] {self.id}"
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    backend: str
+    case_id: str
+    status: str  # "passed", "failed", "skipped"
+    message: str = ""
+    seconds: float = 0.0
+
+
+def run_setup(setup: Optional[str]) -> None:
+    if setup:
+        load_object(setup)()
+
+
+def make_manager(factory: ManagerFactory) -> Any:
+    from moe_core.plugins import PluginManager
+
+    if factory is None:
+        return PluginManager()
+    fn = load_object(factory) if isinstance(factory, str) else factory
+    return fn()
+
+
+class KitContext:
+    """State shared by the cases of one kit run: options, plugin manager, caches, results."""
+
+    def __init__(self, options: KitOptions, manager: Any = None) -> None:
+        self.options = options
+        self._manager = manager
+        self.results: list[CaseResult] = []
+        self.cache: dict[Any, Any] = {}
+
+    @property
+    def manager(self) -> Any:
+        if self._manager is None:
+            run_setup(self.options.setup)
+            self._manager = make_manager(self.options.manager_factory)
+        return self._manager
+
+    @property
+    def shape(self) -> Shape:
+        return self.options.shape
+
+    def spec(self, name: str) -> BackendSpec:
+        spec = self.manager.spec(name)
+        if spec is None:
+            raise KitFailure(f"backend {name!r} is not declared by any loaded plugin; {self.describe_plugins()}")
+        return spec
+
+    def describe_plugins(self) -> str:
+        names = sorted({s.qualified_name for s in self.manager.specs})
+        text = "known backends: " + ", ".join(names)
+        failed = self.manager.failed()
+        if failed:
+            text += "; plugins that failed to load: " + "; ".join(f"{r.name}: {r.status}" for r in failed)
+        return text
+
+    def generator(self, case: Case, salt: str = "") -> torch.Generator:
+        """A generator seeded from the run seed and the case id: data differ between runs, and a
+        failing case replays exactly with ``--moe-kit-seed``."""
+        gen = torch.Generator()
+        gen.manual_seed(self.options.seed ^ zlib.crc32(f"{case.backend}/{case.id}/{salt}".encode()))
+        return gen
+
+    # ------------------------------------------------------------ where a backend runs
+
+    def placement(self, spec: BackendSpec) -> tuple[str, torch.device]:
+        """(config device kind, torch device) for ``spec``, or ``KitSkip`` when no declared kind
+        is present on this machine."""
+        opts = self.options
+        if opts.device_kind:
+            if opts.device_kind not in spec.devices:
+                raise KitSkip(f"--moe-kit-device-kind {opts.device_kind} is not among the declared devices "
+                              f"{sorted(spec.devices)}")
+            kind = opts.device_kind
+        else:
+            present = [k for k in ("cuda", "rocm", "npu", "cpu") if k in spec.devices and device_present(k)]
+            if not present:
+                raise KitSkip(f"none of the declared devices {sorted(spec.devices)} is present on this machine "
+                              "(use --moe-kit-device-kind/--moe-kit-device with emulated vendor ops)")
+            kind = present[0]
+        device = torch.device(opts.device) if opts.device else torch.device(_TORCH_DEVICE[kind])
+        return kind, device
+
+    def record(self, result: CaseResult) -> None:
+        self.results.append(result)
+
+
+_TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
+
+
+def device_present(kind: str) -> bool:
+    if kind == "cpu":
+        return True
+    if kind in ("cuda", "rocm"):
+        is_hip = getattr(torch.version, "hip", None) is not None
+        return torch.cuda.is_available() and (is_hip if kind == "rocm" else not is_hip)
+    if kind == "npu":
+        npu = getattr(torch, "npu", None)
+        try:
+            return npu is not None and bool(npu.is_available())
+        except Exception:
+            return False
+    return False
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def natural_wire(spec: BackendSpec, scheme: QuantScheme) -> WireDtype:
+    """The wire dtype the core's dtype chain would give ``spec`` for ``scheme`` (steps 2 and 4)."""
+    from moe_core.planner import _NATURAL_DTYPE
+
+    if spec.quantizes_internally and WireDtype.BF16 in spec.wire_dtypes:
+        return WireDtype.BF16
+    natural = _NATURAL_DTYPE[scheme]
+    if natural in spec.wire_dtypes:
+        return natural
+    return WireDtype.BF16 if WireDtype.BF16 in spec.wire_dtypes else spec.wire_dtypes[0]
+
+
+def _sorted(values: Iterable[Any]) -> list[Any]:
+    return sorted(values, key=str)
+
+
+def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
+    """Every conformance case for ``spec``, derived from its declaration."""
+    from moe_core.testing import checks, ep
+
+    shape = options.shape
+    name = spec.qualified_name
+    cases: list[Case] = []
+
+    def add(case_id: str, fn: Callable[[KitContext, Case], None], **params: Any) -> None:
+        cases.append(Case(name, case_id, fn, params))
+
+    token_counts = (0, 1, shape.tokens_odd, shape.tokens_large)
+    top_ks = sorted({1, shape.top_k})
+    if spec.role in (Role.EXPERTS, Role.FUSED):
+        formats = [f for f in spec.formats if f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED)]
+        if spec.role is Role.FUSED:
+            formats = [Format.FUSED]
+        activation = _sorted(spec.activations)[0]
+        for scheme in _sorted(spec.quant_schemes):
+            wire = natural_wire(spec, scheme)
+            base = dict(scheme=scheme, wire=wire, activation=activation)
+            for fmt in formats:
+                tag = f"{fmt}-{scheme}-{wire}"
+                for t in token_counts:
+                    for k in top_ks:
+                        add(f"experts-{tag}-T{t}-K{k}", checks.experts_numeric, fmt=fmt, tokens=t, top_k=k, **base)
+                add(f"experts-{tag}-scaling", checks.experts_numeric, fmt=fmt, tokens=shape.tokens_odd,
+                    top_k=shape.top_k, routed_scaling_factor=2.5, **base)
+                add(f"experts-{tag}-poisoned", checks.experts_numeric, fmt=fmt, tokens=shape.tokens_odd,
+                    top_k=shape.top_k, poison=True, **base)
+                if fmt is not Format.EP_MASKED:  # masked outputs are unweighted: no weight on input
+                    add(f"experts-{tag}-weight-on-input", checks.experts_numeric, fmt=fmt, tokens=shape.tokens_odd,
+                        top_k=1, apply_router_weight_on_input=True, **base)
+            fmt = formats[0]
+            tag = f"{fmt}-{scheme}-{wire}"
+            add(f"experts-{tag}-repeat", checks.experts_repeat, fmt=fmt, tokens=shape.tokens_odd,
+                top_k=shape.top_k, **base)
+            add(f"experts-{tag}-process-weights-idempotent", checks.experts_idempotent, fmt=fmt,
+                tokens=shape.tokens_odd, top_k=shape.top_k, **base)
+            for other in spec.wire_dtypes:
+                if other is not wire:
+                    add(f"experts-{fmt}-{scheme}-{other}-wire", checks.experts_numeric, fmt=fmt,
+                        tokens=shape.tokens_odd, top_k=shape.top_k, scheme=scheme, wire=other, activation=activation)
+        first_scheme = _sorted(spec.quant_schemes)[0]
+        for act in _sorted(spec.activations)[1:]:
+            add(f"experts-{formats[0]}-{first_scheme}-{act}", checks.experts_numeric, fmt=formats[0],
+                tokens=shape.tokens_odd, top_k=shape.top_k, scheme=first_scheme,
+                wire=natural_wire(spec, first_scheme), activation=act)
+    if spec.role is Role.DISPATCHER:
+        for world in options.ep_sizes:
+            for sub in ep.dispatcher_subcases(spec, world, shape):
+                add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
+    cases += checks.honesty_cases(spec, add)
+    graph_formats = _sorted(spec.graph_safe_formats)
+    if spec.role is not Role.DISPATCHER or spec.ep != "required":
+        for fmt in graph_formats:
+            add(f"graph-{fmt}", checks.graph_capture, fmt=fmt)
+    if options.select:
+        cases = [c for c in cases if any(s in c.id for s in options.select)]
+    return cases
+
+
+# --------------------------------------------------------------------------- running
+
+
+def execute(ctx: KitContext, case: Case) -> CaseResult:
+    """Run one case and record its result (the exception is kept for the caller to re-raise)."""
+    start = time.perf_counter()
+    try:
+        spec = ctx.spec(case.backend)
+        reason = ctx.manager.availability(spec)
+        if not reason.ok:
+            raise KitSkip(f"backend unavailable: {reason}")
+        case.run(ctx, case)
+    except KitSkip as exc:
+        result = CaseResult(case.backend, case.id, "skipped", str(exc), time.perf_counter() - start)
+    except KitFailure as exc:
+        result = CaseResult(case.backend, case.id, "failed", f"{case.title}: {exc}", time.perf_counter() - start)
+    except Exception as exc:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-6))
+        result = CaseResult(case.backend, case.id, "failed",
+                            f"{case.title}: raised {type(exc).__name__}: {exc}\n{tb}", time.perf_counter() - start)
+    else:
+        result = CaseResult(case.backend, case.id, "passed", "", time.perf_counter() - start)
+    ctx.record(result)
+    return result
+
+
+@dataclass
+class KitReport:
+    """Results of a kit run, per backend."""
+
+    seed: int
+    results: list[CaseResult]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and bool(self.results)
+
+    @property
+    def failed(self) -> list[CaseResult]:
+        return [r for r in self.results if r.status == "failed"]
+
+    def by_backend(self) -> dict[str, list[CaseResult]]:
+        out: dict[str, list[CaseResult]] = {}
+        for r in self.results:
+            out.setdefault(r.backend, []).append(r)
+        return out
+
+    def text(self, *, failures: bool = True) -> str:
+        lines = [f"moe-core conformance kit (seed {self.seed}; replay with --moe-kit-seed {self.seed})"]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  {'backend':<28} {'passed':>6} {'failed':>6} {'skipped':>7}")
+        for backend, results in self.by_backend().items():
+            counts = Counter(r.status for r in results)
+            lines.append(f"  {backend:<28} {counts['passed']:>6} {counts['failed']:>6} {counts['skipped']:>7}")
+            skips = Counter(_first_line(r.message) for r in results if r.status == "skipped")
+            for why, n in sorted(skips.items(), key=lambda x: -x[1]):
+                lines.append(f"      skipped {n:>3} x {why}")
+            for r in results:
+                if r.status == "failed":
+                    lines.append(f"      FAILED {r.case_id}" + (f": {_first_line(r.message)}" if failures else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def _first_line(text: str, limit: int = 220) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def run_kit(backends: Union[str, Iterable[str]], *, manager: Any = None, **options: Any) -> KitReport:
+    """Run the conformance kit in this process and return its report (never raises for a failing
+    case: check ``report.ok`` and print ``report.text()``).
+
+    :param backends: backend name(s), bare or qualified.
+    :param manager: a ``PluginManager`` to use in this process (EP workers build their own from
+        ``manager_factory``); default: from ``manager_factory``, else the installed plugins.
+    :param options: the fields of ``KitOptions`` (``setup=``, ``device=``, ``select=``, ...).
+    """
+    names = (backends,) if isinstance(backends, str) else tuple(backends)
+    opts = KitOptions(backends=names, **options)
+    ctx = KitContext(opts, manager)
+    for case in collect(ctx):
+        execute(ctx, case)
+    return KitReport(opts.seed, ctx.results)
+
+
+def collect(ctx: KitContext) -> list[Case]:
+    """The cases of every selected backend (a missing backend is a ``KitFailure``)."""
+    cases: list[Case] = []
+    for name in ctx.options.backends:
+        cases += generate_cases(ctx.spec(name), ctx.options)
+    return cases
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
