@@ -1,0 +1,139 @@
+"""Experts backend ``grouped_mm``: ``torch._grouped_mm`` (bf16) / ``torch._scaled_grouped_mm`` (FP8).
+
+Slots (token, expert) are sorted by expert (stable argsort), the rows are gathered, and two grouped GEMMs run with ``offs`` = cumulative ends
+of each expert's rows (PyTorch's contract). No host sync anywhere: counts come from a
+``scatter_add`` (``bincount`` would sync), so the pipeline is graph-safe on the CUTLASS path. Ids -1 ride in the last
+expert's group with weight 0.
+
+FP8: PyTorch's grouped FP8 GEMM takes **row-wise** scales (``sa [M]``, ``sb [G, N]``), not the
+128x128 blocks of ``fp8_block``. ``process_weights`` therefore requantizes each weight row from
+its dequantized block values (one more e4m3 rounding), and activations are quantized per row;
+this is a different (coarser) scaling than the Triton backend's and is documented as such.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from moe_core.contracts import (
+    EPNormalCombine,
+    EPNormalDispatch,
+    QuantizedActivations,
+    QuantScheme,
+    StandardCombine,
+    StandardDispatch,
+    WireDtype,
+)
+from moe_core.runtime import Experts
+from moe_plugin_cuda.weights import expert_weights
+
+if TYPE_CHECKING:
+    from moe_core.layer import MoELayer
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def dequant_block(w: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """fp8 [E, N, K] with block scales [E, ceil(N/b), ceil(K/b)] -> fp32 [E, N, K]."""
+    E, N, K = w.shape
+    s = scale.repeat_interleave(block, 1)[:, :N].repeat_interleave(block, 2)[:, :, :K]
+    return w.to(torch.float32) * s
+
+
+def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (e4m3 [..., K], fp32 [...]) with one scale per row (amax / 448)."""
+    amax = x.abs().amax(dim=-1).to(torch.float32).clamp_min(1e-10)
+    s = amax / FP8_MAX
+    q = (x.to(torch.float32) / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, s
+
+
+def _act(h: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
+    g, u = h[:, :inter], h[:, inter:]
+    return (F.silu(g) if activation == "silu" else F.gelu(g)) * u
+
+
+def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, *, activation: str, routed_scaling_factor: float,
+                       rowwise: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       ) -> torch.Tensor:
+    """Weighted MoE over a token list ``[T, H]``; ``rowwise`` = (w13q, w13s, w2q, w2s) for FP8."""
+    T, H = x.shape
+    E = w13.shape[0] if rowwise is None else rowwise[0].shape[0]
+    inter = (w13 if rowwise is None else rowwise[0]).shape[1] // 2
+    K = topk_ids.shape[1]
+    out_dtype = x.dtype
+    if T == 0:
+        return torch.empty((0, H), dtype=out_dtype, device=x.device)
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < E)
+    # ids -1 ride along in the last expert's group with weight 0: every row is then computed
+    # (no undefined rows past offs[-1]) and contributes exactly zero
+    key = torch.where(valid, flat, E - 1)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        0, key, torch.ones_like(key, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // K
+    # the routing weight is folded into the second GEMM's input (the GEMM is linear)
+    w = (torch.where(valid, topk_weights.reshape(-1), 0.0)[order] * routed_scaling_factor).unsqueeze(1)
+    if rowwise is None:
+        h = torch._grouped_mm(x[tok], w13.transpose(-2, -1), offs=offs)
+        a = (_act(h, inter, activation) * w).to(out_dtype)
+        y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+    else:
+        w13q, w13s, w2q, w2s = rowwise
+        xq, xs = quant_rowwise(x)
+        h = torch._scaled_grouped_mm(xq[tok], w13q.transpose(-2, -1), xs[tok], w13s, offs=offs,
+                                     out_dtype=torch.bfloat16)
+        aq, as_ = quant_rowwise(_act(h.float(), inter, activation) * w)
+        y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_, w2s, offs=offs, out_dtype=torch.bfloat16)
+    slots = torch.empty((T * K, H), dtype=y.dtype, device=x.device)
+    slots[order] = y
+    return slots.view(T, K, H).sum(1).to(out_dtype)
+
+
+class GroupedMMExperts(Experts):
+    """``torch._grouped_mm`` experts (SM90/SM100 CUTLASS path) for STANDARD and EP_NORMAL."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.fp8 = self.config.quant is QuantScheme.FP8_BLOCK
+        self.activation = str(self.config.activation)
+
+    def process_weights(self, layer: "MoELayer") -> None:
+        if not self.fp8:
+            return
+        w = expert_weights(layer, True)
+        # idempotent: convert only when the block weights changed since the last conversion
+        src = (w.w13.data_ptr(), w.w2.data_ptr(), getattr(w.w13, "_version", 0), getattr(w.w2, "_version", 0))
+        if getattr(layer, "_grouped_mm_src", None) == src:
+            return
+        w13q, w13s = quant_rowwise(dequant_block(w.w13, w.w13_scale))
+        w2q, w2s = quant_rowwise(dequant_block(w.w2, w.w2_scale))
+        layer.w13_rowwise, layer.w13_rowwise_scale = w13q, w13s
+        layer.w2_rowwise, layer.w2_rowwise_scale = w2q, w2s
+        layer._grouped_mm_src = src
+
+    def _run(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
+        x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(self.config.params_dtype)
+        c = self.config
+        if self.fp8:
+            rw = (layer.w13_rowwise, layer.w13_rowwise_scale, layer.w2_rowwise, layer.w2_rowwise_scale)
+            return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=self.activation,
+                                      routed_scaling_factor=c.routed_scaling_factor, rowwise=rw)
+        w = expert_weights(layer, False)
+        return grouped_mm_experts(x, w.w13, w.w2, topk.weights, topk.ids, activation=self.activation,
+                                  routed_scaling_factor=c.routed_scaling_factor)
+
+    def apply(self, layer: "MoELayer", dispatched):
+        if isinstance(dispatched, StandardDispatch):
+            return StandardCombine(hidden=self._run(layer, dispatched.hidden, dispatched.topk))
+        if isinstance(dispatched, EPNormalDispatch):
+            return EPNormalCombine(hidden=self._run(layer, dispatched.hidden, dispatched.topk),
+                                   handle=dispatched.handle)
+        raise TypeError(f"grouped_mm experts do not accept {type(dispatched).__name__}")

@@ -1,0 +1,69 @@
+"""Entry point of moe-plugin-cuda: static backend declarations (no vendor import here)."""
+
+from __future__ import annotations
+
+from moe_core.backends import BackendSpec, Role
+from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
+from moe_core.plugins import BackendPlugin
+
+_P = "moe_plugin_cuda"
+_ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
+
+# Priorities: the planner adds dispatcher + experts priority. The reference experts and the
+# standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
+# (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
+PRIORITY_TRITON = 30
+PRIORITY_GROUPED_MM = 20
+PRIORITY_CUTEDSL = 40
+PRIORITY_DEEPEP = 20
+
+
+class CudaPlugin(BackendPlugin):
+    def backends(self) -> list[BackendSpec]:
+        return [
+            BackendSpec(
+                name="triton", role=Role.EXPERTS, impl=f"{_P}.triton_experts:TritonExperts",
+                formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
+                wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
+                quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}),
+                activations=_ALL_ACTS,
+                # no host sync: grids are sized from shapes, counts stay on the device
+                graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
+                priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
+                description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
+            ),
+            BackendSpec(
+                name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",
+                formats=(Format.STANDARD, Format.EP_NORMAL), devices=frozenset({"cuda"}),
+                wire_dtypes=(WireDtype.BF16,),
+                quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}),
+                activations=_ALL_ACTS,
+                graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL}),
+                quantizes_internally=True,
+                priority=PRIORITY_GROUPED_MM, probe=f"{_P}.probes:probe_grouped_mm",
+                check=f"{_P}.probes:check_grouped_mm",
+                description="torch._grouped_mm (bf16) / torch._scaled_grouped_mm (FP8 row-wise) on SM90+",
+            ),
+            BackendSpec(
+                name="deepep", role=Role.DISPATCHER, impl=f"{_P}.deepep:DeepEPDispatcher",
+                formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
+                wire_dtypes=(WireDtype.FP8, WireDtype.BF16, WireDtype.NVFP4),
+                # normal mode busy-waits on the host for the receive counts
+                graph_safe_formats=frozenset({Format.EP_MASKED}),
+                ep="required", priority=PRIORITY_DEEPEP, probe=f"{_P}.probes:probe_deepep",
+                check=f"{_P}.probes:check_deepep",
+                description="DeepEP V1 Buffer: normal (intranode/internode) and low-latency all-to-all",
+            ),
+            BackendSpec(
+                name="cutedsl", role=Role.EXPERTS, impl=f"{_P}.cutedsl:CuteDSLExperts",
+                formats=(Format.EP_MASKED,), devices=frozenset({"cuda"}),
+                wire_dtypes=(WireDtype.NVFP4, WireDtype.BF16),
+                quant_schemes=frozenset({QuantScheme.NVFP4}), activations=frozenset({Activation.SILU}),
+                graph_safe_formats=frozenset({Format.EP_MASKED}),
+                priority=PRIORITY_CUTEDSL, probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
+                description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
+            ),
+        ]
+
+
+plugin = CudaPlugin()

@@ -1,0 +1,115 @@
+"""Experts backend ``triton``: the fused-MoE Triton pipeline (see ``triton_kernels``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from moe_core.contracts import (
+    EPMaskedCombine,
+    EPMaskedDispatch,
+    EPNormalCombine,
+    EPNormalDispatch,
+    QuantizedActivations,
+    QuantScheme,
+    StandardCombine,
+    StandardDispatch,
+    WireDtype,
+)
+from moe_core.runtime import Experts
+from moe_plugin_cuda import tuning_configs
+from moe_plugin_cuda.weights import expert_weights
+
+if TYPE_CHECKING:
+    from moe_core.layer import MoELayer
+
+FP8 = torch.float8_e4m3fn
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def config_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
+    return "fp8_block" if quant is QuantScheme.FP8_BLOCK else _DTYPE_NAMES[params_dtype]
+
+
+class TritonExperts(Experts):
+    """Fused-MoE Triton experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
+
+    Options (``backend_options["triton"]``): ``config_dir`` (extra directory of tuned JSON
+    configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T).
+    """
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        from moe_plugin_cuda import triton_ops  # imports triton
+
+        self._ops = triton_ops
+        c = self.config
+        self.fp8 = c.quant is QuantScheme.FP8_BLOCK
+        self.dtype_name = config_dtype(c.quant, c.params_dtype)
+        self.activation = str(c.activation)
+        self.fixed_config = ctx.options.get("config")
+        self.config_dir = ctx.options.get("config_dir")
+        self._configs: dict[int, dict] = {}
+        self._device_name: Optional[str] = None
+
+    # ------------------------------------------------------------------ configs
+    def launch_config(self, m: int, device: torch.device) -> dict:
+        cfg = self._configs.get(m)
+        if cfg is None:
+            if self.fixed_config is not None:
+                cfg = self.fixed_config
+            else:
+                if self._device_name is None and device.type == "cuda":
+                    self._device_name = torch.cuda.get_device_name(device)
+                c = self.config
+                cfg, _ = tuning_configs.get_config(m, c.num_local_experts, c.top_k, c.intermediate_size,
+                                                   c.hidden_size, self.dtype_name, self._device_name,
+                                                   self.config_dir)
+            self._configs[m] = cfg
+        return cfg
+
+    # ------------------------------------------------------------------ weights
+    def process_weights(self, layer: "MoELayer") -> None:
+        # The kernels read w13 [E, 2I, H] / w2 [E, H, I] (and the 128x128 block scales) in the
+        # checkpoint layout through strides: nothing to convert, only contiguity to ensure.
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and not t.is_contiguous():
+                setattr(layer, name, type(t)(t.contiguous()) if isinstance(t, torch.nn.Parameter) else t.contiguous())
+
+    # ------------------------------------------------------------------ apply
+    def _activations(self, qa: QuantizedActivations, flat: bool = True):
+        """(data, scale) in what the kernels take: compute dtype, or FP8 + group scales."""
+        if qa.dtype is WireDtype.BF16:
+            return qa.data, None
+        if qa.dtype is WireDtype.FP8 and self.fp8:
+            return qa.data, qa.scale
+        # any other wire dtype: back to the compute dtype (the FP8 kernels requantize)
+        return qa.dequantize(self.config.params_dtype), None
+
+    def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
+        w = expert_weights(layer, self.fp8)
+        data, scale = self._activations(qa)
+        c = self.config
+        return self._ops.fused_experts(
+            data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
+            activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
+            cfg=self.launch_config(data.shape[0], data.device))
+
+    def apply(self, layer: "MoELayer", dispatched):
+        if isinstance(dispatched, StandardDispatch):
+            return StandardCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk))
+        if isinstance(dispatched, EPNormalDispatch):
+            return EPNormalCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk),
+                                   handle=dispatched.handle)
+        if isinstance(dispatched, EPMaskedDispatch):
+            w = expert_weights(layer, self.fp8)
+            data, scale = self._activations(dispatched.hidden)
+            E, C, _ = data.shape
+            # mean rows per expert is unknown without a sync: size tiles for a full slab
+            cfg = self.launch_config(max(1, E * C // max(1, self.config.top_k)), data.device)
+            out = self._ops.masked_experts(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
+                                           activation=self.activation, out_dtype=self.config.params_dtype, cfg=cfg)
+            return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
+        raise TypeError(f"triton experts do not accept {type(dispatched).__name__}")

@@ -1,0 +1,236 @@
+"""Triton kernels of the fused-MoE pipeline (imported lazily: only when the backend is built).
+
+Pipeline for STANDARD / EP_NORMAL (T tokens, top-k K, E local experts):
+
+1. ``align``: bucket the T*K (token, expert) slots by expert, pad each bucket to a multiple of
+   BLOCK_M, write ``sorted_ids`` (slot index, sentinel ``T*K`` for padding), one expert id per
+   M-block and the padded total. Slots with id -1 (or an id >= E) get no bucket at all: they are
+   skipped by both GEMMs and masked out by the reduction. No host sync: the GEMM grids are sized
+   from an upper bound and blocks past the padded total return at once.
+2. ``gemm`` (gated): ``act(a @ w13[e, :I].T) * (a @ w13[e, I:].T)`` per slot, both halves in
+   one program (so the [T*K, 2I] intermediate never exists); FP8 block-scaled variant with the
+   per-token-group activation scales; for FP8 the epilogue quantizes its 128-column group of
+   the activated output straight to FP8 + scale (BLOCK_N == 128).
+3. ``gemm`` (down): ``h @ w2[e].T`` times the slot's top-k weight, one row per slot.
+4. ``reduce``: ``out[t] = scale * sum_k [id(t,k) valid] * y[t*K + k]``.
+
+EP_MASKED uses the same GEMM kernel in ``MASKED`` mode: rows ``e*C + m`` for ``m < masked_m[e]``,
+no routing weight (the dispatcher's combine weights).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+GROUP = 128  # FP8 activation group and weight block edge
+
+
+# --------------------------------------------------------------------------- alignment
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, numel, chunk_counts_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Per-chunk expert histogram: chunk_counts[c, e] (deterministic, no atomics)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    inb = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
+    valid = inb & (ids >= 0) & (ids < E)
+    hist = tl.histogram(tl.where(valid, ids, 0), E_POW2)
+    # invalid slots were counted in bin 0: take them out again
+    n_invalid = tl.sum((~valid).to(tl.int32), axis=0)
+    bins = tl.arange(0, E_POW2)
+    hist = hist - tl.where(bins == 0, n_invalid, 0)
+    tl.store(chunk_counts_ptr + c * E_POW2 + bins, hist)
+
+
+@triton.jit
+def _align_scan_kernel(chunk_counts_ptr, n_chunks, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+                       numel, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                       CHUNKS_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """One program: bucket starts, per-chunk cursors, expert id of each M-block, padding sentinels."""
+    bins = tl.arange(0, E_POW2)
+    crow = tl.arange(0, CHUNKS_POW2)
+    cmask = crow[:, None] < n_chunks
+    cc = tl.load(chunk_counts_ptr + crow[:, None] * E_POW2 + bins[None, :], mask=cmask, other=0)
+    counts = tl.sum(cc, axis=0)  # [E_POW2]
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    cum = tl.cumsum(padded, axis=0)
+    starts = cum - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(post_pad_ptr, total)
+    # cursor of chunk c for expert e: bucket start + slots of e in earlier chunks
+    before = tl.cumsum(cc, axis=0) - cc
+    tl.store(cursor_ptr + crow[:, None] * E_POW2 + bins[None, :], starts[None, :] + before, mask=cmask)
+    # padding slots of each bucket get the sentinel (at most BLOCK_M - 1 per expert)
+    pad = tl.arange(0, BLOCK_M)
+    pos = (starts + counts)[:, None] + pad[None, :]
+    tl.store(sorted_ptr + pos, numel, mask=pos < (starts + padded)[:, None])
+    # expert of each M-block: the bucket whose [start, end) holds block*BLOCK_M (-1 past the end)
+    for b0 in range(0, max_blocks, BLOCKS_TILE):
+        blk = b0 + tl.arange(0, BLOCKS_TILE)
+        row = blk * BLOCK_M
+        e = tl.sum((cum[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        e = tl.where(row < total, e, -1)
+        tl.store(expert_ids_ptr + blk, e, mask=blk < max_blocks)
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """Write each valid slot at its chunk's cursor for its expert (order within a chunk is free:
+    each row of a GEMM tile is computed independently, so results do not depend on it)."""
+    c = tl.program_id(0)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    inb = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
+    valid = inb & (ids >= 0) & (ids < E)
+    pos = tl.atomic_add(cursor_ptr + c * E_POW2 + tl.where(valid, ids, 0), 1, mask=valid)
+    tl.store(sorted_ptr + pos, offs, mask=valid)
+
+
+# --------------------------------------------------------------------------- grouped GEMM
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+    sorted_ptr, expert_ids_ptr, post_pad_ptr, masked_m_ptr,
+    N, K, num_valid, a_row_div, up_offset, capacity, num_m_blocks,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
+    GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
+    QUANT_OUT: tl.constexpr, MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M consecutive M-blocks share the B tiles they stream (L2 reuse)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_m_blocks - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    arange_m = tl.arange(0, BLOCK_M)
+    if MASKED:
+        m_blocks_per_e = tl.cdiv(capacity, BLOCK_M)
+        expert = pid_m // m_blocks_per_e
+        local = (pid_m % m_blocks_per_e) * BLOCK_M
+        valid_rows = tl.load(masked_m_ptr + expert)
+        if local >= valid_rows:
+            return
+        rows = expert * capacity + local + arange_m
+        row_mask = (local + arange_m) < valid_rows
+        a_rows = rows
+    else:
+        if pid_m * BLOCK_M >= tl.load(post_pad_ptr):
+            return
+        expert = tl.load(expert_ids_ptr + pid_m)
+        rows = tl.load(sorted_ptr + pid_m * BLOCK_M + arange_m)
+        row_mask = rows < num_valid
+        a_rows = rows // a_row_div
+    expert = expert.to(tl.int64)
+    rows = rows.to(tl.int64)
+    a_rows = a_rows.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_base = b_ptr + expert * stride_be
+    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if GATED:
+        u_ptrs = b_base + offs_k[:, None] * stride_bk + (up_offset + offs_n)[None, :] * stride_bn
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        as_ptrs = a_scale_ptr + a_rows * stride_asm
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
+        if GATED:
+            us_ptrs = b_scale_ptr + expert * stride_bse + ((up_offset + offs_n) // 128) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        k_mask = offs_k < k_left
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8:
+            kg = (k * BLOCK_K) // 128
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_mask, other=0.0)
+            b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
+        if GATED:
+            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if FP8:
+                u_s = tl.load(us_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
+                acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]
+            else:
+                acc_u = tl.dot(a, u, acc_u)
+            u_ptrs += BLOCK_K * stride_bk
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if GATED:
+        if ACT == 0:  # silu(gate) * up
+            acc = acc * tl.sigmoid(acc) * acc_u
+        else:  # exact gelu(gate) * up
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_u
+    if MUL_WEIGHT:
+        w = tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc * w[:, None]
+
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_mask[:, None] & n_mask[None, :]
+    if QUANT_OUT:
+        # this program owns exactly one 128-column group of each row (BLOCK_N == 128):
+        # quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
+        amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
+        scale = tl.maximum(amax, 1e-10) / 448.0
+        q = tl.clamp(acc / scale[:, None], -448.0, 448.0)
+        tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_scale_ptr + rows * stride_csm + pid_n * stride_csk, scale, mask=row_mask)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# --------------------------------------------------------------------------- reduction
+
+
+@triton.jit
+def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = scale * sum_k [0 <= id(t,k) < E] * y[t*K + k]; invalid slots were never written."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(K):
+        e = tl.load(ids_ptr + t * K + k) + tl.zeros((BLOCK_H,), dtype=tl.int32)  # broadcast the id
+        ok = (e >= 0) & (e < E)
+        y = tl.load(y_ptr + (t * K + k) * H + offs, mask=hmask & ok, other=0.0)
+        acc += tl.where(ok, y.to(tl.float32), 0.0)
+    tl.store(out_ptr + t * H + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=hmask)
+
+
+# --------------------------------------------------------------------------- FP8 activation quant
+
+
+@triton.jit
+def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, n_groups, stride_x, stride_q, stride_s,
+                            BLOCK: tl.constexpr):
+    """Per (row, 128-column group): scale = max(amax, 1e-10) / 448; q = fp8(clamp(x / scale))."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+    q = tl.clamp(x / s, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row * stride_s + g, s)

@@ -1,0 +1,180 @@
+"""Python launchers of the Triton fused-MoE kernels (see ``triton_kernels`` for the algorithm).
+
+Everything here is shape-driven: grids come from upper bounds known from the shapes alone, so
+no launcher reads a device value on the host and the whole pipeline can be captured in a CUDA
+graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+
+from moe_plugin_cuda import triton_kernels as K
+
+FP8 = torch.float8_e4m3fn
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
+    """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``.
+
+    Returns ``(sorted_ids [max_len] int32, expert_ids [max_blocks] int32, post_pad [1] int32,
+    max_blocks)``. Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding
+    entries hold ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot.
+    """
+    flat = ids.reshape(-1)
+    if flat.dtype != torch.int32:
+        flat = flat.to(torch.int32)
+    numel = flat.numel()
+    dev = flat.device
+    # at most min(numel, E) buckets are non-empty, each padded by < block_m
+    max_len = numel + min(numel, num_experts) * (block_m - 1)
+    max_blocks = max(1, triton.cdiv(max_len, block_m))
+    max_len = max_blocks * block_m
+    e_pow2 = max(16, _pow2(num_experts))
+    chunk = max(256, min(8192, _pow2(triton.cdiv(numel, 32))))  # <= 32 chunks
+    n_chunks = max(1, triton.cdiv(numel, chunk))
+    sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
+    cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
+    K._align_count_kernel[(n_chunks,)](flat, numel, counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk)
+    K._align_scan_kernel[(1,)](counts, n_chunks, cursor, sorted_ids, expert_ids, post_pad, numel, max_blocks,
+                               E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNKS_POW2=max(2, _pow2(n_chunks)),
+                               BLOCKS_TILE=64 if e_pow2 <= 256 else 16)
+    K._align_scatter_kernel[(n_chunks,)](flat, numel, cursor, sorted_ids, E=num_experts, E_POW2=e_pow2,
+                                         CHUNK=chunk)
+    return sorted_ids, expert_ids, post_pad, max_blocks
+
+
+def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group."""
+    M, H = x.shape
+    g = triton.cdiv(H, 128)
+    q = torch.empty((M, H), dtype=FP8, device=x.device)
+    s = torch.empty((M, g), dtype=torch.float32, device=x.device)
+    if M:
+        K._quant_fp8_group_kernel[(M, g)](x, q, s, H, g, x.stride(0), q.stride(0), s.stride(0), BLOCK=128)
+    return q, s
+
+
+def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
+          up_offset, capacity, num_m_blocks, gated, act, mul_weight, fp8, quant_out, masked, cfg):
+    dummy = c
+    grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
+    sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
+    K._moe_gemm_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy,
+        c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
+        sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
+        N, Kdim, num_valid, a_row_div, up_offset, capacity, num_m_blocks,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
+        b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
+        b_scale.stride(2) if b_scale is not None else 0,
+        c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
+        GATED=gated, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+ACT_IDS = {"silu": 0, "gelu": 1}
+
+
+def _check_fp8_cfg(cfg1: dict, cfg2: dict) -> None:
+    for c in (cfg1, cfg2):
+        if 128 % c["BLOCK_K"]:
+            raise ValueError(f"FP8 block GEMMs need BLOCK_K dividing 128, got {c['BLOCK_K']}")
+    if cfg1["BLOCK_N"] != 128:
+        raise ValueError("FP8 GEMM1 quantizes its output per 128 columns: BLOCK_N must be 128")
+
+
+def fused_experts(
+    hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
+    w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, *, activation: str, routed_scaling_factor: float, out_dtype: torch.dtype,
+    cfg: dict, out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
+
+    ``hidden`` is in the compute dtype, or e4m3 with ``a_scale`` [T, H/128] when ``w13`` is FP8
+    (block 128x128 scales ``w13_scale``/``w2_scale``). ``topk_ids`` are local ids, -1 skipped.
+    """
+    T, H = hidden.shape
+    E, N1, _ = w13.shape
+    inter = N1 // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
+    if T == 0:
+        return out
+    fp8 = w13.dtype == FP8
+    cfg1, cfg2 = cfg["gemm1"], cfg["gemm2"]
+    bm = cfg1["BLOCK_M"]
+    assert cfg2["BLOCK_M"] == bm, "both GEMMs share the alignment's BLOCK_M"
+    if fp8:
+        _check_fp8_cfg(cfg1, cfg2)
+        if hidden.dtype != FP8:
+            hidden, a_scale = quantize_fp8_groups(hidden)
+    ids = topk_ids.contiguous()
+    sorted_ids, expert_ids, post_pad, n_blocks = align_block_size(ids, E, bm)
+    numel = T * top_k
+    inter_dtype = FP8 if fp8 else out_dtype
+    h1 = torch.empty((numel, inter), dtype=inter_dtype, device=hidden.device)
+    h1_scale = torch.empty((numel, triton.cdiv(inter, 128)), dtype=torch.float32, device=hidden.device) if fp8 else None
+    _gemm(hidden, a_scale, w13, w13_scale, h1, h1_scale, None, (sorted_ids, expert_ids, post_pad), None,
+          N=inter, Kdim=H, num_valid=numel, a_row_div=top_k, up_offset=inter, capacity=0, num_m_blocks=n_blocks,
+          gated=True, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fp8, masked=False, cfg=cfg1)
+    y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
+    w = topk_weights.reshape(-1).contiguous()
+    _gemm(h1, h1_scale, w2, w2_scale, y, None, w, (sorted_ids, expert_ids, post_pad), None,
+          N=H, Kdim=inter, num_valid=numel, a_row_div=1, up_offset=0, capacity=0, num_m_blocks=n_blocks,
+          gated=False, act=0, mul_weight=True, fp8=fp8, quant_out=False, masked=False, cfg=cfg2)
+    block_h = min(1024, triton.next_power_of_2(H))
+    K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E,
+                                                       K=top_k, BLOCK_H=block_h)
+    return out
+
+
+def masked_experts(
+    hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
+    w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], *,
+    activation: str, out_dtype: torch.dtype, cfg: dict,
+) -> torch.Tensor:
+    """Unweighted experts on a DeepEP low-latency slab: ``[E, C, H] -> [E, C, H]``; rows at and past
+    ``masked_m[e]`` are not computed (left undefined, as the slab's own rows are)."""
+    E, C, H = hidden.shape
+    inter = w13.shape[1] // 2
+    out = torch.empty((E, C, H), dtype=out_dtype, device=hidden.device)
+    if E * C == 0:
+        return out
+    fp8 = w13.dtype == FP8
+    cfg1, cfg2 = cfg["gemm1"], cfg["gemm2"]
+    bm = cfg1["BLOCK_M"]
+    a = hidden.reshape(E * C, H)
+    if fp8:
+        _check_fp8_cfg(cfg1, cfg2)
+        if hidden.dtype != FP8:
+            a, a_scale = quantize_fp8_groups(a)
+        else:
+            a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
+    n_blocks = E * triton.cdiv(C, bm)
+    mm = masked_m.to(torch.int32).contiguous()
+    h1 = torch.empty((E * C, inter), dtype=FP8 if fp8 else out_dtype, device=hidden.device)
+    h1_scale = torch.empty((E * C, triton.cdiv(inter, 128)), dtype=torch.float32, device=hidden.device) if fp8 else None
+    _gemm(a, a_scale, w13, w13_scale, h1, h1_scale, None, None, mm, N=inter, Kdim=H, num_valid=0, a_row_div=1,
+          up_offset=inter, capacity=C, num_m_blocks=n_blocks, gated=True, act=ACT_IDS[activation],
+          mul_weight=False, fp8=fp8, quant_out=fp8, masked=True, cfg=cfg1)
+    y = out.view(E * C, H)
+    _gemm(h1, h1_scale, w2, w2_scale, y, None, None, None, mm, N=H, Kdim=inter, num_valid=0, a_row_div=1,
+          up_offset=0, capacity=C, num_m_blocks=n_blocks, gated=False, act=0, mul_weight=False, fp8=fp8,
+          quant_out=False, masked=True, cfg=cfg2)
+    return out
