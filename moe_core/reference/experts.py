@@ -28,8 +28,8 @@ from moe_core.contracts import (
     QuantScheme,
     StandardCombine,
     StandardDispatch,
+    WireDtype,
 )
-from moe_core.planner import NATURAL_DTYPE
 from moe_core.runtime import BackendContext, Experts
 
 if TYPE_CHECKING:
@@ -39,6 +39,12 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     Activation.SILU: F.silu,
     Activation.GELU: F.gelu,
 }
+
+
+# the wire dtype that carries activations already quantized as the scheme quantizes them
+# (W4A4's int4 has no wire dtype: it always arrives unquantized or as INT8 and is requantized)
+ACTIVATION_WIRE_DTYPE = {QuantScheme.FP8_BLOCK: WireDtype.FP8, QuantScheme.INT8_W8A8: WireDtype.INT8,
+                         QuantScheme.NVFP4: WireDtype.NVFP4}
 
 
 def activation_quantizer(scheme: QuantScheme) -> Optional[Callable[..., torch.Tensor]]:
@@ -70,7 +76,7 @@ class ReferenceExperts(Experts):
         self.quantize = activation_quantizer(cfg.quant)
         # Activations that arrive already quantized in the scheme's own format are the GEMM1
         # input as they are; quantizing them again (with other scales) would add error.
-        self.quantize_input = self.quantize is not None and ctx.dispatch_dtype is not NATURAL_DTYPE[cfg.quant]
+        self.quantize_input = self.quantize is not None and ctx.dispatch_dtype is not ACTIVATION_WIRE_DTYPE.get(cfg.quant)
         self.scale = cfg.routed_scaling_factor
         self.weight_on_input = cfg.apply_router_weight_on_input
         self.out_dtype = cfg.params_dtype

@@ -1,0 +1,151 @@
+"""MoELayer on the reference backends against the independent float64 oracle.
+
+Quantized schemes are compared with the float64 computation of the scheme's definition
+(dequantized weights, activations quantized as the scheme says), and with the plain float64
+result of the dequantized weights (a looser bound: it includes activation rounding).
+"""
+
+import pytest
+import torch
+
+import moe_core as mc
+from moe_core import quant
+from moe_core.contracts import EPMaskedDispatch, EPNormalDispatch, QuantizedActivations
+from moe_core.reference.experts import activation_quantizer
+from moe_core.reference.oracle import moe_float64, relative_error
+
+from .conftest import checkpoint, random_topk
+
+E, K, H, I = 8, 3, 256, 128
+# vs the scheme's own float64 definition: only bf16 output rounding remains (NVFP4: the e2m1 grid
+# makes rounding-boundary flips between float32 and float64 visible)
+TOL_SCHEME = {"unquantized": 1e-2, "fp8_block": 3e-2, "int8_w8a8": 3e-2, "w4a4": 3e-2, "nvfp4": 5e-2}
+# vs plain float64 with dequantized weights: includes activation quantization error
+TOL_PLAIN = {"unquantized": 1e-2, "fp8_block": 0.1, "int8_w8a8": 5e-2, "w4a4": 0.5, "nvfp4": 0.4}
+
+
+def oracle(cfg, t, x, topk, scheme_acts: bool):
+    d13, d2 = quant.dequantize_weights(t, cfg.quant)
+    qa = activation_quantizer(cfg.quant) if scheme_acts else None
+    gs = {"a13": t.get("a13_global_scale"), "a2": t.get("a2_global_scale")}
+    return moe_float64(
+        x, topk.weights, topk.ids, d13, d2, activation=cfg.activation,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+        quantize_activation=None if qa is None else
+        (lambda v, which, e: qa(v.float(), None if gs[which] is None else gs[which][e])))
+
+
+def build(cfg, t):
+    layer = mc.MoELayer(cfg)
+    layer.load_weights(**t)
+    layer.process_weights()
+    return layer
+
+
+@pytest.mark.parametrize("scheme", [str(s) for s in mc.QuantScheme])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_layer_matches_float64(scheme, tokens):
+    cfg = mc.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant=scheme,
+                       dispatch_dtype="bf16")
+    t = checkpoint(cfg.quant, E, H, I)
+    layer = build(cfg, t)
+    x = torch.randn(tokens, H).to(torch.bfloat16)
+    topk = random_topk(tokens, E, K, drop=0.2)
+    out = layer(x, topk)
+    assert out.shape == (tokens, H) and out.dtype == torch.bfloat16
+    if tokens == 0:
+        return
+    assert relative_error(out, oracle(cfg, t, x, topk, True)) <= TOL_SCHEME[scheme]
+    assert relative_error(out, oracle(cfg, t, x, topk, False)) <= TOL_PLAIN[scheme]
+
+
+@pytest.mark.parametrize("wire", ["fp8", "int8"])
+def test_quantized_wire_matches(wire):
+    cfg = mc.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant="fp8_block",
+                       dispatch_dtype=wire)
+    t = checkpoint(cfg.quant, E, H, I)
+    layer = build(cfg, t)
+    assert layer.plan.dispatch_dtype == mc.WireDtype(wire)
+    x = torch.randn(29, H).to(torch.bfloat16)
+    topk = random_topk(29, E, K, drop=0.1)
+    assert relative_error(layer(x, topk), oracle(cfg, t, x, topk, False)) <= 0.1
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_activation_dtypes_scaling_and_input_weights(activation, dtype):
+    cfg = mc.MoEConfig(num_experts=5, top_k=1, hidden_size=48, intermediate_size=40, activation=activation,
+                       params_dtype=dtype, routed_scaling_factor=2.5, apply_router_weight_on_input=True)
+    t = checkpoint(cfg.quant, 5, 48, 40)
+    t = {k: v.to(dtype) for k, v in t.items()}
+    layer = build(cfg, t)
+    x = torch.randn(23, 48).to(dtype)
+    topk = random_topk(23, 5, 1)
+    out = layer(x, topk)
+    assert out.dtype == dtype
+    assert relative_error(out, oracle(cfg, t, x, topk, False)) <= (1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_router_logits_path_matches_explicit_topk():
+    cfg = mc.preset("deepseek-v3", hidden_size=64, intermediate_size=32)
+    t = checkpoint(cfg.quant, cfg.num_experts, 64, 32)
+    t["correction_bias"] = torch.randn(cfg.num_experts) * 0.1
+    layer = build(cfg, t)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    logits = torch.randn(9, cfg.num_experts)
+    topk = mc.route(logits, cfg.top_k, cfg.router, t["correction_bias"])
+    assert torch.equal(layer(x, router_logits=logits), layer(x, topk))
+    assert relative_error(layer(x, topk), oracle(cfg, t, x, topk, False)) <= 1e-2
+
+
+def _experts(cfg, fmt, t):
+    plan = mc.plan(cfg)
+    ctx = mc.BackendContext(cfg, mc.get_plugin_manager().spec("reference"), fmt, mc.WireDtype.BF16)
+    from moe_core.reference.experts import ReferenceExperts
+
+    layer = build(cfg, t)
+    assert plan.experts.name == "reference"
+    experts = ReferenceExperts(ctx)
+    experts.process_weights(layer)
+    return layer, experts
+
+
+def test_reference_experts_ep_normal_format():
+    cfg = mc.MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I)
+    t = checkpoint(cfg.quant, E, H, I)
+    layer, experts = _experts(cfg, mc.Format.EP_NORMAL, t)
+    x = torch.randn(19, H).to(torch.bfloat16)
+    topk = random_topk(19, E, K, drop=0.3)
+    counts = torch.bincount(topk.ids[topk.ids >= 0].long(), minlength=E).to(torch.int32)
+    out = experts.apply(layer, EPNormalDispatch(QuantizedActivations(x), topk, counts, handle="h"))
+    assert isinstance(out, mc.EPNormalCombine) and out.handle == "h"
+    assert relative_error(out.hidden, oracle(cfg, t, x, topk, False)) <= 1e-2
+
+
+def test_reference_experts_ep_masked_format_is_unweighted_and_ignores_rows_past_masked_m():
+    cfg = mc.MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=32, routed_scaling_factor=1.5)
+    t = checkpoint(cfg.quant, 4, 64, 32)
+    layer, experts = _experts(cfg, mc.Format.EP_MASKED, t)
+    cap = 6
+    slab = torch.randn(4, cap, 64).to(torch.bfloat16)
+    masked_m = torch.tensor([0, 6, 3, 1], dtype=torch.int32)
+    slab[2, 3:] = float("nan")  # garbage past masked_m must not be read
+    sender = random_topk(3, 4, 2)
+    out = experts.apply(layer, EPMaskedDispatch(QuantizedActivations(slab), masked_m, sender))
+    assert isinstance(out, mc.EPMaskedCombine) and not out.weighted
+    d13, d2 = quant.dequantize_weights(t, cfg.quant)
+    for e, m in enumerate(masked_m.tolist()):
+        for row in range(m):
+            one = mc.TopK(torch.ones(1, 1), torch.tensor([[e]], dtype=torch.int32))
+            ref = moe_float64(slab[e, row:row + 1], one.weights, one.ids, d13, d2, routed_scaling_factor=1.5)
+            assert relative_error(out.hidden[e, row:row + 1], ref) <= 1e-2
+    assert torch.isfinite(out.hidden[2]).all()
+
+
+def test_out_of_range_local_ids_in_reference_experts_raise():
+    cfg = mc.MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=16)
+    layer, experts = _experts(cfg, mc.Format.STANDARD, checkpoint(cfg.quant, 4, 32, 16))
+    bad = mc.TopK(torch.ones(2, 2), torch.tensor([[0, 4], [1, 2]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"topk.ids must be in \[-1, 4\)"):
+        experts.apply(layer, mc.StandardDispatch(QuantizedActivations(torch.randn(2, 32).bfloat16()), bad))
