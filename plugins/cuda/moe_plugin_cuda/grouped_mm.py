@@ -52,6 +52,16 @@ def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def _requant_rowwise(w: torch.Tensor, scale: torch.Tensor, step: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled fp8 -> row-wise fp8, a few experts at a time (the fp32 staging of a whole
+    layer can exceed the memory the weights themselves take)."""
+    q = torch.empty_like(w)
+    s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e0 in range(0, w.shape[0], step):
+        q[e0:e0 + step], s[e0:e0 + step] = quant_rowwise(dequant_block(w[e0:e0 + step], scale[e0:e0 + step]))
+    return q, s
+
+
 def _act(h: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
     g, u = h[:, :inter], h[:, inter:]
     return (F.silu(g) if activation == "silu" else F.gelu(g)) * u
@@ -113,8 +123,8 @@ class GroupedMMExperts(Experts):
         src = (w.w13.data_ptr(), w.w2.data_ptr(), getattr(w.w13, "_version", 0), getattr(w.w2, "_version", 0))
         if getattr(layer, "_grouped_mm_src", None) == src:
             return
-        w13q, w13s = quant_rowwise(dequant_block(w.w13, w.w13_scale))
-        w2q, w2s = quant_rowwise(dequant_block(w.w2, w.w2_scale))
+        w13q, w13s = _requant_rowwise(w.w13, w.w13_scale)
+        w2q, w2s = _requant_rowwise(w.w2, w.w2_scale)
         layer.w13_rowwise, layer.w13_rowwise_scale = w13q, w13s
         layer.w2_rowwise, layer.w2_rowwise_scale = w2q, w2s
         layer._grouped_mm_src = src

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moe_core.backends import BackendSpec, Role
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
+from moe_core.hookspecs import hookimpl
 from moe_core.plugins import BackendPlugin
 
 _P = "moe_plugin_cuda"
@@ -64,6 +65,19 @@ class CudaPlugin(BackendPlugin):
                 description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
             ),
         ]
+
+    @hookimpl
+    def select_dispatch_dtype(self, request):
+        """Platform step of the dtype chain: with the ``standard`` dispatcher nothing crosses a wire,
+        and the Triton experts quantize FP8 activations in one kernel of their own, cheaper than
+        quantizing in the dispatcher; so keep BF16 there. Every other pair: no opinion."""
+        cfg = request.config
+        if (request.experts.name == "triton" and request.experts.plugin in ("", "cuda")
+                and request.dispatcher is not None and request.dispatcher.name == "standard"
+                and cfg.dispatch_dtype == "auto" and WireDtype.BF16 in request.common):
+            return request.decide(WireDtype.BF16, "cuda: no wire with the standard dispatcher; triton quantizes "
+                                  "activations in its own kernel", source="cuda")
+        return None
 
 
 plugin = CudaPlugin()

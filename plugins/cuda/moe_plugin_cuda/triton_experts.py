@@ -110,6 +110,8 @@ class TritonExperts(Experts):
             # mean rows per expert is unknown without a sync: size tiles for a full slab
             cfg = self.launch_config(max(1, E * C // max(1, self.config.top_k)), data.device)
             out = self._ops.masked_experts(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                                           activation=self.activation, out_dtype=self.config.params_dtype, cfg=cfg)
+                                           activation=self.activation,
+                                           routed_scaling_factor=self.config.routed_scaling_factor,
+                                           out_dtype=self.config.params_dtype, cfg=cfg)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"triton experts do not accept {type(dispatched).__name__}")

@@ -99,7 +99,7 @@ def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexp
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
     sorted_ptr, expert_ids_ptr, post_pad_ptr, masked_m_ptr,
-    N, K, num_valid, a_row_div, up_offset, capacity, num_m_blocks,
+    N, K, num_valid, a_row_div, up_offset, capacity, num_m_blocks, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
     GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
@@ -185,6 +185,7 @@ def _moe_gemm_kernel(
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * w[:, None]
+    acc = acc * out_scale
 
     c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     c_mask = row_mask[:, None] & n_mask[None, :]
@@ -192,7 +193,7 @@ def _moe_gemm_kernel(
         # this program owns exactly one 128-column group of each row (BLOCK_N == 128):
         # quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
         amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
-        scale = tl.maximum(amax, 1e-10) / 448.0
+        scale = tl.maximum(amax, 1e-4) / 448.0
         q = tl.clamp(acc / scale[:, None], -448.0, 448.0)
         tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
         tl.store(c_scale_ptr + rows * stride_csm + pid_n * stride_csk, scale, mask=row_mask)
@@ -224,13 +225,13 @@ def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, K: tl.constexpr, BL
 @triton.jit
 def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, n_groups, stride_x, stride_q, stride_s,
                             BLOCK: tl.constexpr):
-    """Per (row, 128-column group): scale = max(amax, 1e-10) / 448; q = fp8(clamp(x / scale))."""
+    """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale))."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     offs = g * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10) / 448.0
+    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 448.0
     q = tl.clamp(x / s, -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + g, s)

@@ -66,7 +66,7 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
-          up_offset, capacity, num_m_blocks, gated, act, mul_weight, fp8, quant_out, masked, cfg):
+          up_offset, capacity, num_m_blocks, out_scale=1.0, gated, act, mul_weight, fp8, quant_out, masked, cfg):
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
@@ -74,7 +74,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
-        N, Kdim, num_valid, a_row_div, up_offset, capacity, num_m_blocks,
+        N, Kdim, num_valid, a_row_div, up_offset, capacity, num_m_blocks, float(out_scale),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
         b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
@@ -147,9 +147,9 @@ def fused_experts(
 def masked_experts(
     hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
     w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], *,
-    activation: str, out_dtype: torch.dtype, cfg: dict,
+    activation: str, routed_scaling_factor: float, out_dtype: torch.dtype, cfg: dict,
 ) -> torch.Tensor:
-    """Unweighted experts on a DeepEP low-latency slab: ``[E, C, H] -> [E, C, H]``; rows at and past
+    """Unweighted (but scaled by ``routed_scaling_factor``) experts on a DeepEP low-latency slab: ``[E, C, H] -> [E, C, H]``; rows at and past
     ``masked_m[e]`` are not computed (left undefined, as the slab's own rows are)."""
     E, C, H = hidden.shape
     inter = w13.shape[1] // 2
@@ -175,6 +175,6 @@ def masked_experts(
           mul_weight=False, fp8=fp8, quant_out=fp8, masked=True, cfg=cfg1)
     y = out.view(E * C, H)
     _gemm(h1, h1_scale, w2, w2_scale, y, None, None, None, mm, N=H, Kdim=inter, num_valid=0, a_row_div=1,
-          up_offset=0, capacity=C, num_m_blocks=n_blocks, gated=False, act=0, mul_weight=False, fp8=fp8,
+          up_offset=0, capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, gated=False, act=0, mul_weight=False, fp8=fp8,
           quant_out=False, masked=True, cfg=cfg2)
     return out

@@ -1,0 +1,179 @@
+"""CUDA backends on a real GPU, through MoELayer, against the core reference backend.
+
+Run on the device: ``python -m pytest plugins/cuda/tests -m gpu``. Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_core import MoEConfig, plan
+from moe_core.contracts import EPMaskedDispatch, QuantizedActivations, TopK
+from moe_core.layer import MoELayer
+from moe_core.quant import quantize_weights
+from moe_core.reference.oracle import relative_error
+from moe_core.runtime import BackendContext
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TOL = {"unquantized": 1e-2, "fp8_block": 3e-2}
+
+
+def _cfg(backend, quant, E=16, K=4, H=256, inter=192, act="silu", dtype=torch.bfloat16, **kw):
+    return MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=inter, activation=act, quant=quant,
+                     params_dtype=dtype, device="cuda", experts=backend, routed_scaling_factor=1.7, **kw)
+
+
+def _weights(cfg, gen):
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    w13 = torch.randn(E, 2 * inter, H, generator=gen, device="cuda") / H ** 0.5
+    w2 = torch.randn(E, H, inter, generator=gen, device="cuda") / inter ** 0.5
+    if cfg.quant == "unquantized":
+        return {"w13": w13.to(cfg.params_dtype), "w2": w2.to(cfg.params_dtype)}
+    return quantize_weights(w13, w2, cfg.quant)
+
+
+def _layers(backend, quant, **kw):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = _cfg(backend, quant, **kw)
+    ref_cfg = cfg.replace(experts="reference")
+    w = _weights(cfg, gen)
+    layer, ref = MoELayer(cfg), MoELayer(ref_cfg)
+    for lay in (layer, ref):
+        lay.load_weights(**w)
+        lay.process_weights()
+    assert layer.plan.experts.name == backend
+    return cfg, layer, ref
+
+
+def _topk(T, cfg, minus_one=True):
+    logits = torch.randn(T, cfg.num_experts, device="cuda")
+    w, ids = torch.softmax(logits, -1).topk(cfg.top_k, -1)
+    ids = ids.to(torch.int32)
+    if minus_one and T:
+        drop = torch.rand(T, cfg.top_k, device="cuda") < 0.15
+        ids = torch.where(drop, -1, ids)
+    return TopK(w.contiguous(), ids.contiguous())
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("T", [0, 1, 7, 133, 1031])
+def test_matches_reference(backend, quant, T):
+    cfg, layer, ref = _layers(backend, quant)
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(T, cfg)
+    out = layer(x, topk)
+    expected = ref(x, topk)
+    assert out.shape == (T, cfg.hidden_size) and out.dtype == cfg.params_dtype
+    assert torch.isfinite(out).all()
+    tol = TOL[quant] * (2 if backend == "grouped_mm" and quant == "fp8_block" else 1)  # row-wise requant
+    assert relative_error(out, expected) < tol
+    assert torch.equal(layer(x, topk), out)  # same output on repeat
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_triton_dtypes_and_gelu(act, dtype):
+    cfg, layer, ref = _layers("triton", "unquantized", act=act, dtype=dtype, E=8, K=2, H=200, inter=136)
+    x = torch.randn(77, cfg.hidden_size, device="cuda").to(dtype)
+    topk = _topk(77, cfg)
+    assert relative_error(layer(x, topk), ref(x, topk)) < 1e-2
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_triton_large_expert_count(quant):
+    # 256 experts, top-8 (DeepSeek-like routing), many alignment chunks
+    cfg, layer, ref = _layers("triton", quant, E=256, K=8, H=512, inter=256)
+    x = torch.randn(3000, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(3000, cfg)
+    assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_triton_masked(quant):
+    cfg = _cfg("triton", quant, max_tokens_per_rank=64)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = _weights(cfg, gen)
+    layer, ref = MoELayer(cfg), MoELayer(cfg.replace(experts="reference"))
+    for lay in (layer, ref):
+        lay.load_weights(**w)
+        lay.process_weights()
+    E, C, H = cfg.num_local_experts, 40, cfg.hidden_size
+    slab = torch.randn(E, C, H, device="cuda").to(cfg.params_dtype)
+    masked_m = torch.randint(0, C + 1, (E,), device="cuda", dtype=torch.int32)
+    masked_m[0], masked_m[1] = 0, C
+    topk = _topk(5, cfg)
+    d = EPMaskedDispatch(QuantizedActivations(slab), masked_m, topk)
+    out = layer.experts.apply(layer, d).hidden
+    exp = ref.experts.apply(ref, d).hidden
+    valid = torch.arange(C, device="cuda")[None, :] < masked_m[:, None]
+    assert relative_error(out[valid], exp[valid]) < TOL[quant]
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_cuda_graph_capture_replay(backend, quant):
+    cfg, layer, ref = _layers(backend, quant, cuda_graph=True)
+    assert layer.plan.graph_safe
+    T = 96
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(T, cfg)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    for _ in range(2):  # new inputs in the captured buffers, replay, compare
+        x.copy_(torch.randn_like(x))
+        new = _topk(T, cfg)
+        topk.weights.copy_(new.weights)
+        topk.ids.copy_(new.ids)
+        g.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref(x, topk)) < TOL[quant] * (2 if backend == "grouped_mm" else 1)
+
+
+@pytest.mark.parametrize("backend", ["triton", "grouped_mm"])
+def test_torch_compile(backend):
+    cfg, layer, ref = _layers(backend, "unquantized")
+    compiled = torch.compile(layer)
+    for T in (5, 64):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+        topk = _topk(T, cfg)
+        assert relative_error(compiled(x, topk), ref(x, topk)) < 1e-2
+
+
+def test_planner_picks_triton_on_this_gpu():
+    for quant in ("unquantized", "fp8_block"):
+        p = plan(MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, quant=quant,
+                           device="cuda"))
+        assert p.experts.name == "triton", p.explain()
+
+
+def test_backends_listing_on_hopper():
+    from moe_core.backends import Code
+    from moe_core.plugins import PluginManager
+
+    pm = PluginManager()
+    verdict = {s.name: pm.availability(s) for s in pm.specs if s.plugin == "cuda"}
+    assert verdict["triton"].ok and verdict["grouped_mm"].ok
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert verdict["cutedsl"].code is Code.UNSUPPORTED_ARCH and verdict["cutedsl"].hint
+    assert verdict["deepep"].code in (Code.NOT_INSTALLED, Code.OK)
+
+
+def test_backend_context_options_fixed_config():
+    # a fixed launch config from backend_options is used for every T
+    cfg = _cfg("triton", "unquantized", backend_options={"triton": {"config": {
+        "gemm1": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3),
+        "gemm2": dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=3)}}})
+    p = plan(cfg)
+    from moe_plugin_cuda.triton_experts import TritonExperts
+
+    e = TritonExperts(BackendContext(cfg, p.experts, p.format, p.dispatch_dtype))
+    assert e.launch_config(1000, torch.device("cuda"))["gemm1"]["BLOCK_M"] == 32
