@@ -165,7 +165,8 @@ def quantize_activations(
         q, s = quantize_int8_per_token(x)
         return QuantizedActivations(q, dtype, s)
     if global_scale is None:
-        global_scale = nvfp4_global_scale(x.abs().amax().clamp(min=_INT_AMAX_FLOOR))
+        amax = x.abs().amax() if x.numel() else torch.ones((), device=x.device)  # T = 0: any scale will do
+        global_scale = nvfp4_global_scale(amax.clamp(min=_INT_AMAX_FLOOR))
     q, s = quantize_nvfp4(x, global_scale)
     return QuantizedActivations(q, dtype, s, global_scale=torch.as_tensor(global_scale, dtype=torch.float32))
 
