@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from moe_core.backends import BackendSpec, Code, Reason, Role, unavailable
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
 from moe_core.plugins import BackendPlugin
@@ -56,6 +57,10 @@ def check_aiter(config: "MoEConfig", spec: BackendSpec) -> list[Reason]:
             Code.UNSUPPORTED_SHAPE,
             f"aiter FP8 block-scale kernels need hidden_size and intermediate_size divisible by 128; "
             f"got H={H}, I={inter}", "use unquantized weights or another experts backend"))
+    if config.params_dtype not in (torch.bfloat16, torch.float16):
+        reasons.append(unavailable(
+            Code.UNSUPPORTED_SHAPE, f"aiter fused_moe computes in bf16/fp16, params_dtype is {config.params_dtype}",
+            "use bf16 or fp16 params"))
     if config.apply_router_weight_on_input:
         reasons.append(unavailable(
             Code.UNSUPPORTED_SHAPE,

@@ -7,6 +7,7 @@ both after the test. The plugin itself never falls back to these.
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 
 from . import aiter_emu, mori_emu
@@ -23,6 +24,8 @@ def install(monkeypatch, arch: str = "gfx942", *, aiter: bool = True, mori: bool
     if mori:
         modules.update(mori_emu.make_modules(arch))
     for name, module in modules.items():
+        # a spec, so that importlib.util.find_spec (the probes' NOT_INSTALLED test) sees a package
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=hasattr(module, "__path__"))
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(platform, "query_device", lambda: (arch, ""))
     return modules
