@@ -55,6 +55,9 @@ def check_npu_gmm(config: MoEConfig, spec: BackendSpec) -> list[Reason]:
 
 def check_deepep_npu(config: MoEConfig, spec: BackendSpec) -> list[Reason]:
     reasons = []
+    if config.params_dtype is not torch.bfloat16:
+        reasons.append(_shape(f"DeepEP-Ascend carries bf16 activations, params_dtype is {config.params_dtype}",
+                              "use params_dtype=torch.bfloat16"))
     if config.hidden_size > DEEPEP_MAX_HIDDEN:
         reasons.append(_shape(f"DeepEP-Ascend supports hidden sizes up to {DEEPEP_MAX_HIDDEN}, "
                               f"got {config.hidden_size}", ""))
