@@ -225,7 +225,8 @@ class PluginManager:
                 continue
             plugin = self.pm.get_plugin(record.name)
             try:
-                specs = plugin.moe_core_backends()
+                declare = getattr(plugin, "moe_core_backends", None)  # a rules-only plugin declares none
+                specs = declare() if declare is not None else []
                 if not isinstance(specs, (list, tuple)) or not all(isinstance(s, BackendSpec) for s in specs):
                     raise TypeError(f"moe_core_backends() must return a list of BackendSpec, got {specs!r}")
             except Exception as exc:
