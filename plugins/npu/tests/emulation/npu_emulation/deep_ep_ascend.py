@@ -41,6 +41,16 @@ class FuseMode(enum.IntEnum):
     DISPATCH_FFN_COMBINE = 2  # aclnnDispatchFFNCombine
 
 
+class SoloGroup:
+    """A one-rank "group" for single-process op tests (no torch.distributed needed)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+
 class EventOverlap:
     def __init__(self, event: Any = None, extra_tensors: Any = None) -> None:
         self.event, self.extra_tensors = event, extra_tensors
@@ -63,8 +73,7 @@ def exchange(group: Any, per_dest: list[dict[str, torch.Tensor]]) -> list[dict[s
 
     Every rank must pass the same field names, dtypes and row shapes (zero rows allowed).
     """
-    world = dist.get_world_size(group)
-    me = dist.get_rank(group)
+    world, me = group.size(), group.rank()
     if len(per_dest) != world:
         raise ValueError(f"need one entry per rank ({world}), got {len(per_dest)}")
     if world == 1:
