@@ -188,7 +188,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"  skip {name} {q} {backend}: {exc.summary}", file=sys.stderr)
                     done += len(args.tokens)
                     continue
-                layer = MoELayer(cfg, plan=the_plan, check_ids=False)
+                device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else None
+                layer = MoELayer(cfg, plan=the_plan, check_ids=False, device=device)
                 _fill_weights(layer, cfg, seed=0)
                 for T in args.tokens:
                     done += 1

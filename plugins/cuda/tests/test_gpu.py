@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moe_core import MoEConfig, plan
-from moe_core.contracts import EPMaskedDispatch, QuantizedActivations, TopK
+from moe_core.contracts import EPMaskedDispatch, TopK
 from moe_core.layer import MoELayer
-from moe_core.quant import quantize_weights
+from moe_core.quant import quantize_activations, quantize_weights
 from moe_core.reference.oracle import relative_error
 from moe_core.runtime import BackendContext
 
@@ -34,12 +34,16 @@ def _weights(cfg, gen):
     return quantize_weights(w13, w2, cfg.quant)
 
 
+def _dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _layers(backend, quant, **kw):
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = _cfg(backend, quant, **kw)
-    ref_cfg = cfg.replace(experts="reference")
+    ref_cfg = cfg.replace(experts="reference", cuda_graph=False)
     w = _weights(cfg, gen)
-    layer, ref = MoELayer(cfg), MoELayer(ref_cfg)
+    layer, ref = MoELayer(cfg, device=_dev()), MoELayer(ref_cfg, device=_dev())
     for lay in (layer, ref):
         lay.load_weights(**w)
         lay.process_weights()
@@ -96,16 +100,18 @@ def test_triton_masked(quant):
     cfg = _cfg("triton", quant, max_tokens_per_rank=64)
     gen = torch.Generator(device="cuda").manual_seed(3)
     w = _weights(cfg, gen)
-    layer, ref = MoELayer(cfg), MoELayer(cfg.replace(experts="reference"))
+    layer, ref = MoELayer(cfg, device=_dev()), MoELayer(cfg.replace(experts="reference"), device=_dev())
     for lay in (layer, ref):
         lay.load_weights(**w)
         lay.process_weights()
     E, C, H = cfg.num_local_experts, 40, cfg.hidden_size
     slab = torch.randn(E, C, H, device="cuda").to(cfg.params_dtype)
+    # the slab arrives in the scheme's wire dtype (FP8 for fp8_block), as a dispatcher sends it
+    qa = quantize_activations(slab, "fp8" if quant == "fp8_block" else "bf16")
     masked_m = torch.randint(0, C + 1, (E,), device="cuda", dtype=torch.int32)
     masked_m[0], masked_m[1] = 0, C
     topk = _topk(5, cfg)
-    d = EPMaskedDispatch(QuantizedActivations(slab), masked_m, topk)
+    d = EPMaskedDispatch(qa, masked_m, topk)
     out = layer.experts.apply(layer, d).hidden
     exp = ref.experts.apply(ref, d).hidden
     valid = torch.arange(C, device="cuda")[None, :] < masked_m[:, None]
