@@ -23,6 +23,13 @@ layer records what it holds (data pointer and a content fingerprint) so that cal
 checkpoint dtype: on gfx942 the kernel reads the e4m3fn weights as e4m3fnuz (same bits after
 clearing -0, scales doubled; see ``moe_plugin_rocm.fp8``).
 
+FP8 activations: dispatched FP8 (the core's e4m3fn, 1x128 scales) is passed pre-quantized
+(``a1_scale``), converted bit-exactly to fnuz on gfx942. BF16 activations with FP8 weights are
+quantized by AITER itself on gfx950 (amax/448 e4m3fn, the core's recipe); on gfx942 the adapter
+quantizes them with the core's recipe and converts, because AITER's fnuz quantization
+(amax/240) rounds on another grid. The intermediate activation is requantized inside the
+kernel, in the architecture's flavour.
+
 ``routed_scaling_factor`` is folded into the routing weights passed to ``fused_moe`` (for the
 masked format, into its unit weights), so it is applied exactly once in every format.
 """
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from moe_core import quant
 from moe_core.contracts import (
     Activation,
     EPMaskedCombine,
@@ -163,7 +171,11 @@ class AiterExperts(Experts):
     def _hidden(self, qa: QuantizedActivations) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The activations as fused_moe takes them, and ``a1_scale`` when pre-quantized."""
         if qa.dtype is WireDtype.BF16:
-            return qa.data, None  # AITER quantizes internally for FP8 weights
+            if not (self.fp8_weights and self.fnuz):
+                return qa.data, None  # unquantized, or gfx950: AITER's own 1x128 quant is amax/448 e4m3fn
+            # gfx942: AITER would quantize on the fnuz grid (amax/240); quantize as the core's FP8
+            # scheme does (amax/448 e4m3fn) and pass the same values as fnuz, bit-exact
+            qa = quant.quantize_activations(qa.data, WireDtype.FP8)
         if qa.dtype is not WireDtype.FP8:
             raise TypeError(f"aiter takes bf16 or fp8 activations, got {qa.dtype}")
         if not self.fp8_weights:

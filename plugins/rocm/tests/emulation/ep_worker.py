@@ -1,0 +1,188 @@
+"""One rank of a multi-process test on gloo (TEST SUPPORT ONLY).
+
+Run as ``python ep_worker.py CASE ARCH RANK WORLD PORT OUT_JSON``; installs the emulated vendor
+ops, joins the process group on 127.0.0.1 and writes its findings (errors, counts) as JSON. The
+pytest side (``test_mori_ep.py``) starts the ranks, enforces a timeout and asserts.
+
+Cases:
+- ``op``: the emulated MoRI op alone (dispatch once per unique destination PE, global ids,
+  valid-row count, unweighted combine = value x number of PEs, fp8 combine cast).
+- ``layer``: ``MoELayer`` planned with ``mori`` x ``aiter`` (and ``mori`` x ``reference``) on
+  "rocm" (tensors on CPU), every scheme and wire dtype, against a single-rank reference layer
+  holding the full checkpoint; uneven token counts (one rank has none), -1 ids, a token with no
+  expert, two forward passes (so MoRI's stale buffer rows are there to be misread).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def install(arch: str) -> None:
+    """The emulation, installed for the life of this process (what the fixture does per test)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rocm_emulation", HERE / "__init__.py",
+                                                  submodule_search_locations=[str(HERE)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rocm_emulation"] = module
+    spec.loader.exec_module(module)
+
+    class _Patch:  # the subset of pytest's monkeypatch that install() uses, never undone
+        def setitem(self, d, k, v):
+            d[k] = v
+
+        def setattr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    module.install(_Patch(), arch)
+
+
+def case_op(arch: str, rank: int, world: int) -> dict:
+    import mori.shmem
+    from mori.ops import EpDispatchCombineConfig, EpDispatchCombineOp
+
+    from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
+
+    init_mori_shmem()
+    E_l, K, H, P = 3, 2, 64, 8
+    E = E_l * world
+    g = torch.Generator().manual_seed(100 + rank)
+    T = [5, 0, 8, 3][rank % 4]
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int() if T else \
+        torch.zeros(0, K, dtype=torch.int32)
+    w = torch.rand(T, K, generator=g)
+    results = {"T": T}
+    for quant in ("none", "fp8_direct_cast"):
+        cfg = EpDispatchCombineConfig(data_type=torch.bfloat16, rank=rank, world_size=world, hidden_dim=H,
+                                      scale_dim=0, scale_type_size=4, max_token_type_size=2,
+                                      max_num_inp_token_per_rank=P, num_experts_per_rank=E_l,
+                                      num_experts_per_token=K, quant_type=quant)
+        op = EpDispatchCombineOp(cfg)
+        out, out_w, out_s, out_i, total = op.dispatch(x, w, None, ids)
+        n = int(total[0])
+        # what each rank should receive: every token with >= 1 expert here, once, with global ids
+        all_ids = [torch.zeros(P, K, dtype=torch.int32) for _ in range(world)]
+        padded = torch.zeros(P, K, dtype=torch.int32)
+        padded[:T] = ids
+        padded[T:] = -1
+        dist.all_gather(all_ids, padded)
+        lo, hi = rank * E_l, (rank + 1) * E_l
+        expect = sorted(tuple(r.tolist()) for a in all_ids for r in a if ((r >= lo) & (r < hi)).any())
+        got = sorted(tuple(r.tolist()) for r in out_i[:n])
+        results[f"{quant}_recv_ok"] = expect == got and n == len(expect)
+        results[f"{quant}_shapes"] = [list(out.shape), list(out_w.shape), out_s is None, list(total.shape),
+                                      str(total.dtype)]
+        # combine the received rows unchanged: each token comes back times its number of PEs
+        y, y_w = op.combine(out.float().bfloat16(), out_w, ids, call_reset=True)
+        n_pe = torch.tensor([len({int(e) // E_l for e in r}) for r in ids.tolist()]).float()
+        exp_x = x.float() * n_pe[:, None]
+        exp_w = w * n_pe[:, None]
+        results[f"{quant}_combine_err"] = float((y[:T].float() - exp_x).norm() / exp_x.norm()) if T else 0.0
+        results[f"{quant}_combine_w_err"] = float((y_w[:T] - exp_w).abs().max()) if T else 0.0
+        try:  # a second dispatch without reset must fail (we passed call_reset=True: it must work)
+            op.dispatch(x, w, None, ids)
+            op.combine(out, None, ids)
+            op.dispatch(x, w, None, ids)
+            results[f"{quant}_reset_enforced"] = False
+        except RuntimeError:
+            results[f"{quant}_reset_enforced"] = True
+        dist.barrier()
+    mori.shmem.shmem_finalize()
+    return results
+
+
+def case_layer(arch: str, rank: int, world: int) -> dict:
+    from moe_core import MoEConfig, MoELayer, PluginManager, QuantScheme, quant
+    from moe_core.reference.oracle import moe_float64
+    from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error
+
+    from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
+
+    init_mori_shmem()
+    pm = PluginManager()
+    E, K, H, inter, P = 4 * world, 3, 256, 128, 24
+    results = {}
+    for scheme in (QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK):
+        for wire in ("auto", "bf16"):
+            for experts in ("aiter", "reference"):
+                if experts == "reference" and wire == "bf16":
+                    continue
+                key = f"{scheme}/{wire}/{experts}"
+                g = torch.Generator().manual_seed(7)  # same checkpoint on every rank
+                w13, w2 = make_float_weights(E, H, inter, g)
+                if scheme is QuantScheme.UNQUANTIZED:
+                    w13, w2 = w13.bfloat16(), w2.bfloat16()
+                ckpt = quant.quantize_weights(w13, w2, scheme)
+                cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=inter, quant=scheme,
+                                device="rocm", ep_size=world, ep_rank=rank, max_tokens_per_rank=P,
+                                routed_scaling_factor=1.5, dispatcher="mori", experts=experts,
+                                dispatch_dtype=wire)
+                layer = MoELayer(cfg, manager=pm, device="cpu")
+                layer.load_weights(**ckpt)
+                layer.process_weights()
+                ref_cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=inter, quant=scheme,
+                                    device="cpu", routed_scaling_factor=1.5, experts="reference",
+                                    dispatch_dtype=str(layer.plan.dispatch_dtype))
+                ref = MoELayer(ref_cfg, manager=pm, device="cpu")
+                ref.load_weights(**ckpt)
+                ref.process_weights()
+                errs, oracle_errs, ref_oracle_errs = [], [], []
+                for step in range(2):
+                    gl = torch.Generator().manual_seed(1000 * step + rank)
+                    T = [[19, 0, 1, 24], [7, 13, 24, 5]][step][rank % 4]
+                    x = make_hidden(T, H, torch.bfloat16, gl)
+                    topk = make_topk(T, K, E, gl, neg_fraction=0.3, empty_token=True)
+                    out = layer(x, topk)
+                    expect = ref(x, topk)
+                    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+                    errs.append(rel_error(out, expect))
+                    if T:
+                        d13, d2 = quant.dequantize_weights(ckpt, scheme)
+                        o = moe_float64(x, topk.weights, topk.ids, d13, d2, routed_scaling_factor=1.5)
+                        oracle_errs.append(rel_error(out, o))
+                        ref_oracle_errs.append(rel_error(expect, o))
+                    if T and topk.ids[0].eq(-1).all():
+                        errs.append(float(out[0].float().abs().max()))  # token with no expert: zero
+                results[key] = {"dtype": str(layer.plan.dispatch_dtype), "err": max(errs),
+                                "oracle": max(oracle_errs, default=0.0), "ref_oracle": max(ref_oracle_errs, default=0.0),
+                                "shuffled": bool(getattr(layer.w13, "is_shuffled", False))}
+    # T above the layer's capacity is an error, never a silent truncation
+    try:
+        layer(make_hidden(P + 1, H, torch.bfloat16, g), make_topk(P + 1, K, E, g))
+        results["overflow_rejected"] = False
+    except ValueError:
+        results["overflow_rejected"] = True
+    return results
+
+
+def main() -> None:
+    case, arch, rank, world, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
+        sys.argv[5], sys.argv[6]
+    torch.set_num_threads(1)
+    install(arch)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = {"ok": True, **{"op": case_op, "layer": case_layer}[case](arch, rank, world)}
+    except Exception:
+        result = {"ok": False, "error": traceback.format_exc()}
+    pathlib.Path(out).write_text(json.dumps(result))
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
