@@ -75,6 +75,9 @@ class MoELayer(nn.Module):
             self.correction_bias = None
         self._loaded = False
         self._processed = False
+        # plain attributes read on every forward (cheaper than going through config / plan)
+        self._hidden, self._top_k, self._num_experts = config.hidden_size, config.top_k, config.num_experts
+        self._dtype, self._fused = config.params_dtype, plan.fused
 
         self.dispatcher, self.experts = plan.build()
         if trace:
@@ -165,37 +168,47 @@ class MoELayer(nn.Module):
         *,
         router_logits: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if not self._processed:
-            raise RuntimeError("MoELayer: call load_weights(...) then process_weights() before forward")
-        cfg = self.config
-        if (topk is None) == (router_logits is None):
-            raise TypeError("MoELayer.forward takes exactly one of topk and router_logits")
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 \
-                or hidden_states.shape[1] != cfg.hidden_size:
-            raise ValueError(f"hidden_states must be a [T, {cfg.hidden_size}] tensor, got "
-                             f"{tuple(getattr(hidden_states, 'shape', ()))}")
-        if hidden_states.dtype != cfg.params_dtype:
-            raise TypeError(f"hidden_states must be {cfg.params_dtype}, got {hidden_states.dtype}")
-        if hidden_states.device != self.device:
-            raise ValueError(f"hidden_states is on {hidden_states.device}, the layer's weights on {self.device}")
-        if topk is None:
-            topk = route(router_logits, cfg.top_k, cfg.router, self.correction_bias)
-        elif not isinstance(topk, TopK):
-            raise TypeError(f"topk must be a moe_core.TopK, got {type(topk).__name__}")
-        if topk.ids.shape != (hidden_states.shape[0], cfg.top_k):
-            raise ValueError(f"topk.ids must be [T={hidden_states.shape[0]}, top_k={cfg.top_k}], "
-                             f"got {tuple(topk.ids.shape)}")
-        if topk.ids.device != self.device:
-            raise ValueError(f"topk is on {topk.ids.device}, the layer's weights on {self.device}")
-        if self.check_ids and topk.ids.numel():
+        if topk is None or router_logits is not None or type(topk) is not TopK or not self._processed:
+            topk = self._route_or_raise(hidden_states, topk, router_logits)
+        # one cheap expression on the hot path; _input_error works out the precise message
+        shape = hidden_states.shape
+        if (len(shape) != 2 or shape[1] != self._hidden or hidden_states.dtype != self._dtype
+                or hidden_states.device != self.device or topk.ids.shape != (shape[0], self._top_k)
+                or topk.ids.device != self.device):
+            raise self._input_error(hidden_states, topk)
+        if self.check_ids and shape[0]:
             lo, hi = torch.aminmax(topk.ids)
             lo, hi = int(lo), int(hi)
-            if lo < -1 or hi >= cfg.num_experts:
-                raise ValueError(f"topk.ids must be in [-1, {cfg.num_experts}) (-1 = no expert), "
+            if lo < -1 or hi >= self._num_experts:
+                raise ValueError(f"topk.ids must be in [-1, {self._num_experts}) (-1 = no expert), "
                                  f"got values in [{lo}, {hi}]")
-        if self.plan.fused:
+        if self._fused:
             return self._fused_forward(self, hidden_states, topk)
         return self._combine(self._apply(self, self._dispatch(hidden_states, topk)))
+
+    def _route_or_raise(self, hidden_states: Any, topk: Any, router_logits: Any) -> TopK:
+        if not self._processed:
+            raise RuntimeError("MoELayer: call load_weights(...) then process_weights() before forward")
+        if (topk is None) == (router_logits is None):
+            raise TypeError("MoELayer.forward takes exactly one of topk and router_logits")
+        if topk is not None:
+            raise TypeError(f"topk must be a moe_core.TopK, got {type(topk).__name__}")
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        return route(router_logits, self._top_k, self.config.router, self.correction_bias)
+
+    def _input_error(self, hidden_states: torch.Tensor, topk: TopK) -> Exception:
+        cfg = self.config
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != cfg.hidden_size:
+            return ValueError(f"hidden_states must be a [T, {cfg.hidden_size}] tensor, got {tuple(hidden_states.shape)}")
+        if hidden_states.dtype != cfg.params_dtype:
+            return TypeError(f"hidden_states must be {cfg.params_dtype}, got {hidden_states.dtype}")
+        if hidden_states.device != self.device:
+            return ValueError(f"hidden_states is on {hidden_states.device}, the layer's weights on {self.device}")
+        if topk.ids.shape != (hidden_states.shape[0], cfg.top_k):
+            return ValueError(f"topk.ids must be [T={hidden_states.shape[0]}, top_k={cfg.top_k}], "
+                              f"got {tuple(topk.ids.shape)}")
+        return ValueError(f"topk is on {topk.ids.device}, the layer's weights on {self.device}")
 
     def extra_repr(self) -> str:
         p = self.plan

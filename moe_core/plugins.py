@@ -267,6 +267,13 @@ class PluginManager:
         """A backend by bare name (``triton``) or qualified name (``cuda.triton``)."""
         return self._registry.specs.get(name)
 
+    def register(self, plugin: Any, name: str, version: str = "0", source: str = "direct") -> PluginRecord:
+        """Register a plugin object directly (not through an entry point): tests, benchmarks,
+        and engines that ship backends in-tree. The same checks apply as for entry points."""
+        self._register(name, version, source, plugin)
+        self._registry = self._collect_specs()
+        return next(r for r in reversed(self.records) if r.name == name)
+
     def availability(self, spec: BackendSpec) -> Reason:
         """The spec's probe result, cached for the life of this manager."""
         key = spec.qualified_name

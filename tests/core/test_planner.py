@@ -31,8 +31,7 @@ class FakePlugin(mc.BackendPlugin):
 def manager_with(*plugins):
     manager = PluginManager(entry_points=[])
     for i, p in enumerate(plugins):
-        manager._register(f"fake{i}", "0", "test", p)
-    manager._registry = manager._collect_specs()
+        manager.register(p, f"fake{i}")
     return manager
 
 
