@@ -26,6 +26,17 @@ _TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
 trace_log = logging.getLogger("moe_core.trace")
 
 
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``: tensors report an indexed device, and the layer compares them."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    module = getattr(torch, device.type, None)
+    try:
+        return torch.device(device.type, module.current_device())
+    except Exception:  # backend not usable here: keep it as given (tensors cannot be made on it anyway)
+        return device
+
+
 class MoELayer(nn.Module):
     """An MoE layer: ``forward(hidden_states [T, H], topk)`` -> ``[T, H]``.
 
@@ -62,7 +73,7 @@ class MoELayer(nn.Module):
             raise ValueError("plan was made for a different config")
         self.config = config
         self.plan = plan
-        self.device = torch.device(device if device is not None else _TORCH_DEVICE[config.device])
+        self.device = _with_index(torch.device(device if device is not None else _TORCH_DEVICE[config.device]))
         self.check_ids = (not config.cuda_graph) if check_ids is None else check_ids
         self._weight_names = tuple(
             self._allocate(quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
