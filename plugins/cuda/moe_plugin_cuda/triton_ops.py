@@ -93,8 +93,16 @@ def _check_fp8_cfg(cfg1: dict, cfg2: dict) -> None:
     for c in (cfg1, cfg2):
         if 128 % c["BLOCK_K"]:
             raise ValueError(f"FP8 block GEMMs need BLOCK_K dividing 128, got {c['BLOCK_K']}")
-    if cfg1["BLOCK_N"] != 128:
-        raise ValueError("FP8 GEMM1 quantizes its output per 128 columns: BLOCK_N must be 128")
+
+
+def _gemm1_out(numel: int, inter: int, fp8: bool, cfg1: dict, out_dtype, device):
+    """GEMM1 output buffers. FP8 with BLOCK_N == 128: the epilogue quantizes (one 128-column group
+    per program); FP8 with narrower tiles writes the compute dtype and a separate kernel quantizes."""
+    fused_quant = fp8 and cfg1["BLOCK_N"] == 128
+    h1 = torch.empty((numel, inter), dtype=FP8 if fused_quant else out_dtype, device=device)
+    h1_scale = (torch.empty((numel, triton.cdiv(inter, 128)), dtype=torch.float32, device=device)
+                if fused_quant else None)
+    return h1, h1_scale, fused_quant
 
 
 def fused_experts(
@@ -127,12 +135,13 @@ def fused_experts(
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, post_pad, n_blocks = align_block_size(ids, E, bm)
     numel = T * top_k
-    inter_dtype = FP8 if fp8 else out_dtype
-    h1 = torch.empty((numel, inter), dtype=inter_dtype, device=hidden.device)
-    h1_scale = torch.empty((numel, triton.cdiv(inter, 128)), dtype=torch.float32, device=hidden.device) if fp8 else None
+    h1, h1_scale, fused_quant = _gemm1_out(numel, inter, fp8, cfg1, out_dtype, hidden.device)
     _gemm(hidden, a_scale, w13, w13_scale, h1, h1_scale, None, (sorted_ids, expert_ids, post_pad), None,
           N=inter, Kdim=H, num_valid=numel, a_row_div=top_k, up_offset=inter, capacity=0, num_m_blocks=n_blocks,
-          gated=True, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fp8, masked=False, cfg=cfg1)
+          gated=True, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant, masked=False,
+          cfg=cfg1)
+    if fp8 and not fused_quant:  # rows of ids -1 hold garbage here; their quantized copies are never read
+        h1, h1_scale = quantize_fp8_groups(h1)
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
     w = topk_weights.reshape(-1).contiguous()
     _gemm(h1, h1_scale, w2, w2_scale, y, None, w, (sorted_ids, expert_ids, post_pad), None,
@@ -168,11 +177,12 @@ def masked_experts(
             a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
     n_blocks = E * triton.cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
-    h1 = torch.empty((E * C, inter), dtype=FP8 if fp8 else out_dtype, device=hidden.device)
-    h1_scale = torch.empty((E * C, triton.cdiv(inter, 128)), dtype=torch.float32, device=hidden.device) if fp8 else None
+    h1, h1_scale, fused_quant = _gemm1_out(E * C, inter, fp8, cfg1, out_dtype, hidden.device)
     _gemm(a, a_scale, w13, w13_scale, h1, h1_scale, None, None, mm, N=inter, Kdim=H, num_valid=0, a_row_div=1,
           up_offset=inter, capacity=C, num_m_blocks=n_blocks, gated=True, act=ACT_IDS[activation],
-          mul_weight=False, fp8=fp8, quant_out=fp8, masked=True, cfg=cfg1)
+          mul_weight=False, fp8=fp8, quant_out=fused_quant, masked=True, cfg=cfg1)
+    if fp8 and not fused_quant:
+        h1, h1_scale = quantize_fp8_groups(h1)
     y = out.view(E * C, H)
     _gemm(h1, h1_scale, w2, w2_scale, y, None, None, None, mm, N=H, Kdim=inter, num_valid=0, a_row_div=1,
           up_offset=0, capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, gated=False, act=0, mul_weight=False, fp8=fp8,
