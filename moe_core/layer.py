@@ -75,10 +75,10 @@ class MoELayer(nn.Module):
         self.plan = plan
         self.device = _with_index(torch.device(device if device is not None else _TORCH_DEVICE[config.device]))
         self.check_ids = (not config.cuda_graph) if check_ids is None else check_ids
-        self._weight_names = tuple(
-            self._allocate(quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
-                                               config.intermediate_size, config.params_dtype))
-        )
+        # the checkpoint layout, kept to validate reloads after process_weights changed the slots
+        self._weight_specs = quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
+                                                 config.intermediate_size, config.params_dtype)
+        self._weight_names = tuple(self._allocate(self._weight_specs))
         self.correction_bias: Optional[torch.Tensor]
         if config.router.use_correction_bias:
             self.register_buffer("correction_bias", torch.zeros(config.num_experts, device=self.device))
@@ -149,12 +149,14 @@ class MoELayer(nn.Module):
         for name, full in tensors.items():
             target = getattr(self, name)
             part = full if name == "correction_bias" else full[experts.start:experts.stop]
-            if tuple(part.shape) != tuple(target.shape) or (name != "correction_bias" and full.shape[0] != self.config.num_experts):
-                want = (self.config.num_experts,) + tuple(target.shape[1:]) if name != "correction_bias" else tuple(target.shape)
+            shape, dtype = (tuple(target.shape), target.dtype) if name == "correction_bias" \
+                else self._weight_specs[name]
+            if tuple(part.shape) != tuple(shape) or (name != "correction_bias" and full.shape[0] != self.config.num_experts):
+                want = (self.config.num_experts,) + tuple(shape[1:]) if name != "correction_bias" else tuple(shape)
                 raise ValueError(f"load_weights: {name} must have shape {want} (full checkpoint), got {tuple(full.shape)}")
-            if part.dtype != target.dtype and (part.dtype.is_floating_point != target.dtype.is_floating_point
-                                               or target.dtype.itemsize == 1):
-                raise TypeError(f"load_weights: {name} must be {target.dtype}, got {part.dtype}")
+            if part.dtype != dtype and (part.dtype.is_floating_point != dtype.is_floating_point
+                                        or dtype.itemsize == 1):
+                raise TypeError(f"load_weights: {name} must be {dtype}, got {part.dtype}")
             # weights may have been replaced by process_weights (another layout): restore the slot
             if target.shape != part.shape or target.dtype != part.dtype:
                 target = nn.Parameter(torch.empty_like(part, device=self.device), requires_grad=False)
