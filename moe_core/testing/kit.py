@@ -288,7 +288,14 @@ def execute(ctx: KitContext, case: Case) -> CaseResult:
         reason = ctx.manager.availability(spec)
         if not reason.ok and case.params.get("needs_available", True):  # honesty needs only the declaration
             raise KitSkip(f"backend unavailable: {reason}")
-        case.run(ctx, case)
+        threads = torch.get_num_threads()
+        # the kit's shapes are small: intra-op threads cost more than they save, and on a loaded
+        # CI machine OpenMP contention makes tiny ops (index_add_) up to 1000x slower
+        torch.set_num_threads(1)
+        try:
+            case.run(ctx, case)
+        finally:
+            torch.set_num_threads(threads)
     except KitSkip as exc:
         result = CaseResult(case.backend, case.id, "skipped", str(exc), time.perf_counter() - start)
     except KitFailure as exc:
