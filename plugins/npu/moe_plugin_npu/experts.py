@@ -72,6 +72,9 @@ class NpuGmmExperts(Experts):
         # enough to double the error at INT4. Set "bfloat16" for activations beyond fp16's range.
         self.mid_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[
             str(ctx.options.get("intermediate_dtype", "float16"))]
+        # INT8 wire into a scheme that wants floats: dequantize for the next consumer (the bf16 GEMM of
+        # unquantized weights, or a requantization, which gets the finer dtype for the same reason)
+        self.float_in_dtype = self.out_dtype if cfg.quant is QuantScheme.UNQUANTIZED else self.mid_dtype
         self._mlp: Callable[..., torch.Tensor] = {
             QuantScheme.UNQUANTIZED: self._mlp_bf16,
             QuantScheme.INT8_W8A8: self._mlp_w8a8,
@@ -135,7 +138,7 @@ class NpuGmmExperts(Experts):
         if hidden.dtype is WireDtype.BF16:
             return hidden.data
         if hidden.dtype is WireDtype.INT8:  # e.g. an explicit int8 wire with bf16 / int4 weights
-            return (hidden.data.float() * hidden.scale.float()).to(self.out_dtype)
+            return (hidden.data.float() * hidden.scale.float()).to(self.float_in_dtype)
         raise TypeError(f"npu_gmm takes bf16 or int8 activations, got {hidden.dtype}")
 
     # ------------------------------------------------------------------ formats
