@@ -11,7 +11,7 @@ import torch
 
 from moe_core import quant
 from moe_core.config import MoEConfig
-from moe_core.contracts import EPMaskedDispatch, QuantizedActivations, TopK
+from moe_core.contracts import EPMaskedDispatch, QuantizedActivations
 from moe_core.layer import MoELayer
 from moe_core.planner import plan
 from moe_core.runtime import BackendContext
