@@ -158,8 +158,8 @@ class MoELayer(nn.Module):
                                         or dtype.itemsize == 1):
                 raise TypeError(f"load_weights: {name} must be {dtype}, got {part.dtype}")
             # weights may have been replaced by process_weights (another layout): restore the slot
-            if target.shape != part.shape or target.dtype != part.dtype:
-                target = nn.Parameter(torch.empty_like(part, device=self.device), requires_grad=False)
+            if target.shape != part.shape or target.dtype != dtype:
+                target = nn.Parameter(torch.empty(part.shape, dtype=dtype, device=self.device), requires_grad=False)
                 setattr(self, name, target)
             target.copy_(part)
         self._loaded = True

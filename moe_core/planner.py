@@ -192,11 +192,12 @@ class Plan:
         if self.dry_run:
             raise RuntimeError("a dry-run plan (availability not checked) cannot be built")
 
-        def make(spec: BackendSpec) -> Any:
+        def make(spec: BackendSpec, peer: Optional[BackendSpec]) -> Any:
             cls = spec.load_impl()
-            return cls(BackendContext(self.config, spec, self.format, self.dispatch_dtype))
+            return cls(BackendContext(self.config, spec, self.format, self.dispatch_dtype, peer))
 
-        return (None if self.dispatcher is None else make(self.dispatcher)), make(self.experts)
+        dispatcher = None if self.dispatcher is None else make(self.dispatcher, self.experts)
+        return dispatcher, make(self.experts, self.dispatcher)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -17,7 +17,7 @@ never read environment variables: everything comes from the context.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ class BackendContext:
     spec: "BackendSpec"
     format: Format
     dispatch_dtype: WireDtype
+    peer: "Optional[BackendSpec]" = None  # the other side of the pair (experts for a dispatcher, and back)
 
     @property
     def options(self) -> Mapping[str, Any]:

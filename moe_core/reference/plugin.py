@@ -21,7 +21,7 @@ class ReferencePlugin(BackendPlugin):
             ),
             BackendSpec(
                 name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed.torch_a2a:TorchA2ADispatcher",
-                formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cpu", "cuda", "npu"}),
+                formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=ALL_DEVICES,  # RCCL on ROCm
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8),
                 graph_safe_formats=frozenset({Format.EP_MASKED}), ep="required", priority=10,
                 description="expert parallelism over torch.distributed all-to-all (gloo, NCCL, HCCL)",
