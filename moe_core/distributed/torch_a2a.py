@@ -33,6 +33,7 @@ at most one row per (token, expert).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -106,7 +107,7 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` -> contiguous ``uint8 [N, row_bytes]`` view (collectives move bytes)."""
     t = t.contiguous()
-    return t.view(t.shape[0], -1).view(torch.uint8)
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], in_splits: Optional[list[int]],
@@ -118,7 +119,7 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], 
 def _bytes_out(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("internal: all-to-all output must be contiguous")
-    return t.view(t.shape[0], -1).view(torch.uint8)
+    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
@@ -210,7 +211,7 @@ class TorchA2ADispatcher(Dispatcher):
         """int32 side block ``[N, scale words | K local ids | K weights (fp32 bits)]``."""
         parts = []
         if qa.scale is not None:
-            scale = qa.scale.float().reshape(qa.scale.shape[0], -1)
+            scale = qa.scale.float().reshape(qa.scale.shape[0], _scale_words(self.wire, self.hidden))
             if rows is not None:
                 scale = scale.index_select(0, rows)
             parts.append(scale.contiguous().view(torch.int32))

@@ -1,0 +1,292 @@
+"""One rank of an EP test run: ``python worker.py SCENARIO WORLD RANK PORT OUT_DIR [BACKEND]``.
+
+Started by ``tests/ep/harness.py`` (one process per rank, 127.0.0.1). Runs every case of the
+scenario and writes ``OUT_DIR/rank{RANK}.json``: ``{"cases": {name: result}}`` or
+``{"error": traceback}``. The parent test asserts on the results, so a failing check names the
+case, the rank and the numbers.
+
+Scenarios:
+- ``layer``: ``MoELayer`` with ``torch_a2a`` (normal and masked, every wire dtype, several
+  routings) against the single-process reference layer on this rank's tokens.
+- ``comm``: the dispatcher alone, checking the layouts (each token once per destination rank,
+  counts, order, masked_m, garbage rows ignored) with a float64 stand-in for the experts.
+- ``errors``: masked capacity overflow, ids out of range (normal mode), bad shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from moe_core import MoEConfig, MoELayer, TopK, plan  # noqa: E402
+from moe_core.backends import BackendSpec, Role  # noqa: E402
+from moe_core.contracts import (  # noqa: E402
+    EPMaskedCombine,
+    EPMaskedDispatch,
+    EPNormalCombine,
+    EPNormalDispatch,
+    Format,
+    WireDtype,
+)
+from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.runtime import BackendContext  # noqa: E402
+from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error  # noqa: E402
+
+E, K, H, I = 16, 4, 256, 128
+CAPACITY = 40
+WIRES = ("bf16", "fp8", "int8")
+MODES = (Format.EP_NORMAL, Format.EP_MASKED)
+
+
+def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Tensor, TopK]]:
+    """name -> (hidden [T, H] bf16, topk) of this rank's tokens. Different seeds per rank."""
+    el = E // world
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+
+    def make(t: int, **kw):
+        return make_hidden(t, H, torch.bfloat16, gen), make_topk(t, K, E, gen, **kw)
+
+    return {
+        # -1 ids sprinkled, one token with no expert at all, odd size differing per rank
+        "uniform": make(23 + 4 * rank, neg_fraction=0.25, empty_token=True),
+        # every token of every rank goes to rank 0's experts
+        "skewed": make(CAPACITY - rank, experts_subset=range(0, el)),
+        # rank 1 has no tokens, rank 0 has one
+        "zero_ranks": make({0: 1, 1: 0}.get(rank, 17)),
+        # nobody has tokens
+        "idle": make(0),
+        # exactly at the masked capacity
+        "full": make(CAPACITY),
+    }
+
+
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16) -> MoEConfig:
+    return MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
+                     ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
+                     experts="reference", dispatch_dtype=wire, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w13, w2 = make_float_weights(E, H, I, gen)
+    return {"w13": w13.bfloat16(), "w2": w2.bfloat16()}
+
+
+def build_layer(cfg: MoEConfig, fmt: Format, weights: dict, device: torch.device) -> MoELayer:
+    p = plan(cfg)
+    if p.format is not fmt:  # masked is chosen by the planner only for CUDA graphs: ask for it here
+        p = dataclasses.replace(p, format=fmt)
+    layer = MoELayer(cfg, plan=p, device=device)
+    layer.load_weights(**{k: v.to(device) for k, v in weights.items()})
+    layer.process_weights()
+    return layer
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    weights = checkpoint(seed)
+    cases = routing_cases(world, rank, seed)
+    results = {}
+    for wire in WIRES:
+        ref_layers = {}
+        for w in {wire, "bf16"}:
+            cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatcher="standard",
+                            experts="reference", dispatch_dtype=w, device="cpu")
+            ref_layers[w] = build_layer(cfg, Format.STANDARD, weights, torch.device("cpu"))
+        for fmt in MODES:
+            layer = build_layer(ep_config(world, rank, wire), fmt, weights, device)
+            assert layer.plan.dispatcher.name == "torch_a2a" and layer.plan.dispatch_dtype is WireDtype(wire)
+            for name, (x, topk) in cases.items():
+                out = layer(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))).cpu()
+                ref = ref_layers[wire](x, topk)
+                ref16 = ref_layers["bf16"](x, topk)
+                results[f"{fmt}/{wire}/{name}"] = {
+                    "tokens": x.shape[0], "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
+                    "err": rel_error(out, ref), "err_vs_bf16": rel_error(out, ref16),
+                    "finite": bool(torch.isfinite(out.float()).all()),
+                }
+    return results
+
+
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire)
+    spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
+                       formats=MODES, devices=frozenset({"cpu", "cuda"}))
+    return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
+
+
+def _expert_fn(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """Stand-in expert ``e``: a distinct float64 map per global expert id."""
+    return torch.tanh(x.double()) * (1.0 + e.double().unsqueeze(-1)) + e.double().unsqueeze(-1) / 10
+
+
+def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    el = E // world
+    first = rank * el
+    # every rank knows every rank's tokens (same generators), to check what it should receive
+    all_cases = [routing_cases(world, r, seed) for r in range(world)]
+    results = {}
+    for fmt in MODES:
+        for wire in WIRES:
+            d = _make_dispatcher(world, rank, fmt, wire)
+            for name, (x, topk) in all_cases[rank].items():
+                key = f"{fmt}/{wire}/{name}"
+                dev_topk = TopK(topk.weights.to(device), topk.ids.to(device))
+                out_d = d.dispatch(x.to(device), dev_topk)
+                checks = {}
+                deq = out_d.hidden.dequantize(torch.float32).cpu()
+                if fmt is Format.EP_NORMAL:
+                    assert isinstance(out_d, EPNormalDispatch)
+                    # expected rows: for each source rank in order, its tokens that use an expert here
+                    exp_rows, exp_ids, exp_w = [], [], []
+                    for src in range(world):
+                        xs, ts = all_cases[src][name]
+                        ids = ts.ids.long()
+                        mine = (ids >= first) & (ids < first + el)
+                        sel = mine.any(1)
+                        exp_rows.append(_wire_roundtrip(xs, wire)[sel].float())
+                        exp_ids.append(torch.where(mine, ids - first, -1)[sel])
+                        exp_w.append(torch.where(mine, ts.weights, 0.0)[sel])
+                    exp_rows, exp_ids, exp_w = torch.cat(exp_rows), torch.cat(exp_ids), torch.cat(exp_w)
+                    counts = torch.bincount(exp_ids[exp_ids >= 0], minlength=el)
+                    checks["rows"] = deq.shape[0] == exp_rows.shape[0]
+                    checks["ids"] = torch.equal(out_d.topk.ids.cpu().long(), exp_ids)
+                    checks["weights"] = torch.equal(out_d.topk.weights.cpu(), exp_w)
+                    checks["counts"] = torch.equal(out_d.expert_counts.cpu().long(), counts)
+                    checks["counts_host"] = list(out_d.expert_counts_host) == counts.tolist()
+                    data_err = rel_error(deq, exp_rows) if checks["rows"] else float("inf")
+                    # stand-in experts: weighted sum over local experts, float64
+                    lid = out_d.topk.ids.cpu().long()
+                    y = torch.zeros(deq.shape[0], H, dtype=torch.float64)
+                    for j in range(K):
+                        ok = lid[:, j] >= 0
+                        y += torch.where(ok.unsqueeze(1), _expert_fn(deq, lid[:, j] + first)
+                                         * out_d.topk.weights.cpu()[:, j:j + 1].double(), 0.0)
+                    out = d.combine(EPNormalCombine(y.to(torch.bfloat16).to(device), out_d.handle)).cpu()
+                else:
+                    assert isinstance(out_d, EPMaskedDispatch)
+                    cw = CAPACITY * world
+                    m = out_d.masked_m.cpu().long()
+                    exp_counts = torch.zeros(el, dtype=torch.long)
+                    exp_rows = [[] for _ in range(el)]
+                    for src in range(world):
+                        xs, ts = all_cases[src][name]
+                        xs = _wire_roundtrip(xs, wire).float()
+                        for t, row in enumerate(ts.ids.long().tolist()):
+                            for e in row:
+                                if first <= e < first + el:
+                                    exp_counts[e - first] += 1
+                                    exp_rows[e - first].append(xs[t])
+                    checks["shape"] = list(deq.shape) == [el, cw, H]
+                    checks["masked_m"] = torch.equal(m, exp_counts)
+                    # valid rows are the expected rows, in (source, token) order
+                    errs = []
+                    for e in range(el):
+                        if exp_rows[e] and int(m[e]) == len(exp_rows[e]):
+                            errs.append(rel_error(deq[e, :len(exp_rows[e])], torch.stack(exp_rows[e])))
+                    data_err = max(errs, default=0.0)
+                    # stand-in experts, unweighted; rows past masked_m are NaN and must be ignored
+                    y = torch.full((el, cw, H), float("nan"), dtype=torch.float64)
+                    for e in range(el):
+                        n = int(m[e])
+                        y[e, :n] = _expert_fn(deq[e, :n], torch.full((n,), first + e))
+                    ci = EPMaskedCombine(y.to(torch.bfloat16).to(device), out_d.topk, out_d.handle)
+                    out = d.combine(ci).cpu()
+                    # combine with other weights (the same values, a new tensor): exchanged again
+                    ci2 = EPMaskedCombine(ci.hidden, TopK(out_d.topk.weights.clone(), out_d.topk.ids), out_d.handle)
+                    checks["reweighted_same"] = rel_error(d.combine(ci2).cpu(), out) < 1e-6
+                # expected output from this rank's own tokens, float64 on the wire-dequantized input
+                ids = topk.ids.long()
+                ref = torch.zeros(x.shape[0], H, dtype=torch.float64)
+                xq = _wire_roundtrip(x, wire)
+                for j in range(K):
+                    ok = ids[:, j] >= 0
+                    ref += torch.where(ok.unsqueeze(1), _expert_fn(xq, ids[:, j].clamp(min=0))
+                                       * topk.weights[:, j:j + 1].double(), 0.0)
+                results[key] = {"checks": checks, "data_err": data_err, "err": rel_error(out, ref),
+                                "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
+                                "tokens": x.shape[0]}
+    return results
+
+
+def _wire_roundtrip(x: torch.Tensor, wire: str) -> torch.Tensor:
+    from moe_core import quant
+
+    return quant.quantize_activations(x, WireDtype(wire)).dequantize(torch.float64)
+
+
+def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    results = {}
+    gen = torch.Generator().manual_seed(seed + rank)
+    # masked capacity overflow: every rank overflows (it raises before any collective)
+    d = _make_dispatcher(world, rank, Format.EP_MASKED, "bf16")
+    x, topk = make_hidden(CAPACITY + 1, H, torch.bfloat16, gen), make_topk(CAPACITY + 1, K, E, gen)
+    try:
+        d.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
+        results["overflow"] = {"raised": False}
+    except ValueError as exc:
+        results["overflow"] = {"raised": True, "message": str(exc)}
+    # ids out of range in normal mode, on rank 0 only: every rank raises, nobody hangs
+    d = _make_dispatcher(world, rank, Format.EP_NORMAL, "bf16")
+    x, topk = make_hidden(5, H, torch.bfloat16, gen), make_topk(5, K, E, gen)
+    ids = topk.ids.clone()
+    if rank == 0:
+        ids[2, 1] = E + 3
+    try:
+        d.dispatch(x.to(device), TopK(topk.weights.to(device), ids.to(device)))
+        results["bad_ids"] = {"raised": False}
+    except ValueError as exc:
+        results["bad_ids"] = {"raised": True, "message": str(exc)}
+    # the group is still usable afterwards
+    out_d = d.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
+    results["after_error"] = {"rows": int(out_d.hidden.shape[0])}
+    # wrong hidden size
+    try:
+        d.dispatch(torch.zeros(3, H + 1, dtype=torch.bfloat16, device=device),
+                   TopK(topk.weights[:3].to(device), topk.ids[:3].to(device)))
+        results["bad_shape"] = {"raised": False}
+    except ValueError as exc:
+        results["bad_shape"] = {"raised": True, "message": str(exc)}
+    return results
+
+
+SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors}
+
+
+def main() -> None:
+    scenario, world, rank, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
+    seed = int(os.environ.get("MOE_EP_TEST_SEED", "0")) or int.from_bytes(os.urandom(3), "little")
+    torch.set_num_threads(1)
+    result: dict = {"seed": seed}
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+        try:
+            result["cases"] = SCENARIOS[scenario](world, rank, device, seed)
+        finally:
+            dist.destroy_process_group()
+    except Exception:
+        result["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
