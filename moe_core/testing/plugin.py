@@ -114,7 +114,8 @@ class KitSession:
                 spec = self.ctx.spec(name)
             except KitFailure as exc:
                 raise pytest.UsageError(f"--moe-backend {name}: {exc}") from None
-            parent = KitBackend.from_parent(session, name=f"moe-kit[{spec.qualified_name}]")
+            name = f"moe-kit[{spec.qualified_name}]"
+            parent = KitBackend.from_parent(session, name=name, nodeid=name)
             for case in generate_cases(spec, options):
                 kit_items.append(KitItem.from_parent(parent, name=case.id, case=case, ctx=self.ctx))
         if not config.getoption("moe_kit_with_tests") and items:
