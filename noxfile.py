@@ -32,7 +32,7 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11")
-@nox.parametrize("backend", ["reference", "standard", "torch_a2a", "example_experts"])
+@nox.parametrize("backend", ["reference", "standard", "torch_a2a", "simple"])
 def conformance(session: nox.Session, backend: str) -> None:
     """The conformance kit on one backend (as a vendor would run it on theirs)."""
     session.install(TORCH, "-e", ".[test]", "-e", "examples/moe-plugin-example")
