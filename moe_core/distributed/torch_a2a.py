@@ -122,6 +122,21 @@ def _bytes_out(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows ``[..., nbytes]`` viewed as the widest integer words that divide a row, so index
+    kernels copy 8 bytes per element instead of 1."""
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if rows.shape[-1] % size == 0 and rows.storage_offset() % size == 0 and all(
+                st % size == 0 for st in rows.stride()[:-1]):
+            return rows.view(dtype)
+    return rows
+
+
+def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t.index_select(0, index)`` for a 2-D tensor, copying whole rows as wide words."""
+    return _words(_bytes(t)).index_select(0, index).view(torch.uint8).view(t.dtype).view(-1, t.shape[1])
+
+
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
     """fp32 scale words per row on the wire."""
     if dtype is WireDtype.FP8:
@@ -142,9 +157,8 @@ class _NormalHandle:
 
 @dataclass(frozen=True)
 class _MaskedHandle:
-    slab_index: torch.Tensor  # int64 [W*C, K]: flat slab row of each received (row, k) pair
-    pair_valid: torch.Tensor  # bool [W*C, K]
-    pair_weight: torch.Tensor  # fp32 [W*C, K]: sender's weights (0 where not valid)
+    gather_index: torch.Tensor  # int64 [W*C, K]: slab row read for each received (row, k) pair
+    pair_weight: torch.Tensor  # fp32 [W*C, K]: sender's weights (0 for pairs not here)
     hit: torch.Tensor  # bool [T, W]: token t was sent to rank r
     pos: torch.Tensor  # int64 [T, W]: its slot in the block for rank r
     src: torch.Tensor  # int64 [W*C]: source token of each sent slot (sender side)
@@ -284,7 +298,7 @@ class TorchA2ADispatcher(Dispatcher):
         local = (row_ids >= 0) & (row_ids // el == dst.unsqueeze(1))
         lids = torch.where(local, row_ids - dst.unsqueeze(1) * el, -1)
         weights = torch.where(local, topk.weights.index_select(0, src_token), 0.0)
-        send_data = qa.data.index_select(0, src_token)
+        send_data = _gather_rows(qa.data, src_token)
         send_meta = self._row_meta(qa, src_token, lids, weights)
 
         n_recv = sum(recv_counts)
@@ -329,7 +343,7 @@ class TorchA2ADispatcher(Dispatcher):
         pos = hit.cumsum(0) - 1
         ranks = torch.arange(w, device=dev)
         slot = torch.where(hit.bool(), ranks * c + pos, cw).flatten()  # [T*W]; cw = discard
-        tokens = torch.arange(t, device=dev).repeat_interleave(w)
+        tokens = torch.arange(t, device=dev).unsqueeze(1).expand(t, w).reshape(-1)
         src = torch.zeros(cw + 1, dtype=torch.int64, device=dev).scatter_(0, slot, tokens)[:cw]
         row_used = torch.zeros(cw + 1, dtype=torch.bool, device=dev).scatter_(0, slot, hit.bool().flatten())[:cw]
 
@@ -352,9 +366,9 @@ class TorchA2ADispatcher(Dispatcher):
         # per destination chunk: [C data rows | C meta rows], so data blocks stay contiguous
         send = torch.empty(w, c * (db + mb), dtype=torch.uint8, device=dev)
         if t:
-            xb = _bytes(qa.data)
+            xb = _words(_bytes(qa.data))
             for r in range(w):
-                torch.index_select(xb, 0, src[r * c:(r + 1) * c], out=send[r, :c * db].view(c, db))
+                torch.index_select(xb, 0, src[r * c:(r + 1) * c], out=_words(send[r, :c * db].view(c, db)))
         send[:, c * db:].copy_(meta.view(torch.uint8).view(w, c * mb))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
@@ -374,7 +388,7 @@ class TorchA2ADispatcher(Dispatcher):
         slab_index = torch.where(key < el, key * cw + rank_in.clamp(max=cw - 1), el * cw + arange_p % cw)
         slab_index = slab_index.view(w, c, k)
         slab = torch.empty((el + 1) * cw, db, dtype=torch.uint8, device=dev)
-        slab.index_put_((slab_index,), rdata.unsqueeze(2))
+        _words(slab).index_put_((slab_index,), _words(rdata).unsqueeze(2))
         slab_scale = None
         if scale is not None:
             ns = scale.shape[1]
@@ -384,7 +398,12 @@ class TorchA2ADispatcher(Dispatcher):
         data = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
         hidden = QuantizedActivations(data, self.wire, slab_scale, ue8m0=qa.ue8m0)
         masked_m = counts[:el].clamp(max=cw).to(torch.int32)
-        handle = _MaskedHandle(slab_index.view(cw, k), pair_valid, rweights, hit.bool(), pos, src, send_valid,
+        # combine reads every (row, k) pair: pairs not here read the row's first valid pair (finite,
+        # weight 0), never a row past masked_m (garbage, maybe NaN); rows with no pair read row 0
+        slab_index = slab_index.view(cw, k)
+        first = slab_index.gather(1, pair_valid.to(torch.int8).argmax(dim=1, keepdim=True))
+        gather_index = torch.where(pair_valid, slab_index, torch.where(pair_valid.any(1, keepdim=True), first, 0))
+        handle = _MaskedHandle(gather_index, rweights, hit.bool(), pos, src, send_valid,
                                topk.weights, t, x.dtype)
         return EPMaskedDispatch(hidden, masked_m, topk, handle)
 
@@ -413,15 +432,11 @@ class TorchA2ADispatcher(Dispatcher):
             pair_weight = torch.empty_like(slot_w)
             _a2a(pair_weight, slot_w, None, None, self.group)
 
-        # weighted sum over this rank's experts, one row per received (source rank, token) slot
-        y_rows = y.reshape(el * cw, self.hidden)
-        index = torch.where(h.pair_valid, h.slab_index, 0)
-        acc = torch.zeros(cw, self.hidden, dtype=torch.float32, device=y.device)
-        for j in range(k):
-            g = y_rows.index_select(0, index[:, j]).float()
-            g.masked_fill_(~h.pair_valid[:, j:j + 1], 0.0)  # rows past masked_m may hold NaN
-            acc.addcmul_(g, pair_weight[:, j:j + 1])
-        send = acc.to(y.dtype)
+        # weighted sum over this rank's experts, one row per received (source rank, token) slot:
+        # gather the K rows of each slot, then one batched [1, K] x [K, H] product (fp32 accumulation)
+        g = _gather_rows(y.reshape(el * cw, self.hidden), h.gather_index.flatten()).view(cw, k, self.hidden)
+        # (rows with no expert here read garbage, possibly NaN: the sender masks them out)
+        send = torch.bmm(pair_weight.to(y.dtype).unsqueeze(1), g).squeeze(1)
         back = torch.empty_like(send)
         _a2a(back, send, None, None, self.group)
 

@@ -1,0 +1,218 @@
+"""Benchmark ``torch_a2a`` dispatch and combine on NCCL next to raw ``all_to_all_single``.
+
+    PYTHONPATH=. python benchmarks/ep/bench_torch_a2a.py --world 2 --out results/
+
+DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random routing (distinct
+experts per token), 128 and 4096 tokens per rank, both modes, bf16 and fp8 wire. One GPU per rank.
+
+Bandwidth = bytes this rank actually hands to the collectives of the stage (all destinations,
+its own chunk included) / time of the whole stage (quantization, layout, host sync, slab
+expansion or reduction included). The raw figure is ``all_to_all_single`` of byte buffers with
+exactly the same split sizes, measured in the same run; ``ratio`` = stage bandwidth / raw
+bandwidth = raw time / stage time. Times are medians over iterations of the slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from moe_core import MoEConfig, TopK  # noqa: E402
+from moe_core.backends import BackendSpec, Role  # noqa: E402
+from moe_core.contracts import EPMaskedCombine, EPNormalCombine, Format, WireDtype  # noqa: E402
+from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.runtime import BackendContext  # noqa: E402
+
+DEVICE = "cuda"  # "cpu" with --cpu (a gloo smoke test of the script itself)
+
+
+def _timed(fn, iters: int, warmup: int) -> list[float]:
+    """Per-iteration milliseconds of ``fn`` (ranks aligned by a barrier before each), slowest rank."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:  # --cpu smoke test on gloo
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        t = torch.tensor([ms], device=DEVICE)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return times
+
+
+def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int, warmup: int) -> float:
+    """Median ms of all_to_all_single moving the same bytes with the same splits."""
+    inp = torch.empty(sum(send_rows), row_bytes, dtype=torch.uint8, device=DEVICE)
+    out = torch.empty(sum(recv_rows), row_bytes, dtype=torch.uint8, device=DEVICE)
+    even = len(set(send_rows)) == 1 and len(set(recv_rows)) == 1
+    splits = (None, None) if even else (recv_rows, send_rows)
+    return statistics.median(_timed(lambda: dist.all_to_all_single(out, inp, *splits), iters, warmup))
+
+
+def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, args) -> dict:
+    e, k, h = args.experts, args.top_k, args.hidden
+    el = e // world
+    cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
+                    max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire)
+    spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
+                       formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
+    d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
+    gen = torch.Generator(device=DEVICE).manual_seed(1234 + rank)
+    x = torch.randn(tokens, h, device=DEVICE, generator=gen).bfloat16()
+    ids = torch.rand(tokens, e, device=DEVICE, generator=gen).topk(k, dim=1).indices.int()
+    weights = torch.softmax(torch.randn(tokens, k, device=DEVICE, generator=gen), dim=1)
+    topk = TopK(weights, ids)
+
+    out = d.dispatch(x, topk)
+    _sync()
+    ms_dispatch = statistics.median(_timed(lambda: d.dispatch(x, topk), args.iters, args.warmup))
+    hb = h * 2  # combine moves bf16
+    if fmt is Format.EP_NORMAL:
+        hd = out.handle
+        ci = EPNormalCombine(torch.randn(sum(hd.recv_counts), h, device=DEVICE, dtype=torch.bfloat16), hd)
+        send_rows, recv_rows = hd.send_counts, hd.recv_counts
+        meta_bytes = 4 * (_scale_words(wire, h) + 2 * k)
+        row_bytes = (h * (2 if wire == "bf16" else 1)) + meta_bytes  # data + side block, per sent row
+        d_send_rows, d_recv_rows = send_rows, recv_rows
+        c_send_rows, c_recv_rows = recv_rows, send_rows
+        valid_rows = sum(send_rows)
+    else:
+        del out  # free the dispatch slab before allocating the experts' output slab
+        _empty_cache()
+        out = d.dispatch(x, topk)
+        y = torch.empty(el, tokens * world, h, device=DEVICE, dtype=torch.bfloat16).normal_()
+        ci = EPMaskedCombine(y, out.topk, out.handle)
+        meta_bytes = 4 * (_scale_words(wire, h) + 2 * k)
+        row_bytes = (h * (2 if wire == "bf16" else 1)) + meta_bytes
+        d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
+        valid_rows = int(out.handle.hit.sum())
+    _sync()
+    ms_combine = statistics.median(_timed(lambda: d.combine(ci), args.iters, args.warmup))
+    raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
+    raw_combine = _raw(c_send_rows, c_recv_rows, hb, args.iters, args.warmup)
+    d_bytes = sum(d_send_rows) * row_bytes
+    c_bytes = sum(c_send_rows) * hb
+    del ci, out
+    _empty_cache()
+
+    def gbps(nbytes: int, ms: float) -> float:
+        return nbytes / (ms * 1e-3) / 1e9
+
+    return {
+        "tokens_per_rank": tokens, "mode": str(fmt), "wire": wire, "world": world,
+        "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
+        "dispatch_bytes": d_bytes, "dispatch_ms": ms_dispatch, "dispatch_GBps": gbps(d_bytes, ms_dispatch),
+        "raw_dispatch_ms": raw_dispatch, "raw_dispatch_GBps": gbps(d_bytes, raw_dispatch),
+        "dispatch_ratio": raw_dispatch / ms_dispatch,
+        "combine_bytes": c_bytes, "combine_ms": ms_combine, "combine_GBps": gbps(c_bytes, ms_combine),
+        "raw_combine_ms": raw_combine, "raw_combine_GBps": gbps(c_bytes, raw_combine),
+        "combine_ratio": raw_combine / ms_combine,
+    }
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _scale_words(wire: str, h: int) -> int:
+    return {"bf16": 0, "fp8": -(-h // 128), "int8": 1}[wire]
+
+
+def worker(rank: int, world: int, port: int, args, queue) -> None:
+    global DEVICE
+    if args.cpu:
+        DEVICE = "cpu"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
+                                device_id=torch.device("cuda", rank))
+    rows = []
+    for tokens in args.tokens:
+        for fmt in (Format.EP_NORMAL, Format.EP_MASKED):
+            for wire in args.wires:
+                r = bench_case(rank, world, tokens, fmt, wire, args)
+                rows.append(r)
+                if rank == 0:
+                    print(json.dumps(r), flush=True)
+    if rank == 0:
+        queue.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| tokens/rank | mode | wire | dispatch ms | dispatch GB/s | raw a2a GB/s | ratio | "
+             "combine ms | combine GB/s | raw a2a GB/s | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['tokens_per_rank']} | {r['mode']} | {r['wire']} | {r['dispatch_ms']:.3f} | "
+                     f"{r['dispatch_GBps']:.1f} | {r['raw_dispatch_GBps']:.1f} | {r['dispatch_ratio']:.0%} | "
+                     f"{r['combine_ms']:.3f} | {r['combine_GBps']:.1f} | {r['raw_combine_GBps']:.1f} | "
+                     f"{r['combine_ratio']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    p.add_argument("--wires", nargs="+", default=["bf16", "fp8"])
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="smoke-test the script on gloo/CPU (numbers meaningless)")
+    p.add_argument("--out", default=None, help="directory for results.json and results.md")
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(args.world, port, args, queue), nprocs=args.world, start_method="spawn")
+    rows = queue.get()
+    md = table(rows)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        meta = {"command": " ".join(sys.argv), "world": args.world, "torch": torch.__version__}
+        if not args.cpu:
+            meta.update(device=torch.cuda.get_device_name(0), nccl=".".join(map(str, torch.cuda.nccl.version())))
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(json.dumps(meta) + "\n\n" + md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""``torch_a2a`` on NCCL, one GPU per rank (skipped without 2 CUDA devices).
+
+The gloo scenarios again on GPUs, plus the graph-safety claim of masked mode: no host sync
+(``torch.cuda.set_sync_debug_mode("error")``) and CUDA-graph capture + replay. Also runnable
+without pytest: ``PYTHONPATH=. python tests/ep/test_torch_a2a_nccl.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import run_ranks  # noqa: E402
+from test_torch_a2a import TOL, TOL_VS_BF16, _cases  # noqa: E402
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+WORLDS = [w for w in (2, 4) if w <= GPUS] or [2]
+pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
+              pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices (NCCL, one GPU per rank)")]
+TIMEOUT = 240
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_layer_nccl(world):
+    for where, name, case in _cases(run_ranks("layer", world, TIMEOUT, backend="nccl")):
+        wire = name.split("/")[1]
+        assert case["shape_ok"] and case["finite"], where
+        assert case["err"] <= TOL[wire], f"{where}: rel err {case['err']:.3g}"
+        assert case["err_vs_bf16"] <= TOL_VS_BF16[wire], f"{where}: rel err vs bf16 {case['err_vs_bf16']:.3g}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_dispatch_layout_nccl(world):
+    for where, name, case in _cases(run_ranks("comm", world, TIMEOUT, backend="nccl")):
+        assert case["shape_ok"] and all(case["checks"].values()), f"{where}: {case['checks']}"
+        assert case["data_err"] <= 1e-6 and case["err"] <= 1e-2, f"{where}: {case}"
+
+
+def test_errors_nccl():
+    for res in run_ranks("errors", 2, TIMEOUT, backend="nccl"):
+        c = res["cases"]
+        assert c["overflow"]["raised"] and "max_tokens_per_rank=40" in c["overflow"]["message"]
+        assert c["bad_ids"]["raised"] and c["after_error"]["rows"] > 0 and c["bad_shape"]["raised"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_masked_graph_safe_nccl(world):
+    for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
+        assert case["host_sync"] is None, f"{where}: masked mode synced with the host: {case['host_sync']}"
+        assert case["no_sync_err"] == 0.0, f"{where}: {case}"
+        assert case["expected_norm"] > 0 and case["replay_err"] <= 1e-6, f"{where}: CUDA graph replay differs: {case}"
+
+
+if __name__ == "__main__":
+    failed = 0
+    for fn, args in [(test_layer_nccl, WORLDS), (test_dispatch_layout_nccl, WORLDS), (test_errors_nccl, [None]),
+                     (test_masked_graph_safe_nccl, WORLDS)]:
+        for a in args:
+            name = f"{fn.__name__}[{a}]" if a is not None else fn.__name__
+            try:
+                fn(a) if a is not None else fn()
+                print("PASSED", name, flush=True)
+            except Exception as exc:  # report every test, like pytest would
+                failed += 1
+                print("FAILED", name, f"{type(exc).__name__}: {exc}"[:3000], flush=True)
+    sys.exit(1 if failed else 0)
