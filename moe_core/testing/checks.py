@@ -46,6 +46,8 @@ REFERENCE_EXPERTS = "reference.reference"
 
 # Planner verdicts that mean "not on this machine / not this shape": the case is skipped with the
 # reason. Anything else rejecting a *claimed* capability contradicts the declaration: a failure.
+EXACT_SLACK = 1.5  # a backend may be up to 1.5x as far from the exact math as the reference
+
 SKIP_CODES = frozenset({Code.NOT_INSTALLED, Code.NO_DEVICE, Code.UNSUPPORTED_ARCH, Code.UNSUPPORTED_SHAPE,
                         Code.DISABLED})
 
@@ -63,7 +65,7 @@ def base_config(ctx: KitContext, spec: BackendSpec, kind: str, p: dict[str, Any]
         apply_router_weight_on_input=p.get("apply_router_weight_on_input", False), device=kind,
     )
     if spec.role is Role.FUSED:
-        fields.update(dispatcher=spec.qualified_name, experts=spec.qualified_name)
+        fields.update(dispatcher=spec.qualified_name, experts=spec.qualified_name, max_tokens_per_rank=s.tokens_large)
     elif spec.role is Role.EXPERTS:
         fields.update(dispatcher=REFERENCE_DISPATCHER, experts=spec.qualified_name)
     if "wire" in p:
@@ -313,12 +315,46 @@ class ExpertsHarness:
         if out.dtype != ref.dtype:
             raise KitFailure(f"{where}output dtype {out.dtype}, reference {ref.dtype} (the layer's params dtype)")
         err = rel_error(out, ref)
+        exact_note = ""
+        if err > self.tol and math.isfinite(err) and self.scheme is not QuantScheme.UNQUANTIZED:
+            # A backend may round differently from the reference (e.g. fp8 e4m3fnuz on MI300): then
+            # it passes if it is no further from the exact float64 math than the reference is.
+            exact = self.exact()
+            e_out, e_ref = rel_error(out, exact), rel_error(ref, exact)
+            if e_out <= EXACT_SLACK * e_ref:
+                self._check_empty_tokens(out, where)
+                return err
+            exact_note = (f"; vs the exact float64 computation (dequantized weights, no activation rounding) the "
+                          f"backend's error is {_fmt(e_out)}, the reference's {_fmt(e_ref)} (allowed: "
+                          f"{EXACT_SLACK:g}x the reference's)")
         if err <= self.tol:
             self._check_empty_tokens(out, where)
             return err
         raise KitFailure(f"{where}relative error {_fmt(err)} > tolerance {self.tol:g} vs the reference backend "
                          f"(norm(out - ref) / norm(ref); scheme {self.scheme}, wire {self.wire}, format {self.fmt}, "
-                         f"T={self.tokens}, top_k={self.top_k})" + self._diagnose(out, ref))
+                         f"T={self.tokens}, top_k={self.top_k}){exact_note}" + self._diagnose(out, ref))
+
+    def exact(self) -> torch.Tensor:
+        """The case in float64 from the dequantized weights and the wire-dequantized inputs,
+        without activation rounding inside the experts (``moe_core.reference.oracle``)."""
+        from moe_core.reference.oracle import moe_float64
+
+        w13, w2 = quant.dequantize_weights(self.ref.weight_tensors(), self.scheme)
+        cfg = self.config
+        kw = dict(activation=cfg.activation, routed_scaling_factor=cfg.routed_scaling_factor)
+        if self.fmt is Format.EP_MASKED:
+            d = self.dispatched
+            x = d.hidden.dequantize(torch.float32)[self.valid]
+            ids = self.valid.nonzero()[:, :1].to(torch.int32)  # each valid row: its local expert, weight 1
+            out = moe_float64(x, torch.ones(ids.shape), ids, w13, w2, **kw)
+        else:
+            if self.dispatched is None:
+                x = quant.quantize_activations(self.x, self.wire).dequantize(torch.float32)
+            else:
+                x = self.dispatched.hidden.dequantize(torch.float32)
+            out = moe_float64(x, self.topk.weights, self.topk.ids, w13, w2,
+                              apply_router_weight_on_input=cfg.apply_router_weight_on_input, **kw)
+        return out.to(cfg.params_dtype)
 
     def _check_empty_tokens(self, out: torch.Tensor, where: str) -> None:
         if self.fmt is Format.EP_MASKED or out.numel() == 0:
@@ -442,24 +478,23 @@ def add_honesty_cases(spec: BackendSpec, add: Callable[..., None]) -> None:
     """An unclaimed capability must be rejected by the planner, with a reason (not crash, not run)."""
     if spec.role in (Role.EXPERTS, Role.FUSED):
         for q in sorted(set(QuantScheme) - spec.quant_schemes, key=str):
-            add(f"honesty-unclaimed-quant-{q}", honesty, change={"quant": q}, codes={Code.UNSUPPORTED_QUANT})
+            add(f"honesty-unclaimed-quant-{q}", honesty, change={"quant": q})
         for a in sorted(set(Activation) - spec.activations, key=str):
-            add(f"honesty-unclaimed-activation-{a}", honesty, change={"activation": a}, codes={Code.UNSUPPORTED_SHAPE})
+            add(f"honesty-unclaimed-activation-{a}", honesty, change={"activation": a})
         if spec.role is Role.EXPERTS:
             for f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED):
                 if f not in spec.formats:
                     add(f"honesty-unclaimed-format-{f}", honesty_format, fmt=f)
     for w in WireDtype:
         if w not in spec.wire_dtypes:
-            add(f"honesty-unclaimed-wire-{w}", honesty, change={"dispatch_dtype": str(w)},
-                codes={Code.NO_COMMON_DTYPE})
+            add(f"honesty-unclaimed-wire-{w}", honesty, change={"dispatch_dtype": str(w)})
     if spec.ep == "none":
-        add("honesty-ep-none-rejects-ep2", honesty, change={"ep_size": 2}, codes={Code.UNSUPPORTED_PARALLEL})
+        add("honesty-ep-none-rejects-ep2", honesty, change={"ep_size": 2})
     if spec.ep == "required":
-        add("honesty-ep-required-rejects-ep1", honesty, change={"ep_size": 1}, codes={Code.UNSUPPORTED_PARALLEL})
+        add("honesty-ep-required-rejects-ep1", honesty, change={"ep_size": 1})
     for kind in ("cpu", "cuda", "rocm", "npu"):
         if kind not in spec.devices:
-            add(f"honesty-unclaimed-device-{kind}", honesty, change={"device": kind}, codes={Code.NO_DEVICE})
+            add(f"honesty-unclaimed-device-{kind}", honesty, change={"device": kind})
 
 
 def _honesty_config(ctx: KitContext, spec: BackendSpec, change: dict[str, Any]) -> MoEConfig:
@@ -468,33 +503,37 @@ def _honesty_config(ctx: KitContext, spec: BackendSpec, change: dict[str, Any]) 
                               else QuantScheme.UNQUANTIZED}
     if spec.role is Role.DISPATCHER:
         fields.update(dispatcher=spec.qualified_name, experts=REFERENCE_EXPERTS)
-        if spec.ep == "required":
-            fields["ep_size"] = 2
-        if Format.EP_MASKED in spec.formats:
-            fields["max_tokens_per_rank"] = 8
+    if spec.ep == "required":
+        fields["ep_size"] = 2
+    fields["max_tokens_per_rank"] = 8
     fields["device"] = kind
     fields.update(change)
     return base_config(ctx, spec, kind, {}, **fields)
 
 
-def _expect_rejection(ctx: KitContext, spec: BackendSpec, config: MoEConfig, what: str,
-                      codes: set[Code], pair: Optional[Callable[[Any], bool]] = None) -> None:
+def _expect_rejection(ctx: KitContext, spec: BackendSpec, base: MoEConfig, config: MoEConfig, what: str) -> None:
+    """``base`` must be accepted (else the check is meaningless: skipped); ``config`` (base with one
+    unclaimed capability) must be rejected with a reason for ``spec``."""
+    try:
+        make_plan(base, manager=ctx.manager, dry_run=True)
+    except PlanError as exc:
+        reasons = [r for rej in exc.rejected for r in rej.reasons]
+        raise KitSkip(f"{what}: cannot check, the base configuration is itself rejected: "
+                      + "; ".join(map(str, reasons[:3]))) from None
     try:
         p = make_plan(config, manager=ctx.manager, dry_run=True)
     except PlanError as exc:
-        mine = [rej for rej in exc.rejected if spec.qualified_name in (rej.dispatcher, rej.experts)
-                and (pair is None or pair(rej))]
+        mine = [rej for rej in exc.rejected if spec.qualified_name in (rej.dispatcher, rej.experts)]
         if not mine:
             raise KitFailure(f"{what}: the planner failed without naming {spec.qualified_name}: {exc.summary}") from None
         for rej in mine:
             if not rej.reasons:
                 raise KitFailure(f"{what}: {rej.dispatcher} x {rej.experts} was rejected without a reason")
-            if not any(r.code in codes for r in rej.reasons):
-                raise KitFailure(f"{what}: rejected, but not for the expected reason ({'/'.join(map(str, codes))}): "
-                                 + "; ".join(map(str, rej.reasons)))
         return
     except Exception as exc:
         raise KitFailure(f"{what}: planning crashed instead of rejecting: {type(exc).__name__}: {exc}") from exc
+    if config.dispatch_dtype != base.dispatch_dtype and p.dispatch_dtype in spec.wire_dtypes:
+        return  # the dtype chain replaced the unclaimed dtype by a declared one (recorded in the trail)
     raise KitFailure(f"{what}: the planner accepted it ({p.dispatcher_name} x {p.experts.qualified_name}, format "
                      f"{p.format}, dtype {p.dispatch_dtype}) although {spec.qualified_name} does not declare it")
 
@@ -503,7 +542,7 @@ def honesty(ctx: KitContext, case: Case) -> None:
     spec = ctx.spec(case.backend)
     change = case.params["change"]
     what = "unclaimed " + ", ".join(f"{k}={v}" for k, v in change.items())
-    _expect_rejection(ctx, spec, _honesty_config(ctx, spec, change), what, case.params["codes"])
+    _expect_rejection(ctx, spec, _honesty_config(ctx, spec, {}), _honesty_config(ctx, spec, change), what)
 
 
 def honesty_format(ctx: KitContext, case: Case) -> None:
@@ -518,9 +557,9 @@ def honesty_format(ctx: KitContext, case: Case) -> None:
     change: dict[str, Any] = {"dispatcher": d.qualified_name, "max_tokens_per_rank": 8}
     if d.ep == "required":
         change["ep_size"] = 2
-    config = _honesty_config(ctx, spec, change)
-    _expect_rejection(ctx, spec, config, f"unclaimed format {fmt} (from dispatcher {d.qualified_name})",
-                      {Code.FORMAT_MISMATCH})
+    base = _honesty_config(ctx, spec, {k: v for k, v in change.items() if k != "dispatcher"})
+    _expect_rejection(ctx, spec, base, _honesty_config(ctx, spec, change),
+                      f"unclaimed format {fmt} (from dispatcher {d.qualified_name})")
 
 
 # --------------------------------------------------------------------------- CUDA graphs
@@ -586,3 +625,7 @@ def graph_capture(ctx: KitContext, case: Case) -> None:
         graph.replay()  # same inputs: the captured combine input's tensors are rewritten in place
         torch.cuda.synchronize()
         h.compare(h._unpack(static_out, d), h.reference(), "graph replay vs reference")
+
+
+def not_covered(ctx: KitContext, case: Case) -> None:
+    raise KitSkip(case.params["reason"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing as mp
-import os
 import queue as queue_mod
 import socket
 import traceback

@@ -7,7 +7,6 @@ pytest plugin (``moe_core.testing.plugin``) turns the same cases into test items
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 import traceback
@@ -18,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from moe_core.backends import BackendSpec, Code, Reason, Role, load_object
+from moe_core.backends import BackendSpec, Role, load_object
 from moe_core.contracts import Format, QuantScheme, WireDtype
 from moe_core.testing.data import Shape
 
@@ -228,7 +227,10 @@ def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
 
     token_counts = (0, 1, shape.tokens_odd, shape.tokens_large)
     top_ks = sorted({1, shape.top_k})
-    if spec.role in (Role.EXPERTS, Role.FUSED):
+    if spec.role is Role.FUSED and spec.ep == "required":
+        add("experts-fused", checks.not_covered, reason=f"{name} declares ep='required': fused backends are only "
+            "checked in a single process by this version of the kit (EP worlds cover dispatchers)")
+    elif spec.role in (Role.EXPERTS, Role.FUSED):
         formats = [f for f in spec.formats if f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED)]
         if spec.role is Role.FUSED:
             formats = [Format.FUSED]
