@@ -156,7 +156,7 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                         ids = ts.ids.long()
                         mine = (ids >= first) & (ids < first + el)
                         sel = mine.any(1)
-                        exp_rows.append(_wire_roundtrip(xs, wire)[sel].float())
+                        exp_rows.append(_wire_roundtrip(xs, wire, device)[sel].float())
                         exp_ids.append(torch.where(mine, ids - first, -1)[sel])
                         exp_w.append(torch.where(mine, ts.weights, 0.0)[sel])
                     exp_rows, exp_ids, exp_w = torch.cat(exp_rows), torch.cat(exp_ids), torch.cat(exp_w)
@@ -183,7 +183,7 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                     exp_rows = [[] for _ in range(el)]
                     for src in range(world):
                         xs, ts = all_cases[src][name]
-                        xs = _wire_roundtrip(xs, wire).float()
+                        xs = _wire_roundtrip(xs, wire, device).float()
                         for t, row in enumerate(ts.ids.long().tolist()):
                             for e in row:
                                 if first <= e < first + el:
@@ -210,7 +210,7 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                 # expected output from this rank's own tokens, float64 on the wire-dequantized input
                 ids = topk.ids.long()
                 ref = torch.zeros(x.shape[0], H, dtype=torch.float64)
-                xq = _wire_roundtrip(x, wire)
+                xq = _wire_roundtrip(x, wire, device)
                 for j in range(K):
                     ok = ids[:, j] >= 0
                     ref += torch.where(ok.unsqueeze(1), _expert_fn(xq, ids[:, j].clamp(min=0))
@@ -221,10 +221,12 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
     return results
 
 
-def _wire_roundtrip(x: torch.Tensor, wire: str) -> torch.Tensor:
+def _wire_roundtrip(x: torch.Tensor, wire: str, device: torch.device) -> torch.Tensor:
+    """What the wire carries, quantized on the same device as the dispatcher does (CPU and CUDA
+    may round an FP8 tie differently), dequantized in float64 on the CPU."""
     from moe_core import quant
 
-    return quant.quantize_activations(x, WireDtype(wire)).dequantize(torch.float64)
+    return quant.quantize_activations(x.to(device), WireDtype(wire)).dequantize(torch.float32).cpu().double()
 
 
 def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> dict:
