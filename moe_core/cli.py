@@ -65,7 +65,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def _config_from_args(args: argparse.Namespace) -> MoEConfig:
     choices = dict(quant=QuantScheme(args.quant), ep_size=args.ep, device=args.device, cuda_graph=args.cuda_graph,
                    dispatcher=args.dispatcher, experts=args.experts_backend, dispatch_dtype=args.dispatch_dtype,
-                   activation=Activation(args.activation), max_tokens_per_rank=args.max_tokens_per_rank)
+                   dispatch_format=args.dispatch_format, activation=Activation(args.activation), max_tokens_per_rank=args.max_tokens_per_rank)
     if args.preset:
         sizes = {k: v for k, v in (("num_experts", args.experts), ("top_k", args.top_k),
                                    ("hidden_size", args.hidden), ("intermediate_size", args.intermediate)) if v}
@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatcher", default="auto")
     p.add_argument("--experts-backend", default="auto")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto"] + [str(d) for d in WireDtype])
+    p.add_argument("--dispatch-format", default="auto", choices=["auto", "standard", "ep_normal", "ep_masked"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda", "rocm", "npu"],
                    help="target device kind (default: this machine's)")
     p.add_argument("--cuda-graph", action="store_true", help="only graph-safe plans")

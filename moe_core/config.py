@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from moe_core.contracts import Activation, QuantScheme, WireDtype
+from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
 
 __all__ = ["MoEConfig", "RouterConfig", "PRESETS", "preset", "DEVICE_KINDS"]
 
@@ -70,6 +70,7 @@ class MoEConfig:
     dispatcher: str = AUTO
     experts: str = AUTO
     dispatch_dtype: str = AUTO
+    dispatch_format: str = AUTO  # ep_normal / ep_masked / standard: restrict the dispatch format
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +96,8 @@ class MoEConfig:
         object.__setattr__(self, "quant", QuantScheme(self.quant))
         if self.dispatch_dtype != AUTO:
             object.__setattr__(self, "dispatch_dtype", str(WireDtype(self.dispatch_dtype)))
+        if self.dispatch_format != AUTO:
+            object.__setattr__(self, "dispatch_format", str(Format(self.dispatch_format)))
         if self.params_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"MoEConfig.params_dtype must be bf16, fp16 or fp32, got {self.params_dtype}")
 

@@ -288,6 +288,12 @@ def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) 
                                  f"{e.qualified_name} accepts {'/'.join(map(str, e.formats))}",
                                  "pick experts that accept one of the dispatcher's formats")]
     reasons: list[Reason] = []
+    if config.dispatch_format != AUTO and d is not None:
+        if Format(config.dispatch_format) not in formats:
+            return None, [Reason(Code.FORMAT_MISMATCH, f"dispatch format {config.dispatch_format} requested; "
+                                 f"{d.qualified_name} x {e.qualified_name} can use {'/'.join(map(str, formats))}",
+                                 "choose backends that support it, or dispatch_format='auto'")]
+        formats = [Format(config.dispatch_format)]
     if config.cuda_graph:
         specs = [s for s in (d, e) if s is not None]
         safe = [f for f in formats if all(f in s.graph_safe_formats for s in specs)]

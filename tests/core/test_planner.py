@@ -172,3 +172,11 @@ def test_dry_run_plans_for_a_device_this_machine_lacks():
     real = mc.plan(cfg, manager=manager)  # not a dry run: the unavailable backend is rejected
     assert real.experts.name == "reference"
     assert mc.Code.NOT_INSTALLED in {r.code for rej in real.rejected for r in rej.reasons}
+
+
+def test_dispatch_format_choice_restricts_and_fails_closed():
+    manager = PluginManager(entry_points=[])
+    cfg = mc.MoEConfig(**BASE, ep_size=2, max_tokens_per_rank=32, dispatch_format="ep_masked")
+    assert mc.plan(cfg, manager=manager).format is mc.Format.EP_MASKED
+    with pytest.raises(mc.PlanError, match="dispatch format ep_masked requested"):
+        mc.plan(cfg.replace(ep_size=1, ep_rank=0), manager=manager)
