@@ -619,7 +619,8 @@ def graph_capture(ctx: KitContext, case: Case) -> None:
         topk.ids.copy_(new.ids)
         graph.replay()
         torch.cuda.synchronize()
-        eager = h.ref.forward(x.cpu(), TopK(topk.weights.cpu(), topk.ids.cpu()))
+        h.topk = TopK(topk.weights.cpu(), topk.ids.cpu())  # the replayed routing (for the empty-token check)
+        eager = h.ref.forward(x.cpu(), h.topk)
         h.compare(static_out.cpu(), eager, "graph replay on new inputs vs reference")
     else:
         graph.replay()  # same inputs: the captured combine input's tensors are rewritten in place
