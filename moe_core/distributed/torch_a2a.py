@@ -123,12 +123,10 @@ def _bytes_out(t: torch.Tensor) -> torch.Tensor:
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
-    """Byte rows ``[..., nbytes]`` viewed as the widest integer words that divide a row, so index
-    kernels copy 8 bytes per element instead of 1."""
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if rows.shape[-1] % size == 0 and rows.storage_offset() % size == 0 and all(
-                st % size == 0 for st in rows.stride()[:-1]):
-            return rows.view(dtype)
+    """Byte rows as the element type index copies use. Wide words (8 bytes per element) were
+    tried, but source and destination views could pick different word sizes (the INT8 masked wire
+    at H=256 broke; found by the conformance kit), so rows are copied as bytes until both sides
+    choose their word size together."""
     return rows
 
 
@@ -366,9 +364,11 @@ class TorchA2ADispatcher(Dispatcher):
         # per destination chunk: [C data rows | C meta rows], so data blocks stay contiguous
         send = torch.empty(w, c * (db + mb), dtype=torch.uint8, device=dev)
         if t:
-            xb = _words(_bytes(qa.data))
+            xb = _bytes(qa.data)
             for r in range(w):
-                torch.index_select(xb, 0, src[r * c:(r + 1) * c], out=_words(send[r, :c * db].view(c, db)))
+                # the word size follows the destination's alignment; the source (offset 0) takes any
+                dst = _words(send[r, :c * db].view(c, db))
+                torch.index_select(xb.view(dst.dtype), 0, src[r * c:(r + 1) * c], out=dst)
         send[:, c * db:].copy_(meta.view(torch.uint8).view(w, c * mb))
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
