@@ -19,7 +19,7 @@ from moe_core.contracts import (
 )
 from moe_core.runtime import Experts
 from moe_plugin_cuda import tuning_configs
-from moe_plugin_cuda.weights import expert_weights
+from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
 
 if TYPE_CHECKING:
     from moe_core.layer import MoELayer
@@ -52,6 +52,7 @@ class TritonExperts(Experts):
         self.config_dir = ctx.options.get("config_dir")
         self._configs: dict[int, dict] = {}
         self._device_name: Optional[str] = None
+        self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
 
     # ------------------------------------------------------------------ configs
     def launch_config(self, m: int, device: torch.device) -> dict:
@@ -71,12 +72,16 @@ class TritonExperts(Experts):
 
     # ------------------------------------------------------------------ weights
     def process_weights(self, layer: "MoELayer") -> None:
-        # The kernels read w13 [E, 2I, H] / w2 [E, H, I] (and the 128x128 block scales) in the
-        # checkpoint layout through strides: nothing to convert, only contiguity to ensure.
+        # w13 rows become gate/up interleaved (one GEMM1 accumulator, see triton_kernels), in place
+        # and once per loaded checkpoint (``InterleavedW13``); w2 and the 128x128 block scales stay
+        # in the checkpoint layout (the kernels map interleaved rows back to their scale rows).
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and not t.is_contiguous():
                 setattr(layer, name, type(t)(t.contiguous()) if isinstance(t, torch.nn.Parameter) else t.contiguous())
+        if not self.w13_layout.is_interleaved(layer.w13):
+            interleave_gate_up_(layer.w13)
+            self.w13_layout.mark(layer.w13)
 
     # ------------------------------------------------------------------ apply
     def _activations(self, qa: QuantizedActivations, flat: bool = True):
@@ -95,7 +100,7 @@ class TritonExperts(Experts):
         return self._ops.fused_experts(
             data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
             activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
-            cfg=self.launch_config(data.shape[0], data.device))
+            cfg=self.launch_config(data.shape[0], data.device), w13_interleaved=True)
 
     def apply(self, layer: "MoELayer", dispatched):
         if isinstance(dispatched, StandardDispatch):
@@ -112,6 +117,6 @@ class TritonExperts(Experts):
             out = self._ops.masked_experts(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
                                            activation=self.activation,
                                            routed_scaling_factor=self.config.routed_scaling_factor,
-                                           out_dtype=self.config.params_dtype, cfg=cfg)
+                                           out_dtype=self.config.params_dtype, cfg=cfg, w13_interleaved=True)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"triton experts do not accept {type(dispatched).__name__}")

@@ -6,11 +6,16 @@ Pipeline for STANDARD / EP_NORMAL (T tokens, top-k K, E local experts):
    BLOCK_M, write ``sorted_ids`` (slot index, sentinel ``T*K`` for padding), one expert id per
    M-block and the padded total. Slots with id -1 (or an id >= E) get no bucket at all: they are
    skipped by both GEMMs and masked out by the reduction. No host sync: the GEMM grids are sized
-   from an upper bound and blocks past the padded total return at once.
-2. ``gemm`` (gated): ``act(a @ w13[e, :I].T) * (a @ w13[e, I:].T)`` per slot, both halves in
-   one program (so the [T*K, 2I] intermediate never exists); FP8 block-scaled variant with the
-   per-token-group activation scales; for FP8 the epilogue quantizes its 128-column group of
-   the activated output straight to FP8 + scale (BLOCK_N == 128).
+   from an upper bound and blocks past the padded total return at once. Small T*K: one program
+   does histogram, scan and scatter (one launch); larger: count / scan / scatter kernels.
+2. ``gemm`` (gated): ``act(a @ gate.T) * (a @ up.T)`` per slot, so the [T*K, 2I] intermediate
+   never exists. Default (``GATE == 1``): ``w13`` rows are interleaved by ``process_weights``
+   (row 2j = gate j, row 2j+1 = up j), one accumulator covers BLOCK_N/2 (gate, up) pairs and the
+   epilogue splits them; this keeps one fp32 tile live, so BLOCK_M=128 fits in registers.
+   Fallback (``GATE == 2``): two accumulators (gate, up) over either layout. FP8 block-scaled
+   variant with the per-token-group activation scales; the weight scales stay in the checkpoint
+   layout (the kernel maps each B row back to its checkpoint row). When a program owns exactly
+   128 output columns the epilogue quantizes them straight to FP8 + scale.
 3. ``gemm`` (down): ``h @ w2[e].T`` times the slot's top-k weight, one row per slot.
 4. ``reduce``: ``out[t] = scale * sum_k [id(t,k) valid] * y[t*K + k]``.
 
@@ -48,23 +53,15 @@ def _align_count_kernel(ids_ptr, numel, chunk_counts_ptr, E: tl.constexpr, E_POW
 
 
 @triton.jit
-def _align_scan_kernel(chunk_counts_ptr, n_chunks, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-                       numel, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       CHUNKS_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr):
-    """One program: bucket starts, per-chunk cursors, expert id of each M-block, padding sentinels."""
-    bins = tl.arange(0, E_POW2)
-    crow = tl.arange(0, CHUNKS_POW2)
-    cmask = crow[:, None] < n_chunks
-    cc = tl.load(chunk_counts_ptr + crow[:, None] * E_POW2 + bins[None, :], mask=cmask, other=0)
-    counts = tl.sum(cc, axis=0)  # [E_POW2]
+def _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
+                   BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """From per-expert counts: padded total, expert of each M-block, padding sentinels.
+    Returns each bucket's start."""
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     cum = tl.cumsum(padded, axis=0)
     starts = cum - padded
     total = tl.sum(padded, axis=0)
     tl.store(post_pad_ptr, total)
-    # cursor of chunk c for expert e: bucket start + slots of e in earlier chunks
-    before = tl.cumsum(cc, axis=0) - cc
-    tl.store(cursor_ptr + crow[:, None] * E_POW2 + bins[None, :], starts[None, :] + before, mask=cmask)
     # padding slots of each bucket get the sentinel (at most BLOCK_M - 1 per expert)
     pad = tl.arange(0, BLOCK_M)
     pos = (starts + counts)[:, None] + pad[None, :]
@@ -76,6 +73,45 @@ def _align_scan_kernel(chunk_counts_ptr, n_chunks, cursor_ptr, sorted_ptr, exper
         e = tl.sum((cum[None, :] <= row[:, None]).to(tl.int32), axis=1)
         e = tl.where(row < total, e, -1)
         tl.store(expert_ids_ptr + blk, e, mask=blk < max_blocks)
+    return starts
+
+
+@triton.jit
+def _align_scan_kernel(chunk_counts_ptr, n_chunks, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
+                       numel, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                       CHUNKS_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """One program: bucket starts, per-chunk cursors, expert id of each M-block, padding sentinels."""
+    bins = tl.arange(0, E_POW2)
+    crow = tl.arange(0, CHUNKS_POW2)
+    cmask = crow[:, None] < n_chunks
+    cc = tl.load(chunk_counts_ptr + crow[:, None] * E_POW2 + bins[None, :], mask=cmask, other=0)
+    counts = tl.sum(cc, axis=0)  # [E_POW2]
+    starts = _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
+                            BLOCK_M, BLOCKS_TILE)
+    # cursor of chunk c for expert e: bucket start + slots of e in earlier chunks
+    before = tl.cumsum(cc, axis=0) - cc
+    tl.store(cursor_ptr + crow[:, None] * E_POW2 + bins[None, :], starts[None, :] + before, mask=cmask)
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, max_blocks,
+                        E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, NUMEL_POW2: tl.constexpr,
+                        BLOCKS_TILE: tl.constexpr):
+    """The whole alignment in one program (small T*K): histogram, bucket layout, scatter."""
+    offs = tl.arange(0, NUMEL_POW2)
+    inb = offs < numel
+    ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
+    valid = inb & (ids >= 0) & (ids < E)
+    safe = tl.where(valid, ids, 0)
+    hist = tl.histogram(safe, E_POW2)
+    bins = tl.arange(0, E_POW2)
+    counts = hist - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
+    starts = _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
+                            BLOCK_M, BLOCKS_TILE)
+    tl.store(cursor_ptr + bins, starts)
+    tl.debug_barrier()  # the cursors are visible to every thread of the program before the atomics
+    pos = tl.atomic_add(cursor_ptr + safe, 1, mask=valid)
+    tl.store(sorted_ptr + pos, offs, mask=valid)
 
 
 @triton.jit
@@ -95,17 +131,25 @@ def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexp
 # --------------------------------------------------------------------------- grouped GEMM
 
 
-@triton.jit
+# row counts change with T: not specialized on them (one compiled kernel per config, not several)
+@triton.jit(do_not_specialize=["num_valid", "a_row_div", "inter", "up_row", "capacity", "num_m_blocks"])
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
     sorted_ptr, expert_ids_ptr, post_pad_ptr, masked_m_ptr,
-    N, K, num_valid, a_row_div, up_offset, capacity, num_m_blocks, out_scale,
+    N, K, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
-    GATED: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr, FP8: tl.constexpr,
-    QUANT_OUT: tl.constexpr, MASKED: tl.constexpr,
+    GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """C = A[rows] @ B[e].T per M-block of one expert. ``N`` is the number of B rows the grid spans.
+
+    GATE == 0: plain GEMM. GATE == 1: B rows interleaved (2j gate, 2j+1 up), output column j of
+    ``inter`` = act(gate j) * up j, BLOCK_N/2 output columns per program. GATE == 2: gate row
+    j*ROW_MUL and up row j*ROW_MUL + up_row (checkpoint: 1, I; interleaved: 2, 1), two accumulators.
+    FP8 weight scales are in the checkpoint layout: gate j in scale row j // 128, up j in (inter + j) // 128.
+    """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     # grouped ordering: GROUP_M consecutive M-blocks share the B tiles they stream (L2 reuse)
@@ -143,15 +187,21 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_base = b_ptr + expert * stride_be
-    b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    if GATED:
-        u_ptrs = b_base + offs_k[:, None] * stride_bk + (up_offset + offs_n)[None, :] * stride_bn
+    if GATE == 2:
+        b_ptrs = b_base + offs_k[:, None] * stride_bk + (offs_n * ROW_MUL)[None, :] * stride_bn
+        u_ptrs = b_ptrs + up_row * stride_bn
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        b_ptrs = b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     if FP8:
         as_ptrs = a_scale_ptr + a_rows * stride_asm
-        bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // 128) * stride_bsn
-        if GATED:
-            us_ptrs = b_scale_ptr + expert * stride_bse + ((up_offset + offs_n) // 128) * stride_bsn
+        if GATE == 1:
+            s_rows = (offs_n % 2) * inter + offs_n // 2  # checkpoint row of each interleaved row
+        else:
+            s_rows = offs_n
+        bs_ptrs = b_scale_ptr + expert * stride_bse + (s_rows // 128) * stride_bsn
+        if GATE == 2:
+            us_ptrs = b_scale_ptr + expert * stride_bse + ((inter + offs_n) // 128) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -166,7 +216,7 @@ def _moe_gemm_kernel(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
             acc = tl.dot(a, b, acc)
-        if GATED:
+        if GATE == 2:
             u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if FP8:
                 u_s = tl.load(us_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
@@ -177,21 +227,34 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    if GATED:
+    if GATE == 1:
+        # (gate, up) pairs sit in adjacent columns: split them, BLOCK_N/2 output columns
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        o_mask = offs_o < inter
+    elif GATE == 2:
+        gate = acc
+        up = acc_u
+        offs_o = offs_n
+        o_mask = n_mask
+    else:
+        offs_o = offs_n
+        o_mask = n_mask
+    if GATE != 0:
         if ACT == 0:  # silu(gate) * up
-            acc = acc * tl.sigmoid(acc) * acc_u
+            acc = gate * tl.sigmoid(gate) * up
         else:  # exact gelu(gate) * up
-            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_u
+            acc = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * w[:, None]
     acc = acc * out_scale
 
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    c_mask = row_mask[:, None] & n_mask[None, :]
+    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_cn
+    c_mask = row_mask[:, None] & o_mask[None, :]
     if QUANT_OUT:
-        # this program owns exactly one 128-column group of each row (BLOCK_N == 128):
-        # quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
+        # this program owns exactly one 128-column output group of each row (checked by the
+        # launcher): quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
         amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
         scale = tl.maximum(amax, 1e-4) / 448.0
         q = tl.clamp(acc / scale[:, None], -448.0, 448.0)

@@ -21,12 +21,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment (one launch)
+
+
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``.
 
     Returns ``(sorted_ids [max_len] int32, expert_ids [max_blocks] int32, post_pad [1] int32,
     max_blocks)``. Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding
     entries hold ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot.
+    Up to ``SMALL_ALIGN_MAX`` slots it is one launch, above that three (count, scan, scatter).
     """
     flat = ids.reshape(-1)
     if flat.dtype != torch.int32:
@@ -38,17 +42,24 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     max_blocks = max(1, triton.cdiv(max_len, block_m))
     max_len = max_blocks * block_m
     e_pow2 = max(16, _pow2(num_experts))
-    chunk = max(256, min(8192, _pow2(triton.cdiv(numel, 32))))  # <= 32 chunks
-    n_chunks = max(1, triton.cdiv(numel, chunk))
+    blocks_tile = 64 if e_pow2 <= 256 else 16
     sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    if numel <= SMALL_ALIGN_MAX:
+        cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
+        K._align_small_kernel[(1,)](flat, numel, cursor, sorted_ids, expert_ids, post_pad, max_blocks,
+                                    E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
+                                    NUMEL_POW2=max(16, _pow2(numel)), BLOCKS_TILE=blocks_tile)
+        return sorted_ids, expert_ids, post_pad, max_blocks
+    chunk = max(256, min(8192, _pow2(triton.cdiv(numel, 32))))  # <= 32 chunks
+    n_chunks = max(1, triton.cdiv(numel, chunk))
     counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     K._align_count_kernel[(n_chunks,)](flat, numel, counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk)
     K._align_scan_kernel[(1,)](counts, n_chunks, cursor, sorted_ids, expert_ids, post_pad, numel, max_blocks,
                                E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNKS_POW2=max(2, _pow2(n_chunks)),
-                               BLOCKS_TILE=64 if e_pow2 <= 256 else 16)
+                               BLOCKS_TILE=blocks_tile)
     K._align_scatter_kernel[(n_chunks,)](flat, numel, cursor, sorted_ids, E=num_experts, E_POW2=e_pow2,
                                          CHUNK=chunk)
     return sorted_ids, expert_ids, post_pad, max_blocks
@@ -66,21 +77,22 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
-          up_offset, capacity, num_m_blocks, out_scale=1.0, gated, act, mul_weight, fp8, quant_out, masked, cfg):
+          inter=0, up_row=0, capacity, num_m_blocks, out_scale=1.0, gate=0, row_mul=1, act=0, mul_weight,
+          fp8, quant_out, masked, cfg):
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
-    K._moe_gemm_kernel[grid](
+    return K._moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
-        N, Kdim, num_valid, a_row_div, up_offset, capacity, num_m_blocks, float(out_scale),
+        N, Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
         b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
         b_scale.stride(2) if b_scale is not None else 0,
         c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
-        GATED=gated, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
+        GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -95,30 +107,62 @@ def _check_fp8_cfg(cfg1: dict, cfg2: dict) -> None:
             raise ValueError(f"FP8 block GEMMs need BLOCK_K dividing 128, got {c['BLOCK_K']}")
 
 
-def _gemm1_out(numel: int, inter: int, fp8: bool, cfg1: dict, out_dtype, device):
-    """GEMM1 output buffers. FP8 with BLOCK_N == 128: the epilogue quantizes (one 128-column group
-    per program); FP8 with narrower tiles writes the compute dtype and a separate kernel quantizes."""
-    fused_quant = fp8 and cfg1["BLOCK_N"] == 128
-    h1 = torch.empty((numel, inter), dtype=FP8 if fused_quant else out_dtype, device=device)
-    h1_scale = (torch.empty((numel, triton.cdiv(inter, 128)), dtype=torch.float32, device=device)
-                if fused_quant else None)
-    return h1, h1_scale, fused_quant
+def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
+    """(GATE, ROW_MUL, fused FP8 quant possible) of GEMM1: one accumulator over interleaved rows
+    unless the config asks for the two-accumulator fallback (``TWO_ACC``) or w13 is in the
+    checkpoint layout. The epilogue can quantize to FP8 only when a program owns exactly one
+    128-column output group: BLOCK_N == 256 with one accumulator, 128 with two."""
+    if w13_interleaved and not cfg1.get("TWO_ACC", 0):
+        return 1, 1, cfg1["BLOCK_N"] == 256
+    return 2, (2 if w13_interleaved else 1), cfg1["BLOCK_N"] == 128
+
+
+def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
+          activation, fp8, w13_interleaved, out_dtype, cfg1):
+    """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``. FP8: ``h`` is e4m3 with
+    per-(row, 128-column) scales (quantized in the epilogue or, for other tile widths, by
+    ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype`` and ``h_scale`` None."""
+    E, n1, H = w13.shape
+    inter = n1 // 2
+    gate, row_mul, can_fuse = gemm1_mode(cfg1, w13_interleaved)
+    fused_quant = fp8 and can_fuse
+    h = torch.empty((num_rows, inter), dtype=FP8 if fused_quant else out_dtype, device=a.device)
+    h_scale = (torch.empty((num_rows, triton.cdiv(inter, 128)), dtype=torch.float32, device=a.device)
+               if fused_quant else None)
+    _gemm(a, a_scale, w13, w13_scale, h, h_scale, None, align, masked_m,
+          N=n1 if gate == 1 else inter, Kdim=H, num_valid=num_rows, a_row_div=a_row_div, inter=inter,
+          up_row=1 if w13_interleaved else inter, capacity=capacity, num_m_blocks=num_m_blocks,
+          gate=gate, row_mul=row_mul, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant,
+          masked=masked_m is not None, cfg=cfg1)
+    if fp8 and not fused_quant:  # rows never computed hold garbage here; their quantized copies are never read
+        h, h_scale = quantize_fp8_groups(h)
+    return h, h_scale
+
+
+def gemm2(h, h_scale, w2, w2_scale, y, topk_w, *, align, masked_m, num_rows, capacity, num_m_blocks,
+          out_scale, fp8, cfg2):
+    """Down GEMM into ``y`` [num_rows, H], times the slot's top-k weight when ``topk_w`` is given."""
+    _gemm(h, h_scale, w2, w2_scale, y, None, topk_w, align, masked_m, N=w2.shape[1], Kdim=w2.shape[2],
+          num_valid=num_rows, a_row_div=1, capacity=capacity, num_m_blocks=num_m_blocks, out_scale=out_scale,
+          mul_weight=topk_w is not None, fp8=fp8, quant_out=False, masked=masked_m is not None, cfg=cfg2)
+    return y
 
 
 def fused_experts(
     hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
     w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, activation: str, routed_scaling_factor: float, out_dtype: torch.dtype,
-    cfg: dict, out: Optional[torch.Tensor] = None,
+    cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
 
     ``hidden`` is in the compute dtype, or e4m3 with ``a_scale`` [T, H/128] when ``w13`` is FP8
-    (block 128x128 scales ``w13_scale``/``w2_scale``). ``topk_ids`` are local ids, -1 skipped.
+    (block 128x128 scales ``w13_scale``/``w2_scale``, always in the checkpoint layout).
+    ``w13_interleaved``: w13 rows are gate/up interleaved (``weights.interleave_gate_up``), else
+    the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped.
     """
     T, H = hidden.shape
-    E, N1, _ = w13.shape
-    inter = N1 // 2
+    E = w13.shape[0]
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
@@ -134,19 +178,14 @@ def fused_experts(
             hidden, a_scale = quantize_fp8_groups(hidden)
     ids = topk_ids.contiguous()
     sorted_ids, expert_ids, post_pad, n_blocks = align_block_size(ids, E, bm)
+    align = (sorted_ids, expert_ids, post_pad)
     numel = T * top_k
-    h1, h1_scale, fused_quant = _gemm1_out(numel, inter, fp8, cfg1, out_dtype, hidden.device)
-    _gemm(hidden, a_scale, w13, w13_scale, h1, h1_scale, None, (sorted_ids, expert_ids, post_pad), None,
-          N=inter, Kdim=H, num_valid=numel, a_row_div=top_k, up_offset=inter, capacity=0, num_m_blocks=n_blocks,
-          gated=True, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant, masked=False,
-          cfg=cfg1)
-    if fp8 and not fused_quant:  # rows of ids -1 hold garbage here; their quantized copies are never read
-        h1, h1_scale = quantize_fp8_groups(h1)
+    h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
+                         a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
+                         w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1)
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
-    w = topk_weights.reshape(-1).contiguous()
-    _gemm(h1, h1_scale, w2, w2_scale, y, None, w, (sorted_ids, expert_ids, post_pad), None,
-          N=H, Kdim=inter, num_valid=numel, a_row_div=1, up_offset=0, capacity=0, num_m_blocks=n_blocks,
-          gated=False, act=0, mul_weight=True, fp8=fp8, quant_out=False, masked=False, cfg=cfg2)
+    gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
+          num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8, cfg2=cfg2)
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E,
                                                        K=top_k, BLOCK_H=block_h)
@@ -157,11 +196,12 @@ def masked_experts(
     hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
     w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], *,
     activation: str, routed_scaling_factor: float, out_dtype: torch.dtype, cfg: dict,
+    w13_interleaved: bool = False,
 ) -> torch.Tensor:
-    """Unweighted (but scaled by ``routed_scaling_factor``) experts on a DeepEP low-latency slab: ``[E, C, H] -> [E, C, H]``; rows at and past
-    ``masked_m[e]`` are not computed (left undefined, as the slab's own rows are)."""
+    """Unweighted (but scaled by ``routed_scaling_factor``) experts on a DeepEP low-latency slab:
+    ``[E, C, H] -> [E, C, H]``; rows at and past ``masked_m[e]`` are not computed (left undefined,
+    as the slab's own rows are)."""
     E, C, H = hidden.shape
-    inter = w13.shape[1] // 2
     out = torch.empty((E, C, H), dtype=out_dtype, device=hidden.device)
     if E * C == 0:
         return out
@@ -177,14 +217,9 @@ def masked_experts(
             a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
     n_blocks = E * triton.cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
-    h1, h1_scale, fused_quant = _gemm1_out(E * C, inter, fp8, cfg1, out_dtype, hidden.device)
-    _gemm(a, a_scale, w13, w13_scale, h1, h1_scale, None, None, mm, N=inter, Kdim=H, num_valid=0, a_row_div=1,
-          up_offset=inter, capacity=C, num_m_blocks=n_blocks, gated=True, act=ACT_IDS[activation],
-          mul_weight=False, fp8=fp8, quant_out=fused_quant, masked=True, cfg=cfg1)
-    if fp8 and not fused_quant:
-        h1, h1_scale = quantize_fp8_groups(h1)
-    y = out.view(E * C, H)
-    _gemm(h1, h1_scale, w2, w2_scale, y, None, None, None, mm, N=H, Kdim=inter, num_valid=0, a_row_div=1,
-          up_offset=0, capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, gated=False, act=0, mul_weight=False, fp8=fp8,
-          quant_out=False, masked=True, cfg=cfg2)
+    h1, h1_scale = gemm1(a, a_scale, w13, w13_scale, align=None, masked_m=mm, num_rows=E * C, a_row_div=1,
+                         capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
+                         w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1)
+    gemm2(h1, h1_scale, w2, w2_scale, out.view(E * C, H), None, align=None, masked_m=mm, num_rows=E * C,
+          capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, fp8=fp8, cfg2=cfg2)
     return out

@@ -1,11 +1,16 @@
 """Tuned Triton launch configurations, stored as JSON package data, and the fallback heuristic.
 
-File name: ``E={E},N={I},H={H},device_name={device},dtype={dtype}.json`` (``dtype`` is ``bf16``,
-``fp16``, ``fp32`` or ``fp8_block``) under ``moe_plugin_cuda/configs/`` or a directory given in
-``backend_options={"triton": {"config_dir": ...}}``. Content: ``{"<M>": {"gemm1": {...},
-"gemm2": {...}}}`` for token counts M, each a dict of BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/
-num_warps/num_stages; both GEMMs share BLOCK_M (the alignment is done once). Lookup takes the
-nearest M, as SGLang does.
+File name: ``E={E},N={I},H={H},device_name={device},dtype={dtype},kernel={KERNEL_VERSION}.json``
+(``dtype`` is ``bf16``, ``fp16``, ``fp32`` or ``fp8_block``) under ``moe_plugin_cuda/configs/`` or a
+directory given in ``backend_options={"triton": {"config_dir": ...}}``. Content: ``{"<M>": {"gemm1":
+{...}, "gemm2": {...}}}`` for token counts M, each a dict of BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/
+num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback); both GEMMs
+share BLOCK_M (the alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
+i.e. BLOCK_N/2 output columns. Lookup takes the nearest M, as SGLang does.
+
+``KERNEL_VERSION`` changes whenever a config's meaning or the best configs change with the
+kernels (v2: one-accumulator GEMM1 over interleaved gate/up rows); files of other versions are
+never read.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+OPTIONAL_KEYS = {"TWO_ACC": 0}
 
 
 def config_file_name(E: int, I: int, H: int, device_name: str, dtype: str) -> str:
-    return f"E={E},N={I},H={H},device_name={device_name.replace(' ', '_')},dtype={dtype}.json"
+    return (f"E={E},N={I},H={H},device_name={device_name.replace(' ', '_')},dtype={dtype},"
+            f"kernel=v{KERNEL_VERSION}.json")
 
 
 @functools.lru_cache(maxsize=64)
@@ -33,8 +41,18 @@ def _load(path: str) -> Optional[dict[int, dict[str, dict[str, int]]]]:
     return {int(m): v for m, v in raw.items()}
 
 
+def _c(bm: int, bn: int, bk: int, g: int, w: int, s: int, **extra) -> dict[str, int]:
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s, **extra)
+
+
 def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool) -> dict[str, dict[str, int]]:
-    """Untuned default: BLOCK_M from the mean rows per expert; wide tiles once M is large."""
+    """Untuned default: BLOCK_M from the mean rows per expert; wide tiles once M is large.
+
+    Register budget (why these shapes): GEMM1 keeps one fp32 BLOCK_M x BLOCK_N accumulator (FP8: plus
+    the scaled-dot temporary of the same size), i.e. BM*BN/(32*warps) registers per thread each;
+    <= 128 for the accumulator leaves room for the pipeline. GEMM1 BLOCK_N=256 gives 128 output
+    columns per program: FP8 then quantizes in the epilogue (no separate kernel).
+    """
     rows_per_expert = max(1.0, M * top_k / E)
     if rows_per_expert <= 16:
         bm = 16
@@ -44,17 +62,21 @@ def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool) -> dict[str
         bm = 64
     else:
         bm = 128
-    big = bm >= 64
+    g = 16 if bm >= 64 else 1
     if fp8:
-        g1 = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=16 if big else 1,
-                  num_warps=8 if bm == 128 else 4, num_stages=3)
-        g2 = dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, GROUP_M=16 if big else 1,
-                  num_warps=8 if bm == 128 else 4, num_stages=3 if big else 4)
+        if bm <= 32:  # weight streaming: narrow tiles, deep pipeline, many programs
+            g1, g2 = _c(bm, 128, 128, g, 4, 4), _c(bm, 128, 128, g, 4, 4)
+        elif bm == 64:
+            g1, g2 = _c(bm, 256, 128, g, 8, 3), _c(bm, 128, 128, g, 4, 3)
+        else:  # 128x128 acc + 128x128 temporary over 8 warps: 128 registers per thread
+            g1, g2 = _c(bm, 128, 128, g, 8, 3), _c(bm, 128, 128, g, 8, 3)
     else:
-        g1 = dict(BLOCK_M=bm, BLOCK_N=64 if big else 64, BLOCK_K=64, GROUP_M=16 if big else 1,
-                  num_warps=8 if bm == 128 else 4, num_stages=3 if big else 4)
-        g2 = dict(BLOCK_M=bm, BLOCK_N=128 if big else 64, BLOCK_K=64, GROUP_M=16 if big else 1,
-                  num_warps=8 if bm == 128 else 4, num_stages=3 if big else 4)
+        if bm <= 32:
+            g1, g2 = _c(bm, 128, 128, g, 4, 4), _c(bm, 64, 128, g, 4, 4)
+        elif bm == 64:
+            g1, g2 = _c(bm, 256, 64, g, 8, 3), _c(bm, 128, 64, g, 4, 4)
+        else:
+            g1, g2 = _c(bm, 256, 64, g, 8, 3), _c(bm, 128, 64, g, 8, 4)
     return {"gemm1": g1, "gemm2": g2}
 
 
@@ -68,7 +90,9 @@ def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_na
             if table:
                 nearest = min(table, key=lambda m: abs(m - M))
                 cfg = table[nearest]
-                return {k: {kk: int(cfg[k][kk]) for kk in KEYS} for k in ("gemm1", "gemm2")}, name
+                return {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
+                            **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
+                        for k in ("gemm1", "gemm2")}, name
     return heuristic(M, E, top_k, I, H, dtype == "fp8_block"), "heuristic"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -10,7 +11,7 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    w13: torch.Tensor  # [E, 2I, H], gate rows first
+    w13: torch.Tensor  # [E, 2I, H], gate rows first (the triton backend interleaves them: see below)
     w2: torch.Tensor  # [E, H, I]
     w13_scale: Optional[torch.Tensor] = None  # fp8_block: [E, ceil(2I/128), ceil(H/128)]
     w2_scale: Optional[torch.Tensor] = None  # fp8_block: [E, ceil(H/128), ceil(I/128)]
@@ -31,3 +32,58 @@ def expert_weights(layer: Any, scaled: bool) -> ExpertWeights:
     if s13 is None or s2 is None:
         raise ValueError("fp8_block weights need w13_scale and w2_scale on the layer")
     return ExpertWeights(w13, w2, s13, s2)
+
+
+# ---------------------------------------------------------------- the triton backend's w13 layout
+
+
+def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """``[E, 2I, H]`` = [gate rows | up rows] -> row 2j = gate j, row 2j+1 = up j (a new tensor).
+
+    With this layout a GEMM1 tile of BLOCK_N rows holds BLOCK_N/2 whole (gate, up) pairs, so one
+    accumulator serves both halves (triton_kernels, ``GATE == 1``)."""
+    E, n, H = w13.shape
+    return w13.reshape(E, 2, n // 2, H).transpose(1, 2).reshape(E, n, H).contiguous()
+
+
+@torch.no_grad()
+def interleave_gate_up_(w13: torch.Tensor) -> torch.Tensor:
+    """In place, one expert at a time (no second copy of every expert's weights); returns ``w13``."""
+    for e in range(w13.shape[0]):
+        w13[e:e + 1].copy_(interleave_gate_up(w13[e:e + 1]))
+    return w13
+
+
+def deinterleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``interleave_gate_up``."""
+    E, n, H = w13.shape
+    return w13.reshape(E, n // 2, 2, H).transpose(1, 2).reshape(E, n, H).contiguous()
+
+
+class InterleavedW13:
+    """Remembers which ``w13`` this backend interleaved, so ``process_weights`` is idempotent.
+
+    The mark is the tensor's storage (a weak reference: no memory kept alive) plus the version
+    counter of the Parameter that held it. Same Parameter, same version: done. Same Parameter,
+    newer version: ``load_weights`` copied a checkpoint into it in place, interleave again. Another
+    Parameter over the same storage (re-wrapped, e.g. ``nn.Parameter(p.data)``): already done.
+    """
+
+    def __init__(self) -> None:
+        self._storage: Optional[weakref.ref] = None
+        self._param: Optional[weakref.ref] = None
+        self._version = -1
+
+    def is_interleaved(self, t: torch.Tensor) -> bool:
+        storage = self._storage() if self._storage is not None else None
+        if storage is None or t.untyped_storage() is not storage:
+            return False
+        if self._param is not None and self._param() is t:
+            return t._version == self._version
+        self.mark(t)  # a re-wrap of the storage this backend wrote
+        return True
+
+    def mark(self, t: torch.Tensor) -> None:
+        self._storage = weakref.ref(t.untyped_storage())
+        self._param = weakref.ref(t)
+        self._version = t._version

@@ -64,35 +64,48 @@ def _case(T, E, K, H, inter, dtype):
     return x, w13, w2, torch.rand(T, K), ids
 
 
-CFG = {"gemm1": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2),
-       "gemm2": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)}
+def _cfg(bn1=16, two_acc=0, bm=16):
+    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, TWO_ACC=two_acc),
+            "gemm2": dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)}
+
+
+# GEMM1 variants: one accumulator over interleaved w13 (the backend's default), the two-accumulator
+# fallback over interleaved and over checkpoint rows
+LAYOUTS = {"one_acc": (True, 0), "two_acc_interleaved": (True, 1), "two_acc_checkpoint": (False, 1)}
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
-@pytest.mark.parametrize("T,E,K,H,inter,dtype,act", [
-    (0, 4, 2, 32, 32, torch.float32, "silu"), (1, 8, 3, 64, 32, torch.float16, "silu"),
-    (5, 4, 2, 48, 40, torch.float32, "silu"), (37, 6, 2, 96, 80, torch.float32, "gelu")])
-def test_fused_experts_interpreter(T, E, K, H, inter, dtype, act):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("T,E,K,H,inter,dtype,act,bn1", [
+    (0, 4, 2, 32, 32, torch.float32, "silu", 16), (1, 8, 3, 64, 32, torch.float16, "silu", 32),
+    (5, 4, 2, 48, 40, torch.float32, "silu", 16), (37, 6, 2, 96, 37, torch.float32, "gelu", 32)])
+def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
     from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
 
+    interleaved, two_acc = LAYOUTS[layout]
     x, w13, w2, w, ids = _case(T, E, K, H, inter, dtype)
-    out = triton_ops.fused_experts(x, None, w13, w2, None, None, w, ids, activation=act, routed_scaling_factor=1.5,
-                                   out_dtype=dtype, cfg=CFG)
-    assert out.shape == (T, H)
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
+    out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
+                                   activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
+                                   cfg=_cfg(bn1, two_acc), w13_interleaved=interleaved)
+    assert out.shape == (T, H)
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-4)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-def test_masked_experts_interpreter():
+@pytest.mark.parametrize("layout", ["one_acc", "two_acc_interleaved"])
+def test_masked_experts_interpreter(layout):
     from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
 
     E, C, H, inter = 4, 10, 48, 40
     x = torch.randn(E, C, H)
     w13, w2 = torch.randn(E, 2 * inter, H) / 7, torch.randn(E, H, inter) / 6
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
-    out = triton_ops.masked_experts(x, None, mm, w13, w2, None, None, activation="silu", routed_scaling_factor=2.0,
-                                    out_dtype=torch.float32, cfg=CFG)
+    out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13), w2, None, None, activation="silu",
+                                    routed_scaling_factor=2.0, out_dtype=torch.float32,
+                                    cfg=_cfg(32, LAYOUTS[layout][1]), w13_interleaved=True)
     for e in range(E):
         m = int(mm[e])
         if m:
@@ -101,20 +114,144 @@ def test_masked_experts_interpreter():
             assert relative_error(out[e, :m], ref) < 1e-4
 
 
+def _block_scaled(E, n, k):
+    """fp32 stand-ins of an FP8 block-scaled weight: values and one scale per 128x128 block."""
+    w = torch.randn(E, n, k) / k ** 0.5
+    s = torch.rand(E, -(-n // 128), -(-k // 128)) + 0.5
+    full = w * s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    return w, s, full
+
+
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (3000, 37, 16), (700, 256, 64)])
+@pytest.mark.parametrize("gate,bn", [(1, 256), (1, 64), (2, 128), (2, 32)])
+def test_gemm1_fp8_scales_and_epilogue_quant_interpreter(gate, bn):
+    """The FP8 GEMM1 path with fp32 stand-ins (the interpreter's fp8 casts are unreliable): the
+    checkpoint-layout weight scales must follow interleaved rows, per-token-group activation
+    scales apply per 128-column K group, and with 128 output columns per program the epilogue's
+    per-(row, group) quantization must reproduce the activated output (up to fp8 rounding,
+    which this fp32 stand-in skips)."""
+    from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    T, E, K, H, inter = 29, 3, 2, 384, 200  # I not a multiple of 128: up rows straddle scale blocks
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    a = torch.randn(T, H)
+    a_s = torch.rand(T, H // 128) + 0.5
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    ids[torch.rand(T, K) < 0.2] = -1
+    cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TWO_ACC=int(gate == 2))
+    sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, 16)
+    mode, row_mul, fused_quant = triton_ops.gemm1_mode(cfg, True)
+    n_out = bn // 2 if mode == 1 else bn
+    assert mode == gate and fused_quant == (n_out == 128)
+    h = torch.zeros(T * K, inter)
+    h_s = torch.zeros(T * K, -(-inter // 128))
+    triton_ops._gemm(a, a_s, interleave_gate_up(w13), s13, h, h_s if fused_quant else None, None,
+                     (sorted_ids, expert_ids, post_pad), None, N=2 * inter if mode == 1 else inter, Kdim=H,
+                     num_valid=T * K, a_row_div=K, inter=inter, up_row=1, capacity=0, num_m_blocks=n_blocks,
+                     gate=mode, row_mul=row_mul, act=0, mul_weight=False, fp8=True, quant_out=fused_quant,
+                     masked=False, cfg=cfg)
+    a_full = a * a_s.repeat_interleave(128, 1)
+    valid = (ids.reshape(-1) >= 0).nonzero().flatten()
+    for slot in valid.tolist():
+        e, t = int(ids.reshape(-1)[slot]), slot // K
+        gu = w13_full[e].double() @ a_full[t].double()
+        want = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+        got = h[slot].double()
+        if fused_quant:
+            scale = h_s[slot].repeat_interleave(128)[:inter].double()
+            assert relative_error(h_s[slot], want.abs().unflatten(0, (-1, 128)).amax(1) / 448 if inter % 128 == 0
+                                  else torch.stack([c.abs().max() for c in want.split(128)]) / 448) < 1e-5
+            assert got.abs().max() <= 448.0
+            got = got * scale
+        assert relative_error(got, want) < 1e-5
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+def test_gemm2_fp8_scales_interpreter():
+    from moe_plugin_cuda import triton_ops
+
+    T, E, K, H, inter = 21, 3, 2, 200, 256
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    h = torch.randn(T * K, inter)
+    h_s = torch.rand(T * K, inter // 128) + 0.5
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32)
+    w = torch.rand(T * K)
+    sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, 16)
+    y = torch.zeros(T * K, H)
+    triton_ops.gemm2(h, h_s, w2, s2, y, w, align=(sorted_ids, expert_ids, post_pad), masked_m=None,
+                     num_rows=T * K, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=True,
+                     cfg2=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2))
+    h_full = h * h_s.repeat_interleave(128, 1)
+    for slot in (ids.reshape(-1) >= 0).nonzero().flatten().tolist():
+        e = int(ids.reshape(-1)[slot])
+        want = (w2_full[e].double() @ h_full[slot].double()) * float(w[slot])
+        assert relative_error(y[slot], want) < 1e-5
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (100, 256, 16), (204, 37, 64), (3000, 37, 16),
+                                               (700, 256, 64)])
 def test_align_block_size(numel_tokens, E, bm):
+    # up to SMALL_ALIGN_MAX (1024) slots: the one-program kernel; beyond: count / scan / scatter
     from moe_plugin_cuda import triton_ops
 
     ids = torch.randint(-1, E, (numel_tokens, 5), dtype=torch.int32)
-    sorted_ids, expert_ids, post_pad, _ = triton_ops.align_block_size(ids, E, bm)
+    sorted_ids, expert_ids, post_pad, max_blocks = triton_ops.align_block_size(ids, E, bm)
     flat = ids.reshape(-1)
     total = int(post_pad)
     assert total == sum((int((flat == e).sum()) + bm - 1) // bm * bm for e in range(E))
     seen = sorted_ids[:total]
+    assert (seen <= flat.numel()).all() and (seen >= 0).all()  # slots or the sentinel, nothing undefined
     real = seen[seen < flat.numel()]
     assert sorted(real.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()  # every valid slot once, no -1
     for b in range(total // bm):
         rows = sorted_ids[b * bm:(b + 1) * bm]
         rows = rows[rows < flat.numel()].long()
         assert (flat[rows] == expert_ids[b]).all()
+    assert (expert_ids[total // bm:max_blocks] == -1).all()
+
+
+def test_interleave_gate_up_layout():
+    from moe_plugin_cuda.weights import deinterleave_gate_up, interleave_gate_up, interleave_gate_up_
+
+    E, inter, H = 3, 5, 4
+    w13 = torch.randn(E, 2 * inter, H)
+    il = interleave_gate_up(w13)
+    for j in range(inter):
+        assert torch.equal(il[:, 2 * j], w13[:, j]) and torch.equal(il[:, 2 * j + 1], w13[:, inter + j])
+    assert torch.equal(deinterleave_gate_up(il), w13)
+    in_place = w13.clone()
+    assert interleave_gate_up_(in_place) is in_place and torch.equal(in_place, il)
+
+
+def test_process_weights_interleaves_once():
+    """Idempotent: a second call, or a re-wrapped Parameter over the same storage, is not
+    interleaved again; a reload (in-place copy, as MoELayer.load_weights does) is."""
+    import types
+
+    from moe_plugin_cuda.triton_experts import TritonExperts
+    from moe_plugin_cuda.weights import InterleavedW13, interleave_gate_up
+
+    E, inter, H = 2, 6, 8
+    ckpt = torch.randn(E, 2 * inter, H)
+    layer = torch.nn.Module()
+    layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)
+    layer.w2 = torch.nn.Parameter(torch.randn(E, H, inter), requires_grad=False)
+    backend = types.SimpleNamespace(w13_layout=InterleavedW13())  # process_weights only uses this
+    process = TritonExperts.process_weights
+    want = interleave_gate_up(ckpt)
+    process(backend, layer)
+    assert torch.equal(layer.w13, want)
+    process(backend, layer)
+    assert torch.equal(layer.w13, want)
+    layer.w13 = torch.nn.Parameter(layer.w13.data, requires_grad=False)  # re-wrapped
+    process(backend, layer)
+    assert torch.equal(layer.w13, want)
+    with torch.no_grad():
+        layer.w13.copy_(ckpt)  # reload
+    process(backend, layer)
+    assert torch.equal(layer.w13, want)
+    layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)  # a new checkpoint tensor
+    process(backend, layer)
+    assert torch.equal(layer.w13, want)
