@@ -39,11 +39,13 @@ DEFAULT_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b-a
 
 def floor_model(cfg, T: int, touched: int, bw: float, peak: float) -> dict[str, float]:
     H, inter, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
-    fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+    fp8 = cfg.quant in (QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN)
     wbytes = 1 if fp8 else cfg.params_dtype.itemsize
     per_expert = 3 * H * inter * wbytes
-    if fp8:  # 128x128 block scales, fp32
+    if cfg.quant is QuantScheme.FP8_BLOCK:  # 128x128 block scales, fp32
         per_expert += 4 * (math.ceil(2 * inter / 128) * math.ceil(H / 128) + math.ceil(H / 128) * math.ceil(inter / 128))
+    elif fp8:  # per-channel scales, fp32
+        per_expert += 4 * (2 * inter + H)
     nbytes = touched * per_expert + 2 * T * H * cfg.params_dtype.itemsize
     flops = 6.0 * T * K * H * inter
     return {"bytes": nbytes, "flops": flops, "floor_s": max(nbytes / bw, flops / peak)}
@@ -128,7 +130,7 @@ def bench_cell(cfg, backend: str, T: int, args, device: torch.device, layer=None
         except Exception as exc:  # report, keep the eager number
             print(f"    graph capture failed: {type(exc).__name__}: {exc}", file=sys.stderr)
     best = min(t for t in (eager, graph) if t is not None)
-    fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+    fp8 = cfg.quant in (QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN)
     model = floor_model(cfg, T, touched, args.bw, args.peak_fp8 if fp8 else args.peak_bf16)
     return {
         "backend": backend, "T": T, "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,

@@ -84,6 +84,11 @@ class QuantScheme(_StrEnum):
     - ``fp8_block``: fp8 e4m3fn weights; ``w13_scale [E, ceil(N1/128), ceil(H/128)]`` and
       ``w2_scale [E, ceil(H/128), ceil(I/128)]`` fp32 (dequant = q * scale per 128x128 block);
       activations quantized per token and 128-channel group.
+    - ``fp8_per_token``: fp8 e4m3fn weights; ``w13_scale [E, N1]``, ``w2_scale [E, H]`` fp32 per
+      output channel (dequant = q * scale[row], the int8_w8a8 layout); activations fp8 e4m3fn per
+      token, dynamic (``scale = max(amax_row, 1e-4) / 448``). This is AITER's ``per_Token`` and
+      torch's rowwise ``_scaled_grouped_mm``. The FP8 wire (1x128 groups) is not this format:
+      such input is requantized per token.
     - ``int8_w8a8``: int8 weights; ``w13_scale [E, N1]``, ``w2_scale [E, H]`` fp32 per output
       channel; activations int8 per token, dynamic.
     - ``w4a4``: int4 values in [-7, 7] stored one per int8; per-channel scales as int8_w8a8;
@@ -96,6 +101,7 @@ class QuantScheme(_StrEnum):
 
     UNQUANTIZED = "unquantized"
     FP8_BLOCK = "fp8_block"
+    FP8_PER_TOKEN = "fp8_per_token"
     INT8_W8A8 = "int8_w8a8"
     W4A4 = "w4a4"
     NVFP4 = "nvfp4"

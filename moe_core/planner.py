@@ -90,6 +90,8 @@ class DtypeRequest:
 NATURAL_DTYPE = {
     QuantScheme.UNQUANTIZED: WireDtype.BF16,
     QuantScheme.FP8_BLOCK: WireDtype.FP8,
+    # the FP8 wire carries 1x128 group scales: per-token experts would requantize it (decisions.md)
+    QuantScheme.FP8_PER_TOKEN: WireDtype.BF16,
     QuantScheme.INT8_W8A8: WireDtype.INT8,
     QuantScheme.W4A4: WireDtype.BF16,
     QuantScheme.NVFP4: WireDtype.NVFP4,

@@ -24,6 +24,8 @@ from moe_core.contracts import (
 __all__ = [
     "quantize_fp8_per_token_group",
     "dequantize_fp8_per_token_group",
+    "quantize_fp8_per_token",
+    "dequantize_fp8_per_token",
     "quantize_int_per_token",
     "quantize_int8_per_token",
     "quantize_int4_per_token",
@@ -73,6 +75,19 @@ def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: 
     h = q.shape[-1]
     qg = _pad_last(q.float(), group).unflatten(-1, (-1, group))
     return (qg * scale.unsqueeze(-1)).flatten(-2)[..., :h]
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., H]`` -> (e4m3fn ``[..., H]``, fp32 scale ``[..., 1]``): one group per row.
+
+    ``scale = max(amax_row, 1e-4) / 448``; ``q = clamp(x / scale, +-448)``; dequantize as
+    ``q * scale`` (the activations of ``fp8_per_token``).
+    """
+    return quantize_fp8_per_token_group(x, group=max(x.shape[-1], 1))
+
+
+def dequantize_fp8_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale
 
 
 # --------------------------------------------------------------------------- INT8 / INT4
@@ -210,6 +225,14 @@ def _quantize_per_channel(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, tor
     return q, s.squeeze(-1)
 
 
+def _quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[E, N, K]`` -> (e4m3fn, fp32 ``[E, N]``): ``scale = max(amax_row, 1e-10) / 448``."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=-1, keepdim=True).clamp(min=_INT_AMAX_FLOOR) / FP8_MAX
+    q = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.squeeze(-1)
+
+
 def _quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gs = nvfp4_global_scale(w.float().abs().amax(dim=(1, 2)).clamp(min=_INT_AMAX_FLOOR))  # [E]
     q, s = quantize_nvfp4(w, gs[:, None, None])
@@ -237,6 +260,8 @@ def quantize_weights(
     for name, w in (("w13", w13), ("w2", w2)):
         if scheme is QuantScheme.FP8_BLOCK:
             out[name], out[f"{name}_scale"] = _quantize_fp8_block(w)
+        elif scheme is QuantScheme.FP8_PER_TOKEN:
+            out[name], out[f"{name}_scale"] = _quantize_fp8_per_channel(w)
         elif scheme is QuantScheme.INT8_W8A8:
             out[name], out[f"{name}_scale"] = _quantize_per_channel(w, 127)
         elif scheme is QuantScheme.W4A4:
@@ -260,7 +285,7 @@ def dequantize_weights(t: dict[str, torch.Tensor], scheme: QuantScheme) -> tuple
             result.append(w.float())
         elif scheme is QuantScheme.FP8_BLOCK:
             result.append(_dequantize_fp8_block(w, t[f"{name}_scale"].float()))
-        elif scheme in (QuantScheme.INT8_W8A8, QuantScheme.W4A4):
+        elif scheme in (QuantScheme.FP8_PER_TOKEN, QuantScheme.INT8_W8A8, QuantScheme.W4A4):
             result.append(w.float() * t[f"{name}_scale"].float().unsqueeze(-1))
         else:
             scale_2 = t[f"{name}_scale_2"].float()
@@ -285,6 +310,9 @@ def weight_shapes(
         b = FP8_GROUP
         return {"w13": ((e, n1, h), FP8_DTYPE), "w2": ((e, h, i), FP8_DTYPE),
                 "w13_scale": ((e, cdiv(n1, b), cdiv(h, b)), f32), "w2_scale": ((e, cdiv(h, b), cdiv(i, b)), f32)}
+    if scheme is QuantScheme.FP8_PER_TOKEN:
+        return {"w13": ((e, n1, h), FP8_DTYPE), "w2": ((e, h, i), FP8_DTYPE),
+                "w13_scale": ((e, n1), f32), "w2_scale": ((e, h), f32)}
     if scheme in (QuantScheme.INT8_W8A8, QuantScheme.W4A4):
         return {"w13": ((e, n1, h), torch.int8), "w2": ((e, h, i), torch.int8),
                 "w13_scale": ((e, n1), f32), "w2_scale": ((e, h), f32)}

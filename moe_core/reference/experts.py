@@ -42,7 +42,8 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 # the wire dtype that carries activations already quantized as the scheme quantizes them
-# (W4A4's int4 has no wire dtype: it always arrives unquantized or as INT8 and is requantized)
+# (W4A4's int4 has no wire dtype: it always arrives unquantized or as INT8 and is requantized;
+# fp8_per_token's per-row scale is not the FP8 wire's 1x128 groups: requantized per token)
 ACTIVATION_WIRE_DTYPE = {QuantScheme.FP8_BLOCK: WireDtype.FP8, QuantScheme.INT8_W8A8: WireDtype.INT8,
                          QuantScheme.NVFP4: WireDtype.NVFP4}
 
@@ -52,6 +53,9 @@ def activation_quantizer(scheme: QuantScheme) -> Optional[Callable[..., torch.Te
 
     def fp8(x, gs):
         return quant.dequantize_fp8_per_token_group(*quant.quantize_fp8_per_token_group(x))
+
+    def fp8_per_token(x, gs):
+        return quant.dequantize_fp8_per_token(*quant.quantize_fp8_per_token(x))
 
     def int8(x, gs):
         q, s = quant.quantize_int8_per_token(x)
@@ -64,7 +68,8 @@ def activation_quantizer(scheme: QuantScheme) -> Optional[Callable[..., torch.Te
     def nvfp4(x, gs):
         return quant.dequantize_nvfp4(*quant.quantize_nvfp4(x, gs), gs)
 
-    return {QuantScheme.UNQUANTIZED: None, QuantScheme.FP8_BLOCK: fp8, QuantScheme.INT8_W8A8: int8,
+    return {QuantScheme.UNQUANTIZED: None, QuantScheme.FP8_BLOCK: fp8,
+            QuantScheme.FP8_PER_TOKEN: fp8_per_token, QuantScheme.INT8_W8A8: int8,
             QuantScheme.W4A4: int4, QuantScheme.NVFP4: nvfp4}[scheme]
 
 

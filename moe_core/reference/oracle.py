@@ -57,6 +57,24 @@ def moe_float64(
     return out * routed_scaling_factor
 
 
+def fp8_round_trip(v: torch.Tensor, group: Optional[int] = None, *, dtype: torch.dtype = torch.float8_e4m3fn,
+                   amax_floor: float = 1e-4) -> torch.Tensor:
+    """``v [..., N]`` quantized to the FP8 grid of ``dtype`` and back, in float64: one scale
+    ``max(amax, amax_floor) / finfo(dtype).max`` per row (``group=None``) or per ``group``
+    channels (the last group may be shorter); values clamped to the format's range before the
+    cast. ``dtype`` is the grid: e4m3fn (448) is the core's, e4m3fnuz (240) that of some GPUs."""
+    v = v.double()
+    fmax = torch.finfo(dtype).max
+    n = v.shape[-1]
+    step = n if group is None else group
+    out = torch.empty_like(v)
+    for start in range(0, n, max(step, 1)):
+        part = v[..., start:start + step]
+        scale = part.abs().amax(dim=-1, keepdim=True).clamp(min=amax_floor) / fmax
+        out[..., start:start + step] = (part / scale).clamp(-fmax, fmax).to(dtype).double() * scale
+    return out
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64 (0 when both are empty)."""
     a, b = actual.double(), expected.double()

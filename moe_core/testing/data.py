@@ -47,6 +47,7 @@ class Shape:
 TOLERANCE_BY_SCHEME: dict[QuantScheme, float] = {
     QuantScheme.UNQUANTIZED: 1e-2,
     QuantScheme.FP8_BLOCK: 3e-2,
+    QuantScheme.FP8_PER_TOKEN: 3e-2,
     QuantScheme.INT8_W8A8: 3e-2,
     QuantScheme.W4A4: 3e-2,
     # e2m1 has one mantissa bit: when bf16 rounding of the intermediate activation moves an element

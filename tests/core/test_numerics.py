@@ -19,9 +19,11 @@ from .conftest import checkpoint, random_topk
 E, K, H, I = 8, 3, 256, 128
 # vs the scheme's own float64 definition: only bf16 output rounding remains (NVFP4: the e2m1 grid
 # makes rounding-boundary flips between float32 and float64 visible)
-TOL_SCHEME = {"unquantized": 1e-2, "fp8_block": 3e-2, "int8_w8a8": 3e-2, "w4a4": 3e-2, "nvfp4": 5e-2}
+TOL_SCHEME = {"unquantized": 1e-2, "fp8_block": 3e-2, "fp8_per_token": 3e-2, "int8_w8a8": 3e-2, "w4a4": 3e-2,
+              "nvfp4": 5e-2}
 # vs plain float64 with dequantized weights: includes activation quantization error
-TOL_PLAIN = {"unquantized": 1e-2, "fp8_block": 0.1, "int8_w8a8": 5e-2, "w4a4": 0.5, "nvfp4": 0.4}
+TOL_PLAIN = {"unquantized": 1e-2, "fp8_block": 0.1, "fp8_per_token": 0.1, "int8_w8a8": 5e-2, "w4a4": 0.5,
+             "nvfp4": 0.4}
 
 
 def oracle(cfg, t, x, topk, scheme_acts: bool):
@@ -149,3 +151,34 @@ def test_out_of_range_local_ids_in_reference_experts_raise():
     bad = mc.TopK(torch.ones(2, 2), torch.tensor([[0, 4], [1, 2]], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"topk.ids must be in \[-1, 4\)"):
         experts.apply(layer, mc.StandardDispatch(QuantizedActivations(torch.randn(2, 32).bfloat16()), bad))
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_fp8_per_token_matches_its_float64_definition(wire, tokens):
+    """fp8_per_token against float64 written from its definition (``oracle.fp8_round_trip``, no
+    code shared with ``moe_core.quant``): per-channel weights; each GEMM input rounded per token on
+    the e4m3fn grid (amax/448). FP8 wire input (1x128 groups) is requantized per token."""
+    from moe_core.reference.oracle import fp8_round_trip
+
+    h, i = 200, 72  # not multiples of 128: per-token needs no block alignment
+    cfg = mc.MoEConfig(num_experts=E, top_k=K, hidden_size=h, intermediate_size=i, quant="fp8_per_token",
+                       dispatch_dtype=wire, routed_scaling_factor=1.3)
+    t = checkpoint(cfg.quant, E, h, i)
+    layer = build(cfg, t)
+    assert layer.plan.dispatch_dtype is mc.WireDtype(wire)
+    x = torch.randn(tokens, h).to(torch.bfloat16)
+    topk = random_topk(tokens, E, K, drop=0.25)
+    out = layer(x, topk)
+    assert out.shape == (tokens, h) and out.dtype == torch.bfloat16
+    if tokens == 0:
+        return
+    w13 = t["w13"].double() * t["w13_scale"].double()[..., None]
+    w2 = t["w2"].double() * t["w2_scale"].double()[..., None]
+    x_in = x.double() if wire == "bf16" else fp8_round_trip(x, 128)  # what arrives over the wire
+    expect = moe_float64(x_in, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.3,
+                         quantize_activation=lambda v, which, e: fp8_round_trip(v))
+    # bf16 output rounding, plus fp8 rounding flips where float32 and float64 GEMMs differ
+    assert relative_error(out, expect) <= TOL_SCHEME["fp8_per_token"]
+    empty = (topk.ids < 0).all(dim=1)
+    assert torch.equal(out[empty].float(), torch.zeros(int(empty.sum()), h))

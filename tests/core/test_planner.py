@@ -107,6 +107,9 @@ def test_dtype_chain_user_choice_then_core_default():
     assert default.dispatch_dtype is mc.WireDtype.FP8 and default.dtype_trail[0].source == "core"
     w4 = mc.plan(mc.MoEConfig(**BASE, quant="w4a4"), manager=manager)
     assert w4.dispatch_dtype is mc.WireDtype.BF16
+    # the FP8 wire's 1x128 group scales are not per-token scales: BF16 is the natural wire
+    per_token = mc.plan(mc.MoEConfig(**BASE, quant="fp8_per_token"), manager=manager)
+    assert per_token.dispatch_dtype is mc.WireDtype.BF16 and "natural activation dtype" in per_token.dtype_trail[0].reason
 
 
 def test_dtype_chain_internal_quantization_plugin_rule_platform_default_and_wrappers():

@@ -67,7 +67,31 @@ def test_weight_round_trip_and_shapes(scheme):
     for name, (shape, dtype) in shapes.items():
         assert tuple(t[name].shape) == shape and t[name].dtype == dtype, name
     d13, d2 = quant.dequantize_weights(t, scheme)
-    bound = {QuantScheme.UNQUANTIZED: 1e-7, QuantScheme.FP8_BLOCK: 0.04, QuantScheme.INT8_W8A8: 0.01,
+    bound = {QuantScheme.UNQUANTIZED: 1e-7, QuantScheme.FP8_BLOCK: 0.04, QuantScheme.FP8_PER_TOKEN: 0.04,
+             QuantScheme.INT8_W8A8: 0.01,
              QuantScheme.W4A4: 0.15, QuantScheme.NVFP4: 0.12}[scheme]
     assert ((d13 - w13).norm() / w13.norm()).item() <= bound
     assert ((d2 - w2).norm() / w2.norm()).item() <= bound
+
+
+def test_fp8_per_token_activations_and_per_channel_weights_follow_their_definition():
+    x = torch.randn(5, 300) * 3  # odd hidden size: one scale per row, whatever H is
+    q, s = quant.quantize_fp8_per_token(x)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape and s.shape == (5, 1) and s.dtype == torch.float32
+    torch.testing.assert_close(s, x.abs().amax(dim=1, keepdim=True) / 448.0)
+    assert torch.equal(q.view(torch.uint8), (x / s).clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8))
+    assert torch.equal(quant.dequantize_fp8_per_token(q, s), q.float() * s)
+    assert q.float().abs().amax(dim=1).eq(448).all()  # each row's amax lands on the top of the grid
+    q0, s0 = quant.quantize_fp8_per_token(torch.zeros(2, 64))  # all-zero row: finite scale, zeros
+    assert torch.equal(q0.float(), torch.zeros(2, 64)) and (s0 > 0).all()
+    assert quant.quantize_fp8_per_token(torch.randn(0, 64))[1].shape == (0, 1)  # T = 0
+    # weights: one fp32 scale per output channel (row of [E, N, K]), the int8_w8a8 layout
+    w13, w2 = torch.randn(3, 64, 48), torch.randn(3, 48, 32)
+    t = quant.quantize_weights(w13, w2, QuantScheme.FP8_PER_TOKEN)
+    for name, w in (("w13", w13), ("w2", w2)):
+        scale = w.abs().amax(dim=-1) / 448.0
+        torch.testing.assert_close(t[f"{name}_scale"], scale)
+        expected = (w / scale.unsqueeze(-1)).clamp(-448, 448).to(FP8_DTYPE)
+        assert torch.equal(t[name].view(torch.uint8), expected.view(torch.uint8))
+    d13, _ = quant.dequantize_weights(t, QuantScheme.FP8_PER_TOKEN)
+    assert torch.equal(d13, t["w13"].float() * t["w13_scale"].unsqueeze(-1))
