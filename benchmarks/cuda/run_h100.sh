@@ -1,17 +1,80 @@
 #!/usr/bin/env bash
-# One full pass on a CUDA machine: install, list backends, GPU tests, benchmark.
-# Usage (from the repo root): bash benchmarks/cuda/run_h100.sh OUTDIR [bench args...]
+# The device pass for moe-plugin-cuda on one H100, in phases (each logs under OUT; one failing
+# phase does not stop the others):
+#   install  pip install -e moe-core + the plugin, versions, nvidia-smi, `moe-core backends`
+#   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
+#   tune     moe-cuda-tune for TUNE_PRESETS, bf16 + fp8_block, 7 T   -> CFG_DIR, OUT/tune.log
+#   bench    moe-core bench, 4 presets x 7 T x 2 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
+#   profile  qwen3-30b-a3b fp8_block T=4096: ncu (SOL, launch stats, occupancy) or torch.profiler,
+#            registers/spills of the compiled GEMMs                  -> OUT/profile*.log
+# The tuned JSON is copied to OUT/configs at the end of every call (commit it into
+# plugins/cuda/moe_plugin_cuda/configs/). CFG_DIR lives outside OUT so that a later call on the
+# same (warm) machine still finds it.
+#
+# Usage (repo root): bash benchmarks/cuda/run_h100.sh OUT [phase ...]     (default: all phases)
+# Under the 10-minute per-command limit, e.g.:
+#   bash benchmarks/cuda/run_h100.sh $OUT install tests
+#   TUNE_PRESETS="qwen3-30b-a3b mixtral-8x7b" bash benchmarks/cuda/run_h100.sh $OUT tune
+#   TUNE_PRESETS="qwen3-235b-a22b deepseek-v3" bash benchmarks/cuda/run_h100.sh $OUT tune
+#   bash benchmarks/cuda/run_h100.sh $OUT bench profile
 set -o pipefail
 OUT=${1:-bench-results}; shift || true
+PHASES=${*:-install tests tune bench profile}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cuda 2>&1 | grep -v -i warning | tail -3
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
-moe-core backends 2>&1 | tee "$OUT/backends.txt"
-if [ -z "$SKIP_TESTS" ]; then
-  python3 -m pytest plugins/cuda/tests -m gpu -q -p no:cacheprovider --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-fi
-if [ -z "$SKIP_BENCH" ]; then
-  moe-core bench -- --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \[" 
-fi
+CFG_DIR=${CFG_DIR:-/tmp/moe_cuda_configs}
+TUNE_PRESETS=${TUNE_PRESETS:-qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b deepseek-v3}
+BENCH_PRESETS=${BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 qwen3-235b-a22b}
+TOKENS="1 16 64 256 1024 4096 16384"
+mkdir -p "$CFG_DIR"
+T0=$(date +%s)
+say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+FAILED=""
+
+phase_install() {
+  python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cuda 2>&1 | grep -v -i warning | tail -3
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+  moe-core backends 2>&1 | tee "$OUT/backends.txt"
+}
+
+phase_tests() {
+  python3 -m pytest plugins/cuda/tests -m gpu -q -p no:cacheprovider --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+}
+
+phase_tune() {
+  # shellcheck disable=SC2086
+  moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant unquantized fp8_block --tokens $TOKENS \
+    --rep-ms "${TUNE_REP_MS:-20}" 2>&1 | tee -a "$OUT/tune.log"
+}
+
+phase_bench() {
+  # shellcheck disable=SC2086
+  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant unquantized fp8_block \
+    --iters "${BENCH_ITERS:-10}" --graph-max-tokens 1024 \
+    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
+}
+
+phase_profile() {
+  local args=(benchmarks/cuda/profile_triton.py --preset qwen3-30b-a3b --quant fp8_block --tokens 4096 --config-dir "$CFG_DIR")
+  python3 "${args[@]}" 2>&1 | tee "$OUT/profile_torch.log"
+  if command -v ncu >/dev/null 2>&1; then
+    # 2 warm-up calls x 2 GEMMs skipped, then GEMM1 and GEMM2 of one call
+    timeout 300 ncu --kernel-name regex:_moe_gemm_kernel --launch-skip 4 --launch-count 2 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+      python3 "${args[@]}" --iters 1 --no-torch-profiler 2>&1 | tee "$OUT/profile_ncu.log" | tail -120
+  else
+    echo "ncu not found: torch.profiler times and Triton's register/spill counts above are the profile"
+  fi
+}
+
+for ph in $PHASES; do
+  say "phase $ph"
+  if ! "phase_$ph"; then
+    say "phase $ph FAILED (continuing)"
+    FAILED="$FAILED $ph"
+  fi
+done
+mkdir -p "$OUT/configs" && cp "$CFG_DIR"/*.json "$OUT/configs/" 2>/dev/null
+say "done; failed phases:${FAILED:- none}; configs in $OUT/configs: $(ls "$OUT/configs" 2>/dev/null | wc -l) files"

@@ -1,12 +1,25 @@
 """``moe-cuda-tune``: search Triton launch configs for model presets on this GPU and save them.
 
-For each preset x quant x T it times the whole Triton pipeline (align + GEMM1 + GEMM2 + reduce)
-with ``triton.testing.do_bench`` (median) over a small candidate list per BLOCK_M: first GEMM1's
-candidates with a fixed GEMM2, then GEMM2's with the best GEMM1. The table is written as
-``E=..,N=..,H=..,device_name=..,dtype=...json`` (see ``tuning_configs``) into ``--out-dir``
-(default: the installed package's ``configs/``), where the backend finds it.
+For each preset x quant x T: for each candidate BLOCK_M (from the mean rows per expert) it aligns
+once, times GEMM1 alone over a short candidate list (FP8: including the activation quantization
+kernel when the tile cannot quantize in its epilogue), then GEMM2 alone on that GEMM1's output;
+the BLOCK_M with the lowest GEMM1 + GEMM2 wins. The winner and the heuristic are then timed as
+the whole pipeline (align + GEMM1 + GEMM2 + reduce) and the faster is kept. Times are
+``triton.testing.do_bench`` medians. The table is written as
+``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``tuning_configs``) into
+``--out-dir`` (default: the installed package's ``configs/``), where the backend finds it.
 
     moe-cuda-tune --presets qwen3-30b-a3b --quant unquantized fp8_block --out-dir ./configs
+
+Why the space is pruned (the full grid BLOCK_M {16..128} x BLOCK_N {32..256} x BLOCK_K {64,128,256}
+x stages 2-5 x warps 4/8 is ~500 configs per GEMM, hours of compiling): every candidate must fit the
+H100's 227 KB of shared memory (stages x (BM + BN) x BK x bytes) and keep GEMM1's fp32 accumulator
+(FP8: plus the scaled-dot temporary) at <= 128 registers per thread; small BLOCK_M (weight
+streaming) wants narrow N, deep K and more stages, large BLOCK_M wants wide N and 8 warps. About
+5 candidates per GEMM per BLOCK_M and 2 BLOCK_M per T keep the 4 presets x 2 quants x 7 T within
+~10 minutes on an H100 (compiles are cached across T and presets). Each GEMM1 list holds one
+``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
+two-accumulator kernel still yields a table.
 """
 
 from __future__ import annotations
@@ -21,30 +34,53 @@ from typing import Optional
 import torch
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+SMEM_BYTES = 227 * 1024
 
 
-def _c(bm, bn, bk, w, s, g):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
+def _c(bm, bn, bk, w, s, g, two_acc=0):
+    c = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s)
+    if two_acc:
+        c["TWO_ACC"] = 1
+    return c
+
+
+# (BLOCK_N, BLOCK_K, warps, stages[, TWO_ACC]); GEMM1's BLOCK_N counts interleaved w13 rows
+# (BLOCK_N/2 outputs; 256 lets FP8 quantize in the epilogue), with TWO_ACC it counts outputs.
+_G1 = {
+    ("bf16", "small"): [(128, 128, 4, 4), (64, 128, 4, 5), (256, 64, 4, 4), (128, 256, 4, 2), (64, 256, 4, 3),
+                        (64, 128, 4, 4, 1)],
+    ("bf16", 64): [(256, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 4, 4), (64, 64, 4, 4, 1)],
+    ("bf16", 128): [(256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 4), (64, 64, 8, 4, 1)],
+    ("fp8", "small"): [(128, 128, 4, 4), (256, 128, 4, 3), (64, 128, 4, 5), (256, 128, 8, 4), (128, 128, 4, 3, 1)],
+    ("fp8", 64): [(256, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 4), (128, 128, 8, 3, 1)],
+    ("fp8", 128): [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5), (64, 128, 4, 4), (64, 128, 8, 3, 1)],
+}
+_G2 = {
+    ("bf16", "small"): [(64, 128, 4, 4), (128, 128, 4, 4), (128, 64, 4, 5), (64, 256, 4, 3), (256, 64, 4, 4)],
+    ("bf16", 64): [(128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4)],
+    ("bf16", 128): [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    ("fp8", "small"): [(128, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (256, 128, 4, 3)],
+    ("fp8", 64): [(128, 128, 4, 3), (128, 128, 8, 4), (256, 128, 8, 3), (64, 128, 4, 4)],
+    ("fp8", 128): [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 8, 5)],
+}
 
 
 def candidates(bm: int, fp8: bool) -> tuple[list[dict], list[dict]]:
-    big = bm >= 64
-    g = 16 if big else 1
-    if fp8:
-        if big:
-            g1 = [(64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 4), (64, 64, 4, 4)]
-            g2 = [(128, 128, 8, 3), (128, 128, 4, 4), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 8, 4)]
-        else:
-            g1 = [(64, 128, 4, 4), (128, 128, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4)]
-            g2 = [(64, 128, 4, 4), (128, 128, 4, 3), (32, 128, 4, 4), (128, 128, 4, 4)]
-    else:
-        if big:
-            g1 = [(64, 64, 4, 4), (64, 64, 8, 4), (128, 64, 8, 3), (64, 128, 8, 3), (128, 32, 8, 4)]
-            g2 = [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4)]
-        else:
-            g1 = [(64, 64, 4, 4), (64, 128, 4, 3), (32, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3)]
-            g2 = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (32, 128, 4, 4), (128, 128, 8, 3)]
-    return ([_c(bm, bn, bk, w, s, g) for bn, bk, w, s in g1], [_c(bm, bn, bk, w, s, g) for bn, bk, w, s in g2])
+    key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
+    g = 16 if bm >= 64 else 1
+    return ([_c(bm, *t[:4], g, *t[4:]) for t in _G1[key]], [_c(bm, *t[:4], g) for t in _G2[key]])
+
+
+def smem_bytes(c: dict, fp8: bool, two_acc: bool = False) -> int:
+    """Shared memory of the software pipeline: stages x (A tile + B tile(s))."""
+    b_tiles = 2 if two_acc else 1
+    return c["num_stages"] * (c["BLOCK_M"] + b_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * (1 if fp8 else 2)
+
+
+def acc_registers(c: dict, fp8: bool, two_acc: bool = False) -> int:
+    """fp32 registers per thread of the live accumulator tiles (FP8: plus the scaled-dot temporary)."""
+    tiles = (2 if two_acc else 1) + (1 if fp8 else 0)
+    return tiles * c["BLOCK_M"] * c["BLOCK_N"] // (32 * c["num_warps"])
 
 
 def block_ms(M: int, E: int, K: int) -> list[int]:
@@ -58,20 +94,10 @@ def block_ms(M: int, E: int, K: int) -> list[int]:
     return [64, 128]
 
 
-def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) -> Path:
-    import triton.testing
-
+def _make_weights(E, H, inter, fp8, g, dev):
     from moe_core import quant as q
-    from moe_core.config import preset
-    from moe_core.router import route
-    from moe_plugin_cuda import triton_ops, tuning_configs
-    from moe_plugin_cuda.triton_experts import config_dtype
+    from moe_plugin_cuda.weights import interleave_gate_up_
 
-    cfg = preset(name, quant=quant, device="cuda")
-    E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    fp8 = quant == "fp8_block"
     w13 = torch.empty((E, 2 * inter, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
     w2 = torch.empty((E, H, inter), dtype=w13.dtype, device=dev)
     s13 = s2 = None
@@ -88,44 +114,84 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
             s13[e0:e0 + step], s2[e0:e0 + step] = t["w13_scale"], t["w2_scale"]
         else:
             w13[e0:e0 + step], w2[e0:e0 + step] = a, b
+    interleave_gate_up_(w13)  # the backend's layout (scales stay in the checkpoint layout)
+    return w13, w2, s13, s2
+
+
+def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) -> Path:
+    import triton.testing
+
+    from moe_core.config import preset
+    from moe_core.router import route
+    from moe_plugin_cuda import triton_ops, tuning_configs
+    from moe_plugin_cuda.triton_experts import config_dtype
+
+    cfg = preset(name, quant=quant, device="cuda")
+    E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    fp8 = quant == "fp8_block"
+    w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
     bias = torch.randn(E, generator=g, device=dev) if cfg.router.use_correction_bias else None
     table: dict[int, dict] = {}
     path = out_dir / tuning_configs.config_file_name(E, inter, H, torch.cuda.get_device_name(),
                                                      config_dtype(cfg.quant, torch.bfloat16))
+
+    def timed(fn, what):
+        try:
+            return triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+        except Exception as exc:  # e.g. out of shared memory / registers for this tile shape
+            log(f"    skip {what}: {type(exc).__name__}: {str(exc)[:100]}")
+            return float("inf")
+
     for M in tokens:
         x = torch.randn((M, H), generator=g, device=dev).to(torch.bfloat16)
         topk = route(torch.randn((M, E), generator=g, device=dev), K, cfg.router, bias)
-
-        def run(c):
-            return lambda: triton_ops.fused_experts(
-                x, None, w13, w2, s13, s2, topk.weights, topk.ids, activation="silu",
-                routed_scaling_factor=1.0, out_dtype=torch.bfloat16, cfg=c)
-
-        def timed(c):
-            try:
-                return triton.testing.do_bench(run(c), warmup=5, rep=rep_ms, return_mode="median")
-            except Exception as exc:  # e.g. out of shared memory for this tile shape
-                log(f"    skip {c}: {type(exc).__name__}: {str(exc)[:80]}")
-                return float("inf")
-
-        best = (float("inf"), None)
+        ids = topk.ids.contiguous()
+        a, a_s = triton_ops.quantize_fp8_groups(x) if fp8 else (x, None)
+        wts = topk.weights.reshape(-1).contiguous()
+        y = torch.empty((M * K, H), dtype=torch.bfloat16, device=dev)
         t0 = time.time()
+        best = (float("inf"), None)
         for bm in block_ms(M, E, K):
+            sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, bm)
+            align = (sorted_ids, expert_ids, post_pad)
+            kw = dict(align=align, masked_m=None, num_rows=M * K, capacity=0, num_m_blocks=n_blocks)
+
+            def g1(c1):
+                return triton_ops.gemm1(a, a_s, w13, s13, a_row_div=K, activation="silu", fp8=fp8,
+                                        w13_interleaved=True, out_dtype=torch.bfloat16, cfg1=c1, **kw)
+
             c1s, c2s = candidates(bm, fp8)
-            ms1 = [(timed({"gemm1": c1, "gemm2": c2s[0]}), i) for i, c1 in enumerate(c1s)]
-            c1 = c1s[min(ms1)[1]]
-            ms2 = [(timed({"gemm1": c1, "gemm2": c2}), i) for i, c2 in enumerate(c2s)]
-            t, i = min(ms2)
-            if t < best[0]:
-                best = (t, {"gemm1": c1, "gemm2": c2s[i]})
+            t1 = [(timed(lambda c=c: g1(c), f"gemm1 {c}"), i) for i, c in enumerate(c1s)]
+            ms1, i1 = min(t1)
+            if ms1 == float("inf"):
+                continue
+            h, h_s = g1(c1s[i1])
+            t2 = [(timed(lambda c=c: triton_ops.gemm2(h, h_s, w2, s2, y, wts, out_scale=1.0, fp8=fp8, cfg2=c,
+                                                      **kw), f"gemm2 {c}"), i) for i, c in enumerate(c2s)]
+            ms2, i2 = min(t2)
+            if ms1 + ms2 < best[0]:
+                best = (ms1 + ms2, {"gemm1": c1s[i1], "gemm2": c2s[i2]})
+
+        def pipeline(c):
+            return lambda: triton_ops.fused_experts(
+                x, None, w13, w2, s13, s2, topk.weights, topk.ids, activation="silu", routed_scaling_factor=1.0,
+                out_dtype=torch.bfloat16, cfg=c, w13_interleaved=True)
+
         heur = tuning_configs.heuristic(M, E, K, inter, H, fp8)
-        t_heur = timed(heur)
-        if t_heur <= best[0]:
-            best = (t_heur, heur)
-        table[M] = best[1]
-        log(f"  {name} {quant} T={M}: {best[0] * 1e3:.1f} us (heuristic {t_heur * 1e3:.1f} us) "
-            f"{best[1]['gemm1']} / {best[1]['gemm2']}  [{time.time() - t0:.0f}s]")
+        t_heur = timed(pipeline(heur), f"heuristic {heur}")
+        t_best = timed(pipeline(best[1]), "best") if best[1] is not None else float("inf")
+        chosen, t = (best[1], t_best) if t_best < t_heur else (heur, t_heur)
+        if chosen is None or t == float("inf"):
+            log(f"  {name} {quant} T={M}: nothing ran, no entry")
+            continue
+        table[M] = chosen
+        log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us (searched {t_best * 1e3:.1f}, heuristic {t_heur * 1e3:.1f}) "
+            f"{chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")
         tuning_configs.save_table(path, table)  # after every T: a cut-off run keeps what it found
+    del w13, w2, s13, s2
+    torch.cuda.empty_cache()
     return path
 
 
@@ -139,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"], choices=["unquantized", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=list(DEFAULT_TOKENS))
     p.add_argument("--out-dir", default=str(tuning_configs.CONFIG_DIR))
-    p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per candidate")
+    p.add_argument("--rep-ms", type=int, default=20, help="do_bench repetition time per candidate")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe-cuda-tune needs a CUDA GPU", file=sys.stderr)
@@ -149,10 +215,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     log(f"tuning on {torch.cuda.get_device_name()}")
+    t0 = time.time()
     for name in args.presets:
         for quant in args.quant:
             path = tune_preset(name, quant, args.tokens, Path(args.out_dir), args.rep_ms, log)
-            log(f"wrote {path}")
+            log(f"wrote {path} [{time.time() - t0:.0f}s total]")
     return 0
 
 

@@ -255,3 +255,56 @@ def test_process_weights_interleaves_once():
     layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)  # a new checkpoint tensor
     process(backend, layer)
     assert torch.equal(layer.w13, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tuner_candidates_and_heuristic_fit_hopper(fp8):
+    """Every tuner candidate and every heuristic config fits an H100 SM (227 KB shared memory,
+    <= 128 accumulator registers per thread) and respects the kernels' rules (shared BLOCK_M,
+    FP8 BLOCK_K dividing 128, even GEMM1 BLOCK_N)."""
+    from moe_plugin_cuda import tune, tuning_configs
+
+    def fits(c, gemm1):
+        two = gemm1 and bool(c.get("TWO_ACC"))
+        assert tune.smem_bytes(c, fp8, two) <= tune.SMEM_BYTES, c
+        assert tune.acc_registers(c, fp8, two) <= 128, c
+        assert not fp8 or 128 % c["BLOCK_K"] == 0, c
+        assert not gemm1 or c["BLOCK_N"] % 2 == 0, c
+
+    for bm in (16, 32, 64, 128):
+        c1s, c2s = tune.candidates(bm, fp8)
+        assert any(c.get("TWO_ACC") for c in c1s) and not all(c.get("TWO_ACC") for c in c1s)
+        for c in c1s + c2s:
+            assert c["BLOCK_M"] == bm
+        for c in c1s:
+            fits(c, True)
+        for c in c2s:
+            fits(c, False)
+    seen_bm = set()
+    for E, K, inter, H in [(8, 2, 14336, 4096), (128, 8, 768, 2048), (256, 8, 2048, 7168), (128, 8, 1536, 4096)]:
+        for M in (1, 16, 64, 256, 1024, 4096, 16384):
+            cfg = tuning_configs.heuristic(M, E, K, inter, H, fp8)
+            assert cfg["gemm1"]["BLOCK_M"] == cfg["gemm2"]["BLOCK_M"]
+            fits(cfg["gemm1"], True)
+            fits(cfg["gemm2"], False)
+            seen_bm.add(cfg["gemm1"]["BLOCK_M"])
+    assert 128 in seen_bm and 16 in seen_bm  # large M gets BLOCK_M=128 again
+
+
+def test_tuned_config_files_carry_the_kernel_version(tmp_path):
+    """Configs of another kernel version are never read; files of this version are."""
+    import json
+
+    from moe_plugin_cuda import tuning_configs
+
+    name = tuning_configs.config_file_name(8, 64, 128, "Some GPU", "bf16")
+    assert f"kernel=v{tuning_configs.KERNEL_VERSION}" in name
+    c = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    old = name.replace(f",kernel=v{tuning_configs.KERNEL_VERSION}", "")
+    (tmp_path / old).write_text(json.dumps({"100": {"gemm1": c, "gemm2": c}}))
+    _, src = tuning_configs.get_config(100, 8, 2, 64, 128, "bf16", "Some GPU", str(tmp_path))
+    assert src == "heuristic"
+    tuning_configs.save_table(tmp_path / name, {100: {"gemm1": {**c, "TWO_ACC": 1}, "gemm2": c}})
+    cfg, src = tuning_configs.get_config(90, 8, 2, 64, 128, "bf16", "Some GPU", str(tmp_path))
+    assert src == name and cfg["gemm1"]["TWO_ACC"] == 1 and cfg["gemm2"]["TWO_ACC"] == 0
+    assert cfg["gemm1"]["BLOCK_M"] == 32

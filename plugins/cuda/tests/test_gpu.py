@@ -96,12 +96,25 @@ def test_triton_large_expert_count(quant):
     assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
 
 
+# GEMM1 variants (BLOCK_M, BLOCK_N, TWO_ACC): one accumulator over interleaved rows (BLOCK_N/2 outputs; 256 =
+# one 128-column group, so FP8 quantizes in the epilogue; 128 = a separate quantization kernel), and the
+# two-accumulator fallback (BLOCK_N outputs; 128 fuses the FP8 quantization, 64 does not)
+GEMM1_VARIANTS = [(16, 256, 0), (16, 128, 0), (16, 128, 1), (16, 64, 1), (64, 256, 0), (128, 128, 0)]
+
+
+def _fixed(bm, bn, two_acc, fp8):
+    warps = 8 if bm >= 64 else 4
+    bk = 128 if fp8 or bm <= 16 else 64
+    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, num_warps=warps, num_stages=3, TWO_ACC=two_acc),
+            "gemm2": dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128 if fp8 else 64, GROUP_M=4, num_warps=warps,
+                          num_stages=3)}
+
+
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("bn", [64, 128])  # FP8: 128 quantizes in GEMM1's epilogue, 64 in its own kernel
-def test_triton_masked(quant, bn):
-    cfg = _cfg("triton", quant, max_tokens_per_rank=64, backend_options={"triton": {"config": {
-        "gemm1": dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3),
-        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)}}})
+@pytest.mark.parametrize("bm,bn,two_acc", GEMM1_VARIANTS)
+def test_triton_masked(quant, bm, bn, two_acc):
+    cfg = _cfg("triton", quant, max_tokens_per_rank=64, backend_options={"triton": {
+        "config": _fixed(bm, bn, two_acc, quant == "fp8_block")}})
     gen = torch.Generator(device="cuda").manual_seed(3)
     w = _weights(cfg, gen)
     layer, ref = MoELayer(cfg, device=_dev()), MoELayer(cfg.replace(experts="reference"), device=_dev())
@@ -120,6 +133,67 @@ def test_triton_masked(quant, bn):
     exp = ref.experts.apply(ref, d).hidden
     valid = torch.arange(C, device="cuda")[None, :] < masked_m[:, None]
     assert relative_error(out[valid], exp[valid]) < TOL[quant]
+
+
+# I=320: up rows straddle the 128-row FP8 scale blocks and the last output group is partial
+@pytest.mark.parametrize("quant,inter", [("unquantized", 320), ("fp8_block", 384), ("fp8_block", 320)])
+@pytest.mark.parametrize("bm,bn,two_acc", GEMM1_VARIANTS)
+def test_triton_gemm1_variants(quant, inter, bm, bn, two_acc):
+    """Each GEMM1 kernel variant through the whole layer against the reference (T=700: many
+    blocks per expert, -1 ids), including the FP8 epilogue quantization and BLOCK_M=128 tiles."""
+    cfg, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=inter,
+                              backend_options={"triton": {"config": _fixed(bm, bn, two_acc, quant == "fp8_block")}})
+    x = torch.randn(700, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(700, cfg)
+    assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_triton_process_weights_once(quant):
+    """w13 is interleaved once: a second process_weights, and a reload + process_weights, leave
+    the output unchanged (the kit checks the same; this also checks the layout itself)."""
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    cfg = _cfg("triton", quant)
+    w = _weights(cfg, torch.Generator(device="cuda").manual_seed(5))
+    layer, ref = MoELayer(cfg, device=_dev()), MoELayer(cfg.replace(experts="reference"), device=_dev())
+    for lay in (layer, ref):
+        lay.load_weights(**w)
+        lay.process_weights()
+    assert torch.equal(layer.w13, interleave_gate_up(w["w13"]))
+    x = torch.randn(64, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(64, cfg)
+    first = layer(x, topk)
+    assert relative_error(first, ref(x, topk)) < TOL[quant]
+    layer.experts.process_weights(layer)
+    assert torch.equal(layer(x, topk), first)
+    layer.load_weights(**w)
+    layer.process_weights()
+    assert torch.equal(layer.w13, interleave_gate_up(w["w13"]))
+    assert torch.equal(layer(x, topk), first)
+
+
+@pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (100, 256, 16), (128, 256, 64), (129, 128, 16),
+                                               (3000, 37, 16), (5000, 256, 64)])
+def test_triton_align_on_device(numel_tokens, E, bm):
+    """Both alignment paths on the GPU (one program up to 1024 slots, with atomics after a
+    barrier; count / scan / scatter beyond): every valid slot once, in a block of its expert."""
+    from moe_plugin_cuda import triton_ops
+
+    ids = torch.randint(-1, E, (numel_tokens, 8), dtype=torch.int32, device="cuda")
+    sorted_ids, expert_ids, post_pad, max_blocks = triton_ops.align_block_size(ids, E, bm)
+    flat = ids.reshape(-1).cpu()
+    sorted_ids, expert_ids, total = sorted_ids.cpu(), expert_ids.cpu(), int(post_pad)
+    assert total == sum((int((flat == e).sum()) + bm - 1) // bm * bm for e in range(E))
+    seen = sorted_ids[:total]
+    assert (seen <= flat.numel()).all() and (seen >= 0).all()
+    real = seen[seen < flat.numel()]
+    assert sorted(real.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()
+    blk = torch.arange(total) // bm
+    rows = seen.long()
+    ok = rows < flat.numel()
+    assert (flat[rows[ok]] == expert_ids[blk[ok]]).all()
+    assert (expert_ids[total // bm:max_blocks] == -1).all()
 
 
 @pytest.mark.parametrize("backend,quant", CASES)
