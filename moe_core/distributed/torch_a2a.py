@@ -7,25 +7,41 @@ as local expert ``e % E_local``. Two modes, chosen by the plan's format:
 least one of its experts (not once per expert), with its top-k ids made local (-1 and weight 0
 for experts elsewhere). Received rows are grouped by source rank (ascending) and keep the
 source's token order. Variable sizes: the per-rank counts are exchanged with a small all-to-all
-and read on the host (one host sync per dispatch, so this mode is not graph-safe). The same sync
-brings the per-local-expert counts (``expert_counts_host``) and a collective check of the ids.
-Combine sends the weighted rows back and sums them per token.
+and read on the host in one ``tolist`` (the one host sync per dispatch, so this mode is not
+graph-safe). The same read brings the per-local-expert counts (``expert_counts_host``) and a
+collective check of the ids. Combine sends the weighted rows back and sums them per token.
 
 **EP_MASKED** (DeepEP low-latency semantics). Fixed capacity ``C = max_tokens_per_rank``: every
 rank sends exactly ``C`` row slots to every rank (a token once per destination rank, unused
-slots padding) in one equal-split all-to-all, then expands the received rows into the
+slots padding) in equal-split all-to-alls, then expands the received rows into the
 ``[E_local, C * world, H]`` slab with ``masked_m`` valid rows per local expert (valid rows
 first, in (source rank, token, k) order). All shapes are fixed and nothing is read on the
 host, so this mode is graph-safe. Combine weights each expert output with the sender's top-k
 weights (the weights travel with the token at dispatch; if ``EPMaskedCombine.topk`` is a
-different TopK, its weights are exchanged again), reduces per token on the expert's rank,
-sends one row per (token, rank) back and sums. ``T > max_tokens_per_rank`` raises.
+different TopK, its weights are exchanged again), reduces the K rows of each received token on
+the expert's rank in one ``embedding_bag`` (a weighted sum over the slab rows, never an expanded
+copy), sends one row per (token, rank) back and sums.
+
+Capacity overflow (``T > max_tokens_per_rank`` on some ranks) must not leave the other ranks
+waiting in a collective. The overflowing rank still takes part in the dispatch exchange, with
+no tokens and its token count in-band (every row carries its sender's count), then raises a
+``ValueError`` naming the limit. The other ranks check the received counts with
+``torch._assert_async``: no host sync, so masked mode stays graph-safe; on CPU (gloo) it fails at
+once and is re-raised as the same ``ValueError``; on an accelerator it is a device-side assert
+that makes the rank's next synchronizing call fail (the CUDA context is then unusable, as after
+any device-side assert). Inside a CUDA graph the token count is fixed at capture, so only the
+host-side shape check can fire, at capture time.
 
 Wire dtypes: BF16 (the activations' own dtype), FP8 (e4m3, per-token 128-channel group scales)
-and INT8 (per-token scale), quantized once before sending; the scales, local ids and weights
-travel with the rows as a small int32 side block. Every collective moves bytes (``uint8``
-views), so any dtype works on any backend (gloo has no float8). Combine moves the experts'
-output dtype.
+and INT8 (per-token scale), quantized once per token before the rows are gathered per
+destination. Each row travels as two parts: the wire data, and an int32 side block
+``[scales | K global ids | K weights (fp32 bits) | sender's token count]``; receivers make the
+ids local. Every collective moves bytes, so any dtype works on any backend (gloo has no float8);
+row copies use the widest integer word that divides the row (both sides of a copy use the same
+word, since both are chosen from the same row size). Combine moves the experts' output dtype.
+
+Layout math is a handful of whole-tensor ops (no loops over ranks or experts, no data-dependent
+shapes); ``tests/ep/opcount.py`` counts the kernels, collectives and host syncs of each stage.
 
 Top-k ids of one token must be distinct (every router guarantees it): the masked slab holds
 at most one row per (token, expert).
@@ -103,6 +119,8 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
 
 # --------------------------------------------------------------------------- wire helpers
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` -> contiguous ``uint8 [N, row_bytes]`` view (collectives move bytes)."""
@@ -110,29 +128,29 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
 
+def _word(*rows: torch.Tensor) -> torch.dtype:
+    """Widest integer word that every ``uint8 [N, B]`` tensor in ``rows`` can be viewed as (the
+    row size, the row stride and the storage offset must all be multiples of it), so that a row
+    copy between them moves words instead of bytes and both sides agree on the word."""
+    for size, dtype in _WORDS:
+        if all(r.shape[-1] % size == 0 and r.stride(0) % size == 0 and r.storage_offset() % size == 0
+               for r in rows):
+            return dtype
+    return torch.uint8
+
+
+def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table.index_select(0, index)`` for a ``uint8 [N, B]`` table, copying whole words."""
+    return table.view(_word(table)).index_select(0, index).view(torch.uint8)
+
+
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], in_splits: Optional[list[int]],
          group) -> None:
     """``all_to_all_single`` on byte views of ``out`` and ``inp`` (same row size, dim 0 split)."""
-    dist.all_to_all_single(_bytes_out(out), _bytes(inp), out_splits, in_splits, group=group)
-
-
-def _bytes_out(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
+    if not out.is_contiguous():
         raise ValueError("internal: all-to-all output must be contiguous")
-    return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
-
-
-def _words(rows: torch.Tensor) -> torch.Tensor:
-    """Byte rows as the element type index copies use. Wide words (8 bytes per element) were
-    tried, but source and destination views could pick different word sizes (the INT8 masked wire
-    at H=256 broke; found by the conformance kit), so rows are copied as bytes until both sides
-    choose their word size together."""
-    return rows
-
-
-def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t.index_select(0, index)`` for a 2-D tensor, copying whole rows as wide words."""
-    return _words(_bytes(t)).index_select(0, index).view(torch.uint8).view(t.dtype).view(-1, t.shape[1])
+    out_b = out.view(out.shape[0], math.prod(out.shape[1:])).view(torch.uint8)
+    dist.all_to_all_single(out_b, _bytes(inp), out_splits, in_splits, group=group)
 
 
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
@@ -146,7 +164,7 @@ def _scale_words(dtype: WireDtype, hidden: int) -> int:
 
 @dataclass(frozen=True)
 class _NormalHandle:
-    src_token: torch.Tensor  # int64 [S]: source token of each sent row
+    row: torch.Tensor  # int64 [T, W]: row of (token, rank) in the send buffer, >= n_send where not sent
     send_counts: list[int]  # rows sent to each rank
     recv_counts: list[int]  # rows received from each rank
     num_tokens: int
@@ -155,12 +173,11 @@ class _NormalHandle:
 
 @dataclass(frozen=True)
 class _MaskedHandle:
-    gather_index: torch.Tensor  # int64 [W*C, K]: slab row read for each received (row, k) pair
-    pair_weight: torch.Tensor  # fp32 [W*C, K]: sender's weights (0 for pairs not here)
-    hit: torch.Tensor  # bool [T, W]: token t was sent to rank r
-    pos: torch.Tensor  # int64 [T, W]: its slot in the block for rank r
-    src: torch.Tensor  # int64 [W*C]: source token of each sent slot (sender side)
-    send_valid: torch.Tensor  # bool [W*C, K]: (slot, k) pair is a local expert of the slot's rank
+    slot: torch.Tensor  # int64 [T, W]: slot of (token, rank) in the send buffer, W*C where not sent
+    src: torch.Tensor  # int64 [W*C]: source token of each sent slot, T for unused slots (sender side)
+    slab_index: torch.Tensor  # int64 [W*C, K]: slab row of each received (slot, k) pair, E_local*W*C if none
+    valid: torch.Tensor  # bool [W*C, K]: (slot, k) pair is an expert of this rank
+    weights: torch.Tensor  # fp32 [W*C, K]: the sender's weights of the received pairs
     topk_weights: torch.Tensor  # the dispatch TopK's weights (identity check in combine)
     num_tokens: int
     dtype: torch.dtype
@@ -199,6 +216,9 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
+        # int32 side block of each row: [scales | K global ids | K weights | sender's token count]
+        self.n_scale = _scale_words(self.wire, self.hidden)
+        self.meta_words = self.n_scale + 2 * self.top_k + 1
 
     # ----------------------------------------------------------------- common
 
@@ -213,34 +233,59 @@ class TorchA2ADispatcher(Dispatcher):
         if topk.ids.device != x.device:
             raise ValueError(f"topk on {topk.ids.device} but hidden_states on {x.device}")
 
-    def _quantize(self, x: torch.Tensor) -> QuantizedActivations:
+    def _tables(self, x: torch.Tensor, topk: TopK, num_tokens: int) -> tuple[QuantizedActivations, torch.Tensor,
+                                                                              torch.Tensor]:
+        """Per-token wire rows, quantized once: (quantized, data ``uint8 [T, B]``, side block
+        ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots."""
         from moe_core.quant import quantize_activations
 
-        return quantize_activations(x, self.wire)
+        t, ns, k = x.shape[0], self.n_scale, self.top_k
+        qa = quantize_activations(x, self.wire)
+        meta = topk.ids.new_full((t + 1, self.meta_words), num_tokens)
+        if ns:
+            meta[:t, :ns] = qa.scale.float().reshape(t, ns).view(torch.int32)
+        meta[:t, ns:ns + k] = topk.ids
+        meta[:t, ns + k:ns + 2 * k] = topk.weights.view(torch.int32)
+        meta[t, :-1] = -1  # padding row: ids -1, never read as data
+        return qa, _bytes(qa.data), meta
 
-    def _row_meta(self, qa: QuantizedActivations, rows: Optional[torch.Tensor], lids: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
-        """int32 side block ``[N, scale words | K local ids | K weights (fp32 bits)]``."""
-        parts = []
-        if qa.scale is not None:
-            scale = qa.scale.float().reshape(qa.scale.shape[0], _scale_words(self.wire, self.hidden))
-            if rows is not None:
-                scale = scale.index_select(0, rows)
-            parts.append(scale.contiguous().view(torch.int32))
-        parts += [lids.to(torch.int32), weights.float().contiguous().view(torch.int32)]
-        return torch.cat(parts, dim=1)
+    def _send_rows(self, ids: torch.Tensor, capacity: Optional[int], unused: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each (token, rank) pair goes in a destination-major send buffer.
 
-    def _split_meta(self, meta: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-        ns, k = _scale_words(self.wire, self.hidden), self.top_k
-        scale = meta[:, :ns].contiguous().view(torch.float32) if ns else None
-        lids = meta[:, ns:ns + k].contiguous()
-        weights = meta[:, ns + k:].contiguous().view(torch.float32)
-        return scale, lids, weights
+        A token goes to rank ``r`` when one of its ids is an expert of ``r`` (ids outside ``[0, E)``
+        go nowhere). Returns ``count`` (int64 ``[W]``: tokens per rank) and ``row`` (int64
+        ``[T, W]``: the pair's row, ``unused`` where the token does not go to ``r``). Rows are
+        packed by rank, or with ``capacity`` every rank owns ``capacity`` rows.
+        """
+        ranks = torch.arange(self.world, device=ids.device, dtype=ids.dtype)
+        hit = (ids.div(self.num_local, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
+        pos = hit.cumsum(0)  # inclusive rank of the token among those sent to r
+        count = pos[-1] if ids.shape[0] else hit.sum(0)
+        base = ranks * capacity if capacity is not None else count.cumsum(0) - count
+        row = torch.where(hit, pos + (base - 1), unused)
+        return count, row
 
-    def _wire_row_bytes(self, x: torch.Tensor) -> int:
-        if self.wire is WireDtype.BF16:
-            return self.hidden * x.element_size()
-        return self.hidden  # fp8 / int8: one byte per element
+    @staticmethod
+    def _sources(row: torch.Tensor, size: int, fill: Optional[int]) -> torch.Tensor:
+        """Inverse of ``row``: int64 ``[size + 1]``, the source token of each send-buffer row
+        (``fill`` where no token lands; the last entry collects the unused pairs)."""
+        t, w = row.shape
+        src = (torch.full((size + 1,), fill, dtype=torch.int64, device=row.device) if fill is not None
+               else torch.empty(size + 1, dtype=torch.int64, device=row.device))
+        tokens = torch.arange(t * w, device=row.device).div_(w, rounding_mode="floor")
+        return src.scatter_(0, row.reshape(-1), tokens)
+
+    def _split_meta(self, meta: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
+        """Received side block -> (scales or None, global ids int32, weights fp32, sender's token count)."""
+        ns, k = self.n_scale, self.top_k
+        scale = meta[:, :ns].view(torch.float32) if ns else None
+        return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -1]
+
+    def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global ids -> (bool: the expert is on this rank, local id)."""
+        mine = ids.div(self.num_local, rounding_mode="floor") == self.rank
+        return mine, ids - self.rank * self.num_local
 
     def _wire_torch_dtype(self, x: torch.Tensor) -> torch.dtype:
         if self.wire is WireDtype.BF16:
@@ -265,51 +310,44 @@ class TorchA2ADispatcher(Dispatcher):
     # ----------------------------------------------------------------- normal mode
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
-        dev, (t, k), w, el, e = x.device, topk.ids.shape, self.world, self.num_local, self.num_experts
-        ids = topk.ids.long()
-        in_range = (ids >= 0) & (ids < e)
+        dev, t, w, el, e = x.device, x.shape[0], self.world, self.num_local, self.num_experts
+        ids = topk.ids
+        count, row = self._send_rows(ids, None, w * t)
+        src = self._sources(row, w * t, None)
+        # counts message, row r goes to rank r: [bad ids here, rows for r, (token, expert) pairs per expert of r]
         bad = ((ids < -1) | (ids >= e)).sum()
-        dest = torch.where(in_range, ids // el, w)
-        hit = torch.zeros(t, w + 1, dtype=torch.int64, device=dev).scatter_(1, dest, 1)[:, :w]  # [T, W]
-        pairs = torch.zeros(e + 1, dtype=torch.int64, device=dev)
-        pairs.scatter_add_(0, torch.where(in_range, ids, e).flatten(), torch.ones_like(ids).flatten())
-        # row r goes to rank r: [bad ids here, rows for r, (token, expert) pairs per expert of r]
-        msg = torch.cat([bad.view(1, 1).expand(w, 1), hit.sum(0).view(w, 1), pairs[:e].view(w, el)], dim=1)
+        key = ids.long().clamp(-1, e).add_(1).reshape(-1)  # 0: id -1, 1..E: experts, E+1: out of range
+        pairs = torch.zeros(e + 2, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+        msg = torch.cat([bad.view(1, 1).expand(w, 1), count.view(w, 1), pairs[1:e + 1].view(w, el)], dim=1)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
-        # the one host sync of normal mode
-        host = torch.cat([msg[:, 1], recv_msg[:, 0], recv_msg[:, 1], recv_msg[:, 2:].sum(0)]).tolist()
-        send_counts, bad_by_rank, recv_counts = host[:w], host[w:2 * w], host[2 * w:3 * w]
-        counts_host = tuple(host[3 * w:])
+        counts = recv_msg[:, 2:].sum(0).to(torch.int32)
+        qa, data, meta = self._tables(x, topk, t)
+        # the one host sync of normal mode: everything the host needs, in one read
+        host = torch.cat([msg[:, 1], recv_msg.reshape(-1)]).tolist()
+        send_counts, recv_msg_host = host[:w], [host[w + r * (2 + el):w + (r + 1) * (2 + el)] for r in range(w)]
+        bad_by_rank = [m[0] for m in recv_msg_host]
+        recv_counts = [m[1] for m in recv_msg_host]
+        counts_host = tuple(sum(m[2 + j] for m in recv_msg_host) for j in range(el))
         if any(bad_by_rank):  # every rank learns it from the same message, so all raise together
             ranks = [r for r, b in enumerate(bad_by_rank) if b]
             raise ValueError(f"topk.ids out of range [-1, {e}) on EP rank(s) {ranks} "
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
 
-        # rows sent: for each destination rank in order, its tokens in token order
-        n_send = sum(send_counts)
-        order = torch.argsort((hit.t().reshape(-1) == 0).to(torch.int8), stable=True)[:n_send]
-        src_token = order % t if t else order
-        dst = order // t if t else order
-        qa = self._quantize(x)
-        row_ids = ids.index_select(0, src_token)
-        local = (row_ids >= 0) & (row_ids // el == dst.unsqueeze(1))
-        lids = torch.where(local, row_ids - dst.unsqueeze(1) * el, -1)
-        weights = torch.where(local, topk.weights.index_select(0, src_token), 0.0)
-        send_data = _gather_rows(qa.data, src_token)
-        send_meta = self._row_meta(qa, src_token, lids, weights)
+        n_send, n_recv = sum(send_counts), sum(recv_counts)
+        recv_data = torch.empty(n_recv, data.shape[1], dtype=torch.uint8, device=dev)
+        recv_meta = torch.empty(n_recv, self.meta_words, dtype=torch.int32, device=dev)
+        _a2a(recv_data, _gather_rows(data, src[:n_send]), recv_counts, send_counts, self.group)
+        _a2a(recv_meta, meta.index_select(0, src[:n_send]), recv_counts, send_counts, self.group)
 
-        n_recv = sum(recv_counts)
-        recv_data = torch.empty(n_recv, self.hidden, dtype=send_data.dtype, device=dev)
-        recv_meta = torch.empty(n_recv, send_meta.shape[1], dtype=torch.int32, device=dev)
-        _a2a(recv_data, send_data, recv_counts, send_counts, self.group)
-        _a2a(recv_meta, send_meta, recv_counts, send_counts, self.group)
-
-        scale, rlids, rweights = self._split_meta(recv_meta)
-        hidden = QuantizedActivations(recv_data, self.wire, scale, ue8m0=qa.ue8m0)
-        counts = recv_msg[:, 2:].sum(0).to(torch.int32)
-        handle = _NormalHandle(src_token, send_counts, recv_counts, t, x.dtype)
-        return EPNormalDispatch(hidden, TopK(rweights, rlids), counts, counts_host, handle)
+        scale, rids, rweights, _ = self._split_meta(recv_meta)
+        mine, local = self._local(rids)
+        lids = torch.where(mine, local, -1)
+        weights = torch.where(mine, rweights, 0.0)
+        scale = scale.contiguous() if scale is not None else None
+        hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale, ue8m0=qa.ue8m0)
+        handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)
+        return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _combine_normal(self, ci: EPNormalCombine) -> torch.Tensor:
         h: _NormalHandle = ci.handle
@@ -319,98 +357,75 @@ class TorchA2ADispatcher(Dispatcher):
         if y.dim() != 2 or y.shape != (sum(h.recv_counts), self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{sum(h.recv_counts)}, {self.hidden}], "
                              f"got {tuple(y.shape)}")
-        back = torch.empty(len(h.src_token), self.hidden, dtype=y.dtype, device=y.device)
-        _a2a(back, y, h.send_counts, h.recv_counts, self.group)
-        out = torch.zeros(h.num_tokens, self.hidden, dtype=torch.float32, device=y.device)
-        out.index_add_(0, h.src_token, back.float())
-        return out.to(h.dtype)
+        n_send = sum(h.send_counts)
+        return self._return_rows(y, h.send_counts, h.recv_counts, n_send, h.row.clamp(max=n_send), h.dtype)
+
+    def _return_rows(self, y: torch.Tensor, back_counts, y_counts, n_back: int, row: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """Send ``y`` back to the ranks its rows came from; sum each token's rows (``row [T, W]``
+        into the returned buffer, ``n_back`` = a zero row for ranks the token was not sent to).
+        The sum accumulates in fp32 (torch's reduction of low-precision dtypes)."""
+        t, w = row.shape
+        back = torch.empty(n_back + 1, self.hidden, dtype=y.dtype, device=y.device)
+        back[n_back].zero_()
+        _a2a(back[:n_back], y, back_counts, y_counts, self.group)
+        return back.index_select(0, row.reshape(-1)).view(t, w, self.hidden).sum(1).to(dtype)
 
     # ----------------------------------------------------------------- masked mode
 
     def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
-        dev, (t, k), w, el, e, c = x.device, topk.ids.shape, self.world, self.num_local, self.num_experts, self.capacity
-        if t > c:
-            raise ValueError(f"masked dispatch: {t} tokens on EP rank {self.rank} exceed "
-                             f"max_tokens_per_rank={c} (the fixed capacity of the masked slab); "
-                             "raise max_tokens_per_rank or split the batch")
-        cw = c * w
-        ids = topk.ids.long()
-        in_range = (ids >= 0) & (ids < e)  # ids outside [-1, E) cannot be checked without a sync: no expert
-        dest = torch.where(in_range, ids // el, w)
-        hit = torch.zeros(t, w + 1, dtype=torch.int64, device=dev).scatter_(1, dest, 1)[:, :w]  # [T, W]
-        pos = hit.cumsum(0) - 1
-        ranks = torch.arange(w, device=dev)
-        slot = torch.where(hit.bool(), ranks * c + pos, cw).flatten()  # [T*W]; cw = discard
-        tokens = torch.arange(t, device=dev).unsqueeze(1).expand(t, w).reshape(-1)
-        src = torch.zeros(cw + 1, dtype=torch.int64, device=dev).scatter_(0, slot, tokens)[:cw]
-        row_used = torch.zeros(cw + 1, dtype=torch.bool, device=dev).scatter_(0, slot, hit.bool().flatten())[:cw]
+        dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
+        t_in, cw = x.shape[0], c * w
+        overflow = t_in > c
+        if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
+            x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
+        t = x.shape[0]
+        _, slot = self._send_rows(topk.ids, c, cw)
+        src = self._sources(slot, cw, t)[:cw]
+        qa, data, meta = self._tables(x, topk, t_in)
+        send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
+        recv_data = torch.empty_like(send_data)
+        recv_meta = torch.empty(cw, self.meta_words, dtype=torch.int32, device=dev)
+        _a2a(recv_data, send_data, None, None, self.group)
+        _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
+        if overflow:
+            raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+        scale, rids, rweights, rtokens = self._split_meta(recv_meta)
+        self._check_senders(rtokens)
 
-        # per slot: local ids on the slot's destination rank (-1 elsewhere and in unused slots)
-        if t:
-            slot_ids = ids.index_select(0, src)
-            slot_w = topk.weights.index_select(0, src)
-        else:
-            slot_ids = torch.full((cw, k), -1, dtype=torch.int64, device=dev)
-            slot_w = torch.zeros(cw, k, dtype=torch.float32, device=dev)
-        slot_rank = (torch.arange(cw, device=dev) // c).unsqueeze(1)
-        send_valid = row_used.unsqueeze(1) & (slot_ids >= 0) & (slot_ids < e) & (slot_ids // el == slot_rank)
-        lids = torch.where(send_valid, slot_ids - slot_rank * el, -1)
-        weights = torch.where(send_valid, slot_w, 0.0)
-
-        qa = self._quantize(x)
-        db = self._wire_row_bytes(x)
-        meta = self._row_meta(qa, src, lids, weights) if t else self._empty_meta(cw, lids, weights)
-        mb = meta.shape[1] * 4
-        # per destination chunk: [C data rows | C meta rows], so data blocks stay contiguous
-        send = torch.empty(w, c * (db + mb), dtype=torch.uint8, device=dev)
-        if t:
-            xb = _bytes(qa.data)
-            for r in range(w):
-                # the word size follows the destination's alignment; the source (offset 0) takes any
-                dst = _words(send[r, :c * db].view(c, db))
-                torch.index_select(xb.view(dst.dtype), 0, src[r * c:(r + 1) * c], out=dst)
-        send[:, c * db:].copy_(meta.view(torch.uint8).view(w, c * mb))
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-
-        # expand received rows into the [E_local, C*W, H] slab, valid rows first per expert
-        rdata = recv[:, :c * db].view(w, c, db)
-        scale, rlids, rweights = self._split_meta(recv[:, c * db:].contiguous().view(torch.int32).view(cw, -1))
-        pair_valid = rlids >= 0
-        key = torch.where(pair_valid, rlids.long(), el).flatten()  # [P], el = not here
-        p = key.numel()
-        counts = torch.zeros(el + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-        order = torch.argsort(key, stable=True)
-        starts = counts.cumsum(0) - counts
-        arange_p = torch.arange(p, device=dev)
-        rank_in = torch.empty_like(key).scatter_(0, order, arange_p - starts.index_select(0, key.index_select(0, order)))
-        # discarded pairs land in a scratch expert (index el), spread over its rows
-        slab_index = torch.where(key < el, key * cw + rank_in.clamp(max=cw - 1), el * cw + arange_p % cw)
-        slab_index = slab_index.view(w, c, k)
-        slab = torch.empty((el + 1) * cw, db, dtype=torch.uint8, device=dev)
-        _words(slab).index_put_((slab_index,), _words(rdata).unsqueeze(2))
+        # slab row of each received (slot, k) pair: expert * C*W + its rank among the pairs of that
+        # expert in (source rank, token, k) order; pairs not here go to one scratch row past the slab
+        mine, local = self._local(rids)
+        key = torch.where(mine, local, el).long()  # [CW, K]; el: not here
+        seen = torch.zeros(cw, el + 1, dtype=torch.int32, device=dev).scatter_(1, key, 1).cumsum(0)
+        slab_index = torch.add(seen.gather(1, key), key, alpha=cw).sub_(1).clamp_(max=el * cw)
+        masked_m = seen[-1, :el].to(torch.int32)
+        # expand: one row write per pair (the scratch row absorbs the pairs that are not here)
+        db = recv_data.shape[1]
+        slab = torch.empty(el * cw + 1, db, dtype=torch.uint8, device=dev)
+        word = _word(slab, recv_data)
+        slab.view(word).index_put_((slab_index,), recv_data.view(word).unsqueeze(1))
         slab_scale = None
         if scale is not None:
-            ns = scale.shape[1]
-            slab_scale = torch.empty((el + 1) * cw, ns, dtype=torch.float32, device=dev)
-            slab_scale.index_put_((slab_index,), scale.view(w, c, 1, ns))
-            slab_scale = slab_scale[:el * cw].view(el, cw, ns)
-        data = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
-        hidden = QuantizedActivations(data, self.wire, slab_scale, ue8m0=qa.ue8m0)
-        masked_m = counts[:el].clamp(max=cw).to(torch.int32)
-        # combine reads every (row, k) pair: pairs not here read the row's first valid pair (finite,
-        # weight 0), never a row past masked_m (garbage, maybe NaN); rows with no pair read row 0
-        slab_index = slab_index.view(cw, k)
-        first = slab_index.gather(1, pair_valid.to(torch.int8).argmax(dim=1, keepdim=True))
-        gather_index = torch.where(pair_valid, slab_index, torch.where(pair_valid.any(1, keepdim=True), first, 0))
-        handle = _MaskedHandle(gather_index, rweights, hit.bool(), pos, src, send_valid,
-                               topk.weights, t, x.dtype)
+            slab_scale = torch.empty(el * cw + 1, self.n_scale, dtype=torch.float32, device=dev)
+            slab_scale.index_put_((slab_index,), scale.unsqueeze(1))
+            slab_scale = slab_scale[:el * cw].view(el, cw, self.n_scale)
+        data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
+        hidden = QuantizedActivations(data_slab, self.wire, slab_scale, ue8m0=qa.ue8m0)
+        handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
         return EPMaskedDispatch(hidden, masked_m, topk, handle)
 
-    def _empty_meta(self, rows: int, lids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        ns = _scale_words(self.wire, self.hidden)
-        zeros = torch.zeros(rows, ns, dtype=torch.int32, device=lids.device)
-        return torch.cat([zeros, lids.to(torch.int32), weights.float().view(torch.int32)], dim=1)
+    def _overflow_message(self, what: str) -> str:
+        return (f"masked dispatch: {what} max_tokens_per_rank={self.capacity} (the fixed capacity of the "
+                "masked slab); raise max_tokens_per_rank or split the batch")
+
+    def _check_senders(self, tokens: torch.Tensor) -> None:
+        """Every rank learns of an overflow elsewhere without a host sync (see the module doc)."""
+        msg = self._overflow_message("another EP rank's tokens exceed")
+        try:
+            torch._assert_async((tokens <= self.capacity).all(), msg)
+        except RuntimeError as exc:  # CPU: checked at once
+            raise ValueError(msg) from exc
 
     def _combine_masked(self, ci: EPMaskedCombine) -> torch.Tensor:
         h: _MaskedHandle = ci.handle
@@ -423,27 +438,19 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(f"EPMaskedCombine.hidden must be [{el}, {cw}, {self.hidden}], got {tuple(y.shape)}")
         if ci.topk.weights.shape != (h.num_tokens, k):
             raise ValueError(f"EPMaskedCombine.topk must be [T={h.num_tokens}, {k}], got {tuple(ci.topk.weights.shape)}")
-        pair_weight = h.pair_weight
+        weights = h.weights
         if ci.topk.weights is not h.topk_weights:  # other weights than dispatched: send them again
-            if h.num_tokens:
-                slot_w = torch.where(h.send_valid, ci.topk.weights.index_select(0, h.src), 0.0)
-            else:
-                slot_w = torch.zeros(cw, k, dtype=torch.float32, device=y.device)
-            pair_weight = torch.empty_like(slot_w)
-            _a2a(pair_weight, slot_w, None, None, self.group)
+            table = torch.cat([ci.topk.weights, ci.topk.weights.new_zeros(1, k)])  # + the padding row
+            weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
+            _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
-        # weighted sum over this rank's experts, one row per received (source rank, token) slot:
-        # gather the K rows of each slot, then one batched [1, K] x [K, H] product (fp32 accumulation)
-        g = _gather_rows(y.reshape(el * cw, self.hidden), h.gather_index.flatten()).view(cw, k, self.hidden)
-        # (rows with no expert here read garbage, possibly NaN: the sender masks them out)
-        send = torch.bmm(pair_weight.to(y.dtype).unsqueeze(1), g).squeeze(1)
-        back = torch.empty_like(send)
-        _a2a(back, send, None, None, self.group)
-
-        out = torch.zeros(h.num_tokens, self.hidden, dtype=torch.float32, device=y.device)
-        if h.num_tokens:
-            back = back.view(w, c, self.hidden)
-            for r in range(w):
-                rows = back[r].index_select(0, h.pos[:, r].clamp(min=0)).float()
-                out.add_(rows.masked_fill_(~h.hit[:, r:r + 1], 0.0))
-        return out.to(h.dtype)
+        # weighted sum of each received token's rows on this rank: one embedding_bag over the slab
+        # (fp32 accumulation). Pairs not here read their slot's first pair here with weight 0, so
+        # they never touch a row past masked_m (garbage, maybe NaN); slots with no pair here read
+        # garbage, and their sender never reads those rows back.
+        first = h.slab_index.gather(1, h.valid.to(torch.int8).argmax(1, keepdim=True))
+        index = torch.where(h.valid, h.slab_index, first).clamp_(max=el * cw - 1)
+        pair_w = torch.where(h.valid, weights, 0.0).to(y.dtype)
+        send = torch.nn.functional.embedding_bag(index, y.reshape(el * cw, self.hidden),
+                                                 per_sample_weights=pair_w, mode="sum")
+        return self._return_rows(send, None, None, cw, h.slot, h.dtype)

@@ -309,7 +309,31 @@ def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph}
+def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Kernels, collectives and host syncs of one dispatch and one combine (``opcount.OpCounter``)."""
+    from opcount import OpCounter
+
+    results = {}
+    x, topk = routing_cases(world, rank, seed)["uniform"]
+    x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
+    for fmt in MODES:
+        for wire in WIRES:
+            d = _make_dispatcher(world, rank, fmt, wire)
+            for _ in range(2):  # the second round is counted (lazy initialisation out of the way)
+                with OpCounter() as cd:
+                    out = d.dispatch(x, topk)
+                if fmt is Format.EP_NORMAL:
+                    ci = EPNormalCombine(out.hidden.dequantize(torch.bfloat16), out.handle)
+                else:
+                    ci = EPMaskedCombine(out.hidden.dequantize(torch.bfloat16), out.topk, out.handle)
+                with OpCounter() as cc:
+                    d.combine(ci)
+            results[f"{fmt}/{wire}"] = {"dispatch": cd.summary(), "combine": cc.summary()}
+    return results
+
+
+SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+             "ops": scenario_ops}
 
 
 def main() -> None:
