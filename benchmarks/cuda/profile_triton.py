@@ -48,11 +48,12 @@ def main() -> None:
     p.add_argument("--no-torch-profiler", action="store_true")
     args = p.parse_args()
 
-    from moe_core.config import preset
-    from moe_core.router import route
     from moe_plugin_cuda import triton_ops, tuning_configs
     from moe_plugin_cuda.triton_experts import config_dtype
     from moe_plugin_cuda.tune import _make_weights
+
+    from moe_core.config import preset
+    from moe_core.router import route
 
     cfg = preset(args.preset, quant=args.quant, device="cuda")
     E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size

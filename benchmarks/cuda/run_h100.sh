@@ -50,10 +50,12 @@ phase_tune() {
 }
 
 phase_bench() {
+  # BENCH_TWO_ACC=1: GEMM1 on the two-accumulator fallback (if the one-accumulator epilogue fails on the device)
+  local two=""; [ -n "$BENCH_TWO_ACC" ] && two=', "gemm1_two_acc": true'
   # shellcheck disable=SC2086
   moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant unquantized fp8_block \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 1024 \
-    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
+    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
 }
 
 phase_profile() {

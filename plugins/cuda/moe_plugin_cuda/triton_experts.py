@@ -36,7 +36,9 @@ class TritonExperts(Experts):
     """Fused-MoE Triton experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
 
     Options (``backend_options["triton"]``): ``config_dir`` (extra directory of tuned JSON
-    configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T).
+    configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T),
+    ``gemm1_two_acc`` (True: run GEMM1 on the two-accumulator fallback kernel whatever the
+    config says, e.g. where the one-accumulator epilogue does not compile).
     """
 
     def __init__(self, ctx) -> None:
@@ -50,6 +52,7 @@ class TritonExperts(Experts):
         self.activation = str(c.activation)
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
+        self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
         self._configs: dict[int, dict] = {}
         self._device_name: Optional[str] = None
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
@@ -67,6 +70,8 @@ class TritonExperts(Experts):
                 cfg, _ = tuning_configs.get_config(m, c.num_local_experts, c.top_k, c.intermediate_size,
                                                    c.hidden_size, self.dtype_name, self._device_name,
                                                    self.config_dir)
+            if self.two_acc:
+                cfg = tuning_configs.as_two_acc(cfg)
             self._configs[m] = cfg
         return cfg
 

@@ -28,6 +28,7 @@ import argparse
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -157,31 +158,24 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
             sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, bm)
             align = (sorted_ids, expert_ids, post_pad)
             kw = dict(align=align, masked_m=None, num_rows=M * K, capacity=0, num_m_blocks=n_blocks)
-
-            def g1(c1):
-                return triton_ops.gemm1(a, a_s, w13, s13, a_row_div=K, activation="silu", fp8=fp8,
-                                        w13_interleaved=True, out_dtype=torch.bfloat16, cfg1=c1, **kw)
-
+            g1 = partial(triton_ops.gemm1, a, a_s, w13, s13, a_row_div=K, activation="silu", fp8=fp8,
+                         w13_interleaved=True, out_dtype=torch.bfloat16, **kw)
             c1s, c2s = candidates(bm, fp8)
-            t1 = [(timed(lambda c=c: g1(c), f"gemm1 {c}"), i) for i, c in enumerate(c1s)]
-            ms1, i1 = min(t1)
+            ms1, i1 = min((timed(partial(g1, cfg1=c), f"gemm1 {c}"), i) for i, c in enumerate(c1s))
             if ms1 == float("inf"):
                 continue
-            h, h_s = g1(c1s[i1])
-            t2 = [(timed(lambda c=c: triton_ops.gemm2(h, h_s, w2, s2, y, wts, out_scale=1.0, fp8=fp8, cfg2=c,
-                                                      **kw), f"gemm2 {c}"), i) for i, c in enumerate(c2s)]
-            ms2, i2 = min(t2)
+            h, h_s = g1(cfg1=c1s[i1])
+            g2 = partial(triton_ops.gemm2, h, h_s, w2, s2, y, wts, out_scale=1.0, fp8=fp8, **kw)
+            ms2, i2 = min((timed(partial(g2, cfg2=c), f"gemm2 {c}"), i) for i, c in enumerate(c2s))
             if ms1 + ms2 < best[0]:
                 best = (ms1 + ms2, {"gemm1": c1s[i1], "gemm2": c2s[i2]})
 
-        def pipeline(c):
-            return lambda: triton_ops.fused_experts(
-                x, None, w13, w2, s13, s2, topk.weights, topk.ids, activation="silu", routed_scaling_factor=1.0,
-                out_dtype=torch.bfloat16, cfg=c, w13_interleaved=True)
-
+        pipeline = partial(triton_ops.fused_experts, x, None, w13, w2, s13, s2, topk.weights, topk.ids,
+                           activation="silu", routed_scaling_factor=1.0, out_dtype=torch.bfloat16,
+                           w13_interleaved=True)
         heur = tuning_configs.heuristic(M, E, K, inter, H, fp8)
-        t_heur = timed(pipeline(heur), f"heuristic {heur}")
-        t_best = timed(pipeline(best[1]), "best") if best[1] is not None else float("inf")
+        t_heur = timed(partial(pipeline, cfg=heur), f"heuristic {heur}")
+        t_best = timed(partial(pipeline, cfg=best[1]), "best") if best[1] is not None else float("inf")
         chosen, t = (best[1], t_best) if t_best < t_heur else (heur, t_heur)
         if chosen is None or t == float("inf"):
             log(f"  {name} {quant} T={M}: nothing ran, no entry")
@@ -190,8 +184,6 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
         log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us (searched {t_best * 1e3:.1f}, heuristic {t_heur * 1e3:.1f}) "
             f"{chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")
         tuning_configs.save_table(path, table)  # after every T: a cut-off run keeps what it found
-    del w13, w2, s13, s2
-    torch.cuda.empty_cache()
     return path
 
 
@@ -219,6 +211,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in args.presets:
         for quant in args.quant:
             path = tune_preset(name, quant, args.tokens, Path(args.out_dir), args.rep_ms, log)
+            torch.cuda.empty_cache()  # this preset's weights are gone: room for the next one's
             log(f"wrote {path} [{time.time() - t0:.0f}s total]")
     return 0
 

@@ -80,6 +80,15 @@ def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool) -> dict[str
     return {"gemm1": g1, "gemm2": g2}
 
 
+def as_two_acc(cfg: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The same launch with GEMM1 on the two-accumulator fallback kernel: BLOCK_N halved, so each
+    program still writes the same output columns and holds the same accumulator registers."""
+    g1 = cfg["gemm1"]
+    if g1.get("TWO_ACC", 0):
+        return cfg
+    return {**cfg, "gemm1": {**g1, "BLOCK_N": max(16, g1["BLOCK_N"] // 2), "TWO_ACC": 1}}
+
+
 def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],
                config_dir: Optional[str] = None) -> tuple[dict[str, dict[str, int]], str]:
     """(config, source) where source is the JSON file used or ``"heuristic"``."""

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch

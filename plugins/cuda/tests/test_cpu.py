@@ -308,3 +308,15 @@ def test_tuned_config_files_carry_the_kernel_version(tmp_path):
     cfg, src = tuning_configs.get_config(90, 8, 2, 64, 128, "bf16", "Some GPU", str(tmp_path))
     assert src == name and cfg["gemm1"]["TWO_ACC"] == 1 and cfg["gemm2"]["TWO_ACC"] == 0
     assert cfg["gemm1"]["BLOCK_M"] == 32
+
+
+def test_as_two_acc_keeps_output_width():
+    from moe_plugin_cuda import tuning_configs
+
+    for fp8 in (False, True):
+        for M in (1, 4096):
+            cfg = tuning_configs.heuristic(M, 128, 8, 768, 2048, fp8)
+            two = tuning_configs.as_two_acc(cfg)
+            assert two["gemm1"]["TWO_ACC"] == 1 and two["gemm2"] == cfg["gemm2"]
+            assert two["gemm1"]["BLOCK_N"] * 2 == cfg["gemm1"]["BLOCK_N"]  # same output columns per program
+            assert tuning_configs.as_two_acc(two) == two

@@ -149,6 +149,18 @@ def test_triton_gemm1_variants(quant, inter, bm, bn, two_acc):
 
 
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_triton_gemm1_two_acc_option(quant):
+    """backend option gemm1_two_acc: the fallback kernel on every config (tuned or heuristic)."""
+    cfg, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=320,
+                              backend_options={"triton": {"gemm1_two_acc": True}})
+    for T in (3, 900):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+        topk = _topk(T, cfg)
+        assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+        assert layer.experts.launch_config(T, x.device)["gemm1"]["TWO_ACC"] == 1
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 def test_triton_process_weights_once(quant):
     """w13 is interleaved once: a second process_weights, and a reload + process_weights, leave
     the output unchanged (the kit checks the same; this also checks the layout itself)."""
