@@ -201,4 +201,9 @@ def check_cutedsl(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
                                "multiples of 128 (NVFP4 swizzled scale tiles)"))
     if config.max_tokens_per_rank is None:
         out.append(unavailable(Code.UNSUPPORTED_SHAPE, "cutedsl runs on masked slabs: set max_tokens_per_rank"))
+    import torch
+
+    if config.params_dtype not in (torch.bfloat16, torch.float16):
+        out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"cutedsl's NVFP4 quantization kernels take bf16/fp16 "
+                               f"activations (params_dtype={config.params_dtype})", "use bf16 params"))
     return out
