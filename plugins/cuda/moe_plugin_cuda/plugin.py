@@ -51,7 +51,8 @@ class CudaPlugin(BackendPlugin):
             BackendSpec(
                 name="deepep", role=Role.DISPATCHER, impl=f"{_P}.deepep:DeepEPDispatcher",
                 formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
-                wire_dtypes=(WireDtype.FP8, WireDtype.BF16, WireDtype.NVFP4),
+                # the V1 API has no NVFP4 wire (planning rejects it with a reason, probes.deepep_problems)
+                wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 # normal mode busy-waits on the host for the receive counts
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
                 ep="required", priority=PRIORITY_DEEPEP, probe=f"{_P}.probes:probe_deepep",
@@ -81,6 +82,24 @@ class CudaPlugin(BackendPlugin):
             return request.decide(WireDtype.BF16, "cuda: no wire with the standard dispatcher; triton quantizes "
                                   "activations in its own kernel", source="cuda")
         return None
+
+    @hookimpl(wrapper=True, specname="select_dispatch_dtype")
+    def deepep_validation(self, request):
+        """DeepEP's constraints that depend on the chosen format (normal / low-latency) and wire dtype,
+        known only here; those the spec's plan-time check already reported are not repeated."""
+        decision = yield
+        d = request.dispatcher
+        if d is None or d.name != "deepep" or d.plugin not in ("", "cuda") or decision is None or decision.dtype is None:
+            return decision
+        from moe_plugin_cuda.probes import check_deepep, deepep_problems
+
+        known = set(check_deepep(request.config, d))
+        problems = [r for r in deepep_problems(request.config, request.format is Format.EP_MASKED,
+                                               str(decision.dtype)) if r not in known]
+        if not problems:
+            return decision
+        return decision.reject(problems[0].code, "; ".join(r.message for r in problems),
+                               "; ".join(r.hint for r in problems if r.hint), source="cuda")
 
 
 plugin = CudaPlugin()

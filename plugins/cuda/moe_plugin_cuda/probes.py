@@ -156,41 +156,71 @@ def check_grouped_mm(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     return out
 
 
-def check_deepep(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
+def deepep_low_latency_forced(config: "MoEConfig") -> bool:
+    """The planner will pick EP_MASKED (low-latency mode) whatever the experts accept."""
+    return config.dispatch_format == "ep_masked" or config.cuda_graph  # normal mode is not graph-safe
+
+
+def deepep_num_max(config: "MoEConfig") -> int:
+    """``num_max_dispatch_tokens_per_rank`` for low-latency mode: ``max_tokens_per_rank`` rounded up so
+    that ``ep_size * num_max % 4 == 0`` (DeepEP asserts it); the slab only gets a few rows larger."""
+    n = config.max_tokens_per_rank or 0
+    while (config.ep_size * n) % 4:
+        n += 1
+    return n
+
+
+def deepep_problems(config: "MoEConfig", low_latency: bool, wire: Optional[str]) -> list[Reason]:
+    """Every reason DeepEP V1 cannot serve ``config`` in the given mode and wire dtype (``None``: not
+    decided yet). Constraints from vendor-apis.md section 1 (DeepEP v1.2.1)."""
     out = []
     R, H = config.ep_size, config.hidden_size
+    opts = config.options("deepep")
     if R > 1 and R not in DEEPEP_RANKS:
         out.append(unavailable(Code.UNSUPPORTED_PARALLEL, f"DeepEP has no dispatch/combine config for {R} ranks",
                                "EP sizes: " + ", ".join(map(str, DEEPEP_RANKS))))
     if (H * 2) % 16:
         out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"hidden_size={H}: DeepEP needs rows of a multiple of 16 bytes"))
-    mode = config.options("deepep").get("mode", "auto")
-    low_latency = mode == "low_latency" or config.cuda_graph
-    if low_latency:
-        if H not in DEEPEP_LL_HIDDEN:
-            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"hidden_size={H} has no DeepEP low-latency kernel",
-                                   "supported: " + ", ".join(map(str, DEEPEP_LL_HIDDEN))))
-        if config.dispatch_dtype == "fp8" and H % 512:
-            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"FP8 low-latency dispatch needs hidden_size % 512 == 0 "
-                                   f"(got {H})"))
-        num_max = config.max_tokens_per_rank
-        if num_max is None:
-            out.append(unavailable(Code.UNSUPPORTED_SHAPE, "low-latency mode needs max_tokens_per_rank",
-                                   "set max_tokens_per_rank (<= 511 at NVSHMEM_QP_DEPTH=1024)"))
-        else:
-            qp_depth = int(config.options("deepep").get("qp_depth", 1024))
-            if qp_depth < 2 * (num_max + 1):
-                out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"max_tokens_per_rank={num_max} needs "
-                                       f"NVSHMEM_QP_DEPTH >= {2 * (num_max + 1)} (have {qp_depth})",
-                                       "lower max_tokens_per_rank or raise backend_options deepep.qp_depth"))
-            if (R * num_max) % 4:
-                out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"ep_size * max_tokens_per_rank = {R * num_max} "
-                                       "must be a multiple of 4"))
-        qps = config.options("deepep").get("num_qps_per_rank")
-        if qps is not None and int(qps) != config.num_local_experts:
-            out.append(unavailable(Code.UNSUPPORTED_PARALLEL, f"num_qps_per_rank={qps} must equal the local "
-                                   f"expert count {config.num_local_experts} in low-latency mode"))
+    if wire == "nvfp4":
+        out.append(unavailable(Code.UNSUPPORTED_QUANT, "DeepEP V1 has no NVFP4 wire (low_latency_dispatch quantizes "
+                               "to FP8 only; normal dispatch takes bf16 or FP8)",
+                               "use dispatch_dtype fp8 or bf16 (NVFP4 experts quantize the BF16 slab themselves)"))
+    if wire == "fp8" and not low_latency and H % 128:
+        out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"FP8 normal dispatch takes scales [T, H/128]: hidden_size={H} "
+                               "is not a multiple of 128", "use dispatch_dtype bf16"))
+    if not low_latency:
+        return out
+    if H not in DEEPEP_LL_HIDDEN:
+        out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"hidden_size={H} has no DeepEP low-latency kernel",
+                               "supported: " + ", ".join(map(str, DEEPEP_LL_HIDDEN))))
+    if wire == "fp8" and H % 512:
+        out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"FP8 low-latency dispatch needs hidden_size % 512 == 0 "
+                               f"(got {H})"))
+    if config.max_tokens_per_rank is None:
+        out.append(unavailable(Code.UNSUPPORTED_SHAPE, "low-latency mode needs max_tokens_per_rank",
+                               "set max_tokens_per_rank (<= 511 at NVSHMEM_QP_DEPTH=1024)"))
+    else:
+        num_max = deepep_num_max(config)
+        qp_depth = int(opts.get("qp_depth", 1024))
+        if qp_depth < 2 * (num_max + 1):
+            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"max_tokens_per_rank={config.max_tokens_per_rank} "
+                                   f"(num_max_dispatch_tokens_per_rank {num_max}) needs NVSHMEM_QP_DEPTH >= "
+                                   f"{2 * (num_max + 1)} (have {qp_depth})",
+                                   "lower max_tokens_per_rank or raise backend_options deepep.qp_depth"))
+    qps = opts.get("num_qps_per_rank")
+    if qps is not None and int(qps) != config.num_local_experts:
+        out.append(unavailable(Code.UNSUPPORTED_PARALLEL, f"num_qps_per_rank={qps} must equal the local "
+                               f"expert count {config.num_local_experts} in low-latency mode",
+                               "leave num_qps_per_rank unset (the dispatcher uses the local expert count)"))
     return out
+
+
+def check_deepep(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
+    """What is known before the pair is chosen: the mode when the config forces low latency, the wire
+    dtype when the user chose it. The rest is checked by the plugin's dtype validation wrapper, which
+    sees the chosen format and dtype (``plugin.CudaPlugin.deepep_validation``)."""
+    wire = None if config.dispatch_dtype == "auto" else str(config.dispatch_dtype)
+    return deepep_problems(config, deepep_low_latency_forced(config), wire)
 
 
 def check_cutedsl(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:

@@ -1,0 +1,362 @@
+"""``deepep``: expert-parallel dispatch and combine through DeepEP's V1 ``deep_ep.Buffer``.
+
+Written strictly to the V1 API of DeepEP v1.2.1 (``vendor-apis.md`` section 1; upstream V2 still
+exports it from ``buffers/legacy.py``). Verified here only against the emulation in
+``plugins/cuda/tests/emulation`` (DeepEP cannot be built on the machines this was developed on);
+``plugins/cuda/scripts/deepep_vs_torch_a2a.py`` runs the same equivalence checks where it can.
+
+The plan's format picks the mode:
+
+- **EP_NORMAL** (normal kernels): ``get_dispatch_layout`` -> ``dispatch`` -> ``combine``. Each token
+  arrives once per destination rank, rows grouped by source rank, ids local (-1 / weight 0
+  elsewhere). FP8 wire: quantized here (128-channel groups) and carried as ``(e4m3, scales)``.
+  DeepEP busy-waits on the host for the receive counts, so this mode is not graph-safe.
+- **EP_MASKED** (low-latency kernels): ``low_latency_dispatch`` -> ``low_latency_combine``, a
+  ``[E_local, R * num_max, H]`` slab with ``masked_m`` valid rows per expert, in no particular order.
+  FP8 is quantized by DeepEP itself; ``backend_options={"deepep": {"ue8m0": True}}`` asks for
+  power-of-two (UE8M0) scales, which are unpacked to fp32 here (exact) because the contract's
+  scales are fp32. ``num_max`` is ``max_tokens_per_rank`` rounded up so ``R * num_max % 4 == 0``.
+
+DeepEP takes bf16 activations only: other activation dtypes are cast to bf16 for the wire and the
+output is cast back. The DeepEP handle travels in the dispatch output's ``handle``, never on
+``self``. For engines that overlap communication with compute, ``dispatch_async`` and
+``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
+receive hook, or a stream wait on the normal kernels' event) and returns the result.
+
+Buffers: one ``deep_ep.Buffer`` per process group, shared by every layer on that group and sized
+for the largest need declared when the layers were built (see ``BufferRegistry``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from moe_core.contracts import (
+    CombineInput,
+    DispatchOutput,
+    EPMaskedCombine,
+    EPMaskedDispatch,
+    EPNormalCombine,
+    EPNormalDispatch,
+    Format,
+    QuantizedActivations,
+    TopK,
+    WireDtype,
+)
+from moe_core.quant import quantize_fp8_per_token_group
+from moe_core.runtime import BackendContext, Dispatcher
+from moe_plugin_cuda.probes import deepep_num_max, deepep_problems
+
+__all__ = ["DeepEPDispatcher", "BufferRegistry", "BUFFERS", "Pending", "unpack_ue8m0"]
+
+WIRE_DTYPES = (WireDtype.BF16, WireDtype.FP8)
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+@dataclass(frozen=True)
+class BufferNeed:
+    """What one layer needs from its group's ``deep_ep.Buffer``."""
+
+    num_nvl_bytes: int = 0
+    num_rdma_bytes: int = 0
+    low_latency_mode: bool = False
+    num_qps_per_rank: Optional[int] = None  # None: DeepEP's default (normal mode only)
+
+    def merge(self, other: "BufferNeed") -> "BufferNeed":
+        if self.low_latency_mode and other.low_latency_mode and self.num_qps_per_rank != other.num_qps_per_rank:
+            raise ValueError(f"deepep: low-latency layers on one group need num_qps_per_rank = local experts, "
+                             f"and two layers disagree ({self.num_qps_per_rank} vs {other.num_qps_per_rank}); "
+                             "give them different EP groups")
+        qps = next((n.num_qps_per_rank for n in (self, other) if n.low_latency_mode), None)
+        return BufferNeed(max(self.num_nvl_bytes, other.num_nvl_bytes), max(self.num_rdma_bytes, other.num_rdma_bytes),
+                          self.low_latency_mode or other.low_latency_mode,
+                          qps if qps is not None else self.num_qps_per_rank or other.num_qps_per_rank)
+
+    def covers(self, other: "BufferNeed") -> bool:
+        return self.merge(other) == self
+
+
+@dataclass
+class _GroupBuffer:
+    group: Any
+    need: BufferNeed = BufferNeed()
+    buffer: Any = None  # the deep_ep.Buffer, created at the first call after the needs were declared
+    built_for: Optional[BufferNeed] = None
+    used_normal: bool = False  # normal kernels ran since the last low-latency clean
+
+
+class BufferRegistry:
+    """One ``deep_ep.Buffer`` per process group, sized to the max of every layer's declared need.
+
+    A DeepEP buffer is a collective allocation (NVLink IPC / NVSHMEM memory on every rank), so it is a
+    process-wide resource, like the process group it belongs to: this is the one piece of
+    module-level state of the plugin. Layers ``declare`` their need when they are built; the buffer is
+    (re)created at the first call after a need grew, on every rank at the same point, as every rank
+    builds the same layers in the same order. SGLang's singleton, by contrast, is sized by its first
+    caller.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[Any, _GroupBuffer] = {}
+
+    def declare(self, group: Any, need: BufferNeed) -> _GroupBuffer:
+        entry = self._groups.setdefault(group, _GroupBuffer(group))
+        entry.need = entry.need.merge(need)
+        return entry
+
+    @staticmethod
+    def get(entry: _GroupBuffer, deep_ep: Any) -> Any:
+        if entry.buffer is None or not entry.built_for.covers(entry.need):
+            need = entry.need
+            kwargs = {} if need.num_qps_per_rank is None else {"num_qps_per_rank": need.num_qps_per_rank}
+            entry.buffer = None  # release the old one first
+            entry.buffer = deep_ep.Buffer(entry.group, need.num_nvl_bytes, need.num_rdma_bytes,
+                                          low_latency_mode=need.low_latency_mode, **kwargs)
+            entry.built_for = need
+            entry.used_normal = False
+        return entry.buffer
+
+    def clear(self) -> None:
+        self._groups.clear()
+
+
+BUFFERS = BufferRegistry()
+
+
+# --------------------------------------------------------------------------- per-call state
+
+
+class Pending(Generic[T]):
+    """An asynchronous DeepEP call in flight: ``wait()`` receives and returns its result (once)."""
+
+    def __init__(self, finish: Callable[[], T], event: Any = None, hook: Optional[Callable[[], None]] = None) -> None:
+        self._finish, self._event, self._hook = finish, event, hook
+        self._result: Optional[T] = None
+        self._done = False
+
+    def wait(self) -> T:
+        if not self._done:
+            if self._hook is not None:
+                self._hook()  # low-latency: the receive itself
+            if self._event is not None:
+                self._event.current_stream_wait()  # normal kernels: order the current stream after them
+            self._result, self._done = self._finish(), True
+        return self._result  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _NormalHandle:
+    deepep: tuple = field(repr=False)  # DeepEP's dispatch handle (intranode or internode layout)
+    num_recv: int
+    dtype: torch.dtype  # the caller's activation dtype (output of combine)
+
+
+@dataclass(frozen=True)
+class _LowLatencyHandle:
+    deepep: tuple = field(repr=False)  # (src_info, layout_range, num_max, H, E)
+    topk_idx: torch.Tensor  # int64 [T, K]: the ids dispatched (low_latency_combine needs the same ones)
+    dtype: torch.dtype
+
+
+def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
+    """DeepEP's UE8M0 scales (int32 ``[..., H/512]``, 4 exponent bytes per int, low byte first) as fp32
+    ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field."""
+    exp = packed.contiguous().view(torch.uint8)[..., :groups]
+    return (exp.to(torch.int32) << 23).view(torch.float32)
+
+
+# --------------------------------------------------------------------------- dispatcher
+
+
+class DeepEPDispatcher(Dispatcher):
+    """EP dispatcher over ``deep_ep.Buffer`` (V1); format EP_NORMAL (normal) or EP_MASKED (low latency)."""
+
+    def __init__(self, ctx: BackendContext) -> None:
+        super().__init__(ctx)
+        cfg = ctx.config
+        if ctx.format not in (Format.EP_NORMAL, Format.EP_MASKED):
+            raise ValueError(f"deepep produces ep_normal or ep_masked, not {ctx.format}")
+        if ctx.dispatch_dtype not in WIRE_DTYPES:
+            raise ValueError(f"deepep carries bf16/fp8 (V1 API), not {ctx.dispatch_dtype}")
+        self.low_latency = ctx.format is Format.EP_MASKED
+        problems = deepep_problems(cfg, self.low_latency, str(ctx.dispatch_dtype))
+        if problems:  # the kit (or a caller) may force a format the plan did not validate
+            raise ValueError("deepep cannot serve this layer: " + "; ".join(map(str, problems)))
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("deepep needs an initialized torch.distributed process group before the layer is built")
+        self.group = cfg.ep_group if cfg.ep_group is not None else dist.group.WORLD
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if (world, rank) != (cfg.ep_size, cfg.ep_rank):
+            raise ValueError(f"deepep: EP group has size {world}, rank {rank}; config says ep_size={cfg.ep_size}, "
+                             f"ep_rank={cfg.ep_rank}")
+        import deep_ep  # the vendor library, at build time only
+
+        self._deep_ep = deep_ep
+        self.num_experts, self.hidden = cfg.num_experts, cfg.hidden_size
+        self.fp8 = ctx.dispatch_dtype is WireDtype.FP8
+        self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
+        self.num_max = deepep_num_max(cfg) if self.low_latency else 0
+        self._registry = BUFFERS
+        self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
+
+    def _need(self, world: int, opts: Any) -> BufferNeed:
+        buf = self._deep_ep.Buffer
+        if self.low_latency:
+            rdma = buf.get_low_latency_rdma_size_hint(self.num_max, self.hidden, world, self.num_experts)
+            return BufferNeed(0, rdma, True, self.num_experts // world)
+        hidden_bytes = self.hidden * 2  # H * max(element size, 2): bf16 and fp8 alike
+        configs = (buf.get_dispatch_config(world), buf.get_combine_config(world))
+        qps = opts.get("num_qps_per_rank")
+        return BufferNeed(max(c.get_nvl_buffer_size_hint(hidden_bytes, world) for c in configs),
+                          max(c.get_rdma_buffer_size_hint(hidden_bytes, world) for c in configs),
+                          False, None if qps is None else int(qps))
+
+    @property
+    def buffer(self) -> Any:
+        """This group's ``deep_ep.Buffer`` (created on first use, sized for every layer built so far)."""
+        return self._registry.get(self._entry, self._deep_ep)
+
+    # ----------------------------------------------------------------- public stage calls
+
+    def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
+        return self._dispatch(hidden_states, topk, None, False).wait()
+
+    def combine(self, combine_input: CombineInput) -> torch.Tensor:
+        return self._combine(combine_input, None, False).wait()
+
+    def dispatch_async(self, hidden_states: torch.Tensor, topk: TopK,
+                       previous_event: Any = None) -> Pending[DispatchOutput]:
+        """Start a dispatch; ``.wait()`` on the result before the experts read it. ``previous_event``
+        (a ``deep_ep.EventOverlap``, e.g. ``Buffer.capture()``) orders normal-mode kernels after it."""
+        return self._dispatch(hidden_states, topk, previous_event, True)
+
+    def combine_async(self, combine_input: CombineInput, previous_event: Any = None) -> Pending[torch.Tensor]:
+        """Start a combine; ``.wait()`` returns the ``[T, H]`` output."""
+        return self._combine(combine_input, previous_event, True)
+
+    # ----------------------------------------------------------------- implementation
+
+    def _validate(self, x: torch.Tensor, topk: TopK) -> None:
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"hidden_states must be [T, {self.hidden}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if topk.ids.shape != (x.shape[0], self.config.top_k):
+            raise ValueError(f"topk.ids must be [T={x.shape[0]}, top_k={self.config.top_k}], got "
+                             f"{tuple(topk.ids.shape)}")
+        if self.low_latency and x.shape[0] > self.config.max_tokens_per_rank:
+            raise ValueError(f"low-latency dispatch: {x.shape[0]} tokens exceed max_tokens_per_rank="
+                             f"{self.config.max_tokens_per_rank} (the fixed capacity); raise it or split the batch")
+
+    def _dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any, async_: bool) -> Pending[DispatchOutput]:
+        self._validate(x, topk)
+        idx = topk.ids.to(torch.int64)  # deep_ep.topk_idx_t
+        if self.low_latency:
+            return self._dispatch_low_latency(x, topk, idx, async_)
+        return self._dispatch_normal(x, topk, idx, previous_event, async_)
+
+    def _combine(self, ci: CombineInput, previous_event: Any, async_: bool) -> Pending[torch.Tensor]:
+        if self.low_latency:
+            if not isinstance(ci, EPMaskedCombine) or not isinstance(ci.handle, _LowLatencyHandle):
+                raise TypeError("deepep (ep_masked) combines an EPMaskedCombine carrying its dispatch handle")
+            return self._combine_low_latency(ci, async_)
+        if not isinstance(ci, EPNormalCombine) or not isinstance(ci.handle, _NormalHandle):
+            raise TypeError("deepep (ep_normal) combines an EPNormalCombine carrying its dispatch handle")
+        return self._combine_normal(ci, previous_event, async_)
+
+    # normal kernels
+
+    def _dispatch_normal(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor, previous_event: Any,
+                         async_: bool) -> Pending[EPNormalDispatch]:
+        entry = self._entry
+        buf = self.buffer
+        entry.used_normal = True
+        on_comm = previous_event is not None
+        per_rank, per_rdma_rank, per_expert, in_rank, event = buf.get_dispatch_layout(
+            idx, self.num_experts, previous_event=previous_event, async_finish=async_, allocate_on_comm_stream=on_comm)
+        if self.fp8:
+            q, s = quantize_fp8_per_token_group(x, ue8m0=self.ue8m0)
+            payload: Any = (q, s)
+        else:
+            payload = x.to(torch.bfloat16).contiguous()
+        recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
+            payload, topk_idx=idx, topk_weights=topk.weights, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=event if async_ else None, async_finish=async_,
+            allocate_on_comm_stream=on_comm and async_)
+        device, dtype = x.device, x.dtype
+
+        def finish() -> EPNormalDispatch:
+            if self.fp8:
+                data, scale = recv_x
+                hidden = QuantizedActivations(data, WireDtype.FP8, scale, ue8m0=self.ue8m0)
+            else:
+                hidden = QuantizedActivations(recv_x)
+            n = hidden.data.shape[0]
+            # DeepEP already read the counts on the host: keep both copies
+            counts_dev = torch.tensor(counts, dtype=torch.int32, device=device)
+            return EPNormalDispatch(hidden, TopK(recv_w.float(), recv_idx.to(torch.int32)), counts_dev,
+                                    tuple(int(c) for c in counts), _NormalHandle(handle, n, dtype))
+
+        return Pending(finish, event if async_ else None)
+
+    def _combine_normal(self, ci: EPNormalCombine, previous_event: Any, async_: bool) -> Pending[torch.Tensor]:
+        h: _NormalHandle = ci.handle
+        y = ci.hidden
+        if y.shape != (h.num_recv, self.hidden):
+            raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
+        self._entry.used_normal = True
+        combined, _, event = self.buffer.combine(
+            y.to(torch.bfloat16).contiguous(), h.deepep, previous_event=previous_event, async_finish=async_,
+            allocate_on_comm_stream=previous_event is not None and async_)
+        return Pending(lambda: combined.to(h.dtype), event if async_ else None)
+
+    # low-latency kernels
+
+    def _low_latency_buffer(self) -> Any:
+        buf = self.buffer
+        if self._entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
+            buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
+            self._entry.used_normal = False
+        return buf
+
+    def _dispatch_low_latency(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor,
+                              async_: bool) -> Pending[EPMaskedDispatch]:
+        buf = self._low_latency_buffer()
+        # async: the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
+        recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+            x.to(torch.bfloat16).contiguous(), idx, self.num_max, self.num_experts, use_fp8=self.fp8,
+            round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False, return_recv_hook=async_)
+        dtype, groups = x.dtype, self.hidden // 128
+
+        def finish() -> EPMaskedDispatch:
+            if self.fp8:
+                data, scale = recv_x
+                if self.ue8m0:
+                    scale = unpack_ue8m0(scale, groups)
+                hidden = QuantizedActivations(data, WireDtype.FP8, scale, ue8m0=self.ue8m0)
+            else:
+                hidden = QuantizedActivations(recv_x)
+            return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
+
+        return Pending(finish, None, hook if async_ else None)
+
+    def _combine_low_latency(self, ci: EPMaskedCombine, async_: bool) -> Pending[torch.Tensor]:
+        h: _LowLatencyHandle = ci.handle
+        y = ci.hidden
+        want = (self.num_experts // self.config.ep_size, self.config.ep_size * self.num_max, self.hidden)
+        if tuple(y.shape) != want:
+            raise ValueError(f"EPMaskedCombine.hidden must be {list(want)}, got {tuple(y.shape)}")
+        if ci.topk.weights.shape != tuple(h.topk_idx.shape):
+            raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
+                             f"got {tuple(ci.topk.weights.shape)}")
+        out, _, hook = self._low_latency_buffer().low_latency_combine(
+            y.to(torch.bfloat16).contiguous(), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False,
+            return_recv_hook=async_)
+        return Pending(lambda: out.to(h.dtype), None, hook if async_ else None)

@@ -1,0 +1,360 @@
+"""Multi-process harness of the ``deepep`` tests (test support only).
+
+``run_world(world, parts, seed)`` spawns ``world`` processes on gloo (127.0.0.1, a free port); each
+installs the emulated ``deep_ep``, runs the named parts and sends back its results; a hard timeout
+kills the world. Parts:
+
+- ``ops``: the emulated DeepEP ops against straightforward computations from their documentation;
+- ``equivalence``: ``plugins/cuda/scripts/deepep_vs_torch_a2a.py``'s cases (deepep vs torch_a2a);
+- ``layer``: ``MoELayer`` with dispatcher ``deepep`` and the reference experts against the
+  single-process reference layer, plus the buffer registry (sized for the largest layer, normal and
+  low-latency layers sharing one buffer).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import queue as queue_mod
+import socket
+import sys
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
+SHAPE = dict(experts=8, topk=3, hidden=2048)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _all_data(world: int, seed: int, counts: list[int], e: int, k: int, h: int):
+    from moe_core.testing.data import make_hidden, make_topk
+
+    gen = torch.Generator().manual_seed(seed)
+    xs = [make_hidden(t, h, torch.bfloat16, gen) for t in counts]
+    topks = [make_topk(t, k, e, gen, neg_fraction=0.25, empty_token=t >= 3) for t in counts]
+    return xs, [t.ids.long() for t in topks], [t.weights for t in topks]
+
+
+def part_ops(rank: int, world: int, seed: int) -> dict:
+    """Each emulated op against a direct computation of what vendor-apis.md section 1 says it returns."""
+    import deep_ep
+
+    from moe_core.quant import quantize_fp8_per_token_group
+    from moe_plugin_cuda.deepep import unpack_ue8m0
+
+    g = dist.group.WORLD
+    e, k, h = 8, 3, 2048
+    el = e // world
+    counts = [5 + 2 * r for r in range(world)]
+    counts[-1] = 0  # a rank with no tokens
+    xs, ids, ws = _all_data(world, seed, counts, e, k, h)
+    x, idx, w = xs[rank], ids[rank], ws[rank]
+    checked = []
+
+    # normal kernels
+    buf = deep_ep.Buffer(g, 1 << 26, 0)
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    want_in = torch.tensor([[bool(((row >= r * el) & (row < (r + 1) * el)).any()) for r in range(world)]
+                            for row in idx], dtype=torch.bool).view(-1, world)
+    assert per_rdma is None and torch.equal(in_rank, want_in)
+    assert per_rank.tolist() == want_in.sum(0).tolist()
+    assert per_expert.tolist() == [int((idx == j).sum()) for j in range(e)]
+    checked.append("get_dispatch_layout")
+
+    for fp8 in (False, True):
+        payload = quantize_fp8_per_token_group(x) if fp8 else x
+        recv, r_idx, r_w, r_counts, handle, _ = buf.dispatch(
+            payload, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=None, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=4)
+        rows, want_idx, want_w = [], [], []
+        for src in range(world):  # source blocks in rank order, tokens in order
+            for t in range(counts[src]):
+                if bool(((ids[src][t] >= rank * el) & (ids[src][t] < (rank + 1) * el)).any()):
+                    rows.append((src, t))
+                    loc = ids[src][t] - rank * el
+                    ok = (ids[src][t] >= 0) & (loc >= 0) & (loc < el)
+                    want_idx.append(torch.where(ok, loc, -1))
+                    want_w.append(torch.where(ok, ws[src][t], 0.0))
+        if fp8:
+            q, s = recv
+            for i, (src, t) in enumerate(rows):
+                wq, wsc = quantize_fp8_per_token_group(xs[src][t:t + 1])
+                assert torch.equal(q[i].view(torch.uint8), wq[0].view(torch.uint8)) and torch.equal(s[i], wsc[0])
+        else:
+            assert torch.equal(recv, torch.stack([xs[s_][t] for s_, t in rows]) if rows else recv[:0])
+        assert len(rows) == r_idx.shape[0]
+        if rows:
+            assert torch.equal(r_idx, torch.stack(want_idx)) and torch.equal(r_w, torch.stack(want_w))
+        pairs = [int((r_idx == j).sum()) for j in range(el)]
+        assert r_counts == [-(-c // 4) * 4 for c in pairs]  # aligned to expert_alignment
+        assert handle[0][:, rank].tolist() == list(torch.tensor(
+            [sum(1 for s_, _ in rows if s_ == src) for src in range(world)]).cumsum(0).tolist())
+        checked.append(f"dispatch-{'fp8' if fp8 else 'bf16'}")
+
+    # combine: return the received rows unchanged (+ a bias): each token gets x * (ranks it went to) + bias
+    recv, *_, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=None,
+                                       is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                                       topk_weights=w)
+    bias = torch.randn(x.shape[0], h).to(torch.bfloat16)
+    out, out_w, _ = buf.combine(recv, handle, topk_weights=torch.ones(recv.shape[0], k), bias=bias)
+    n_ranks = in_rank.sum(1, keepdim=True).float()
+    assert torch.equal(out, (x.float() * n_ranks + bias.float()).to(torch.bfloat16))
+    assert torch.equal(out_w, n_ranks.expand(-1, k))
+    checked.append("combine")
+
+    # low-latency kernels
+    num_max = 12
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(num_max, h, world, e)
+    try:  # a buffer smaller than the call's size hint is refused
+        buf_small = deep_ep.Buffer(g, 0, hint - 128 * 8, low_latency_mode=True, num_qps_per_rank=el)
+        buf_small.low_latency_dispatch(x, idx, num_max, e, use_fp8=False)
+        raise AssertionError("a buffer smaller than the size hint was accepted")
+    except RuntimeError as exc:
+        assert "RDMA buffer" in str(exc)
+    ll = deep_ep.Buffer(g, 1 << 26, hint, low_latency_mode=True, num_qps_per_rank=el)
+    recv, *_ = ll.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=None, is_token_in_rank=in_rank,
+                           num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    try:
+        ll.low_latency_dispatch(x, idx, num_max, e, use_fp8=False)
+        raise AssertionError("low-latency dispatch on a dirty buffer was accepted")
+    except RuntimeError as exc:
+        assert "clean_low_latency_buffer" in str(exc)
+    ll.clean_low_latency_buffer(num_max, h, e)
+    checked.append("clean_low_latency_buffer")
+
+    slabs = []
+    for use_fp8, ue8m0, hook in ((False, False, False), (True, False, True), (True, True, False)):
+        recv_x, recv_count, handle, _, recv_hook = ll.low_latency_dispatch(
+            x, idx, num_max, e, use_fp8=use_fp8, round_scale=ue8m0, use_ue8m0=ue8m0, return_recv_hook=hook)
+        if hook:
+            assert recv_count.tolist() == [-7] * el, "counts must be garbage before the receive hook"
+            recv_hook()
+        data = recv_x[0] if use_fp8 else recv_x
+        slabs.append(data)
+        src_info, layout_range = handle[0], handle[1]
+        assert data.shape == (el, world * num_max, h) and recv_count.dtype == torch.int32
+        for j in range(el):
+            ge = rank * el + j
+            want = sorted((src, t) for src in range(world) for t in range(counts[src]) if bool((ids[src][t] == ge).any()))
+            got = []
+            assert int(recv_count[j]) == len(want)
+            for src in range(world):
+                begin, n = int(layout_range[j, src]) >> 32, int(layout_range[j, src]) & 0xFFFFFFFF
+                for row in range(begin, begin + n):
+                    t = int(src_info[j, row])
+                    got.append((src, t))
+                    ref = xs[src][t]
+                    if not use_fp8:
+                        assert torch.equal(data[j, row], ref)
+                        continue
+                    # the section 1 recipe, element by element
+                    groups = ref.float().view(-1, 128)
+                    sinv = groups.abs().amax(1).clamp(min=1e-4) / 448
+                    if ue8m0:
+                        sinv = 2.0 ** torch.ceil(torch.log2(sinv))
+                        packed = recv_x[1][j, row]  # int32 [H/512]
+                        exps = packed.contiguous().view(torch.uint8)
+                        assert torch.equal(exps.long(), torch.log2(sinv).long() + 127)
+                    else:
+                        assert torch.equal(recv_x[1][j, row], sinv)
+                    q = (groups / sinv[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
+                    assert torch.equal(data[j, row].view(torch.uint8), q.view(torch.uint8))
+            assert sorted(got) == want and sum(int(layout_range[j, s_]) & 0xFFFFFFFF for s_ in range(world)) == len(want)
+            if not use_fp8 and len(want) < world * num_max:
+                assert bool(data[j, len(want):].isnan().all()), "rows past recv_count must be garbage (NaN)"
+        if use_fp8:
+            sc = recv_x[1]
+            assert sc.stride(1) == 1 and sc.stride(2) == world * num_max, "scales must be a column-major view"
+        # low_latency_combine: experts scale their rows by (1 + e/E); out = sum_k w * (1 + e_k/E) * x (as sent).
+        # Rows past recv_count stay garbage (NaN): combine must not read them.
+        deq = data.float()
+        if use_fp8:
+            scales = unpack_ue8m0(recv_x[1], h // 128) if ue8m0 else recv_x[1]
+            deq = (deq.view(el, -1, h // 128, 128) * scales.unsqueeze(-1)).view(el, -1, h)
+        factor = 1 + (torch.arange(el) + rank * el).float() / e
+        out, _, comb_hook = ll.low_latency_combine((deq * factor.view(-1, 1, 1)).to(torch.bfloat16), idx, w, handle,
+                                                   return_recv_hook=hook)
+        if hook:
+            assert bool(out.isnan().all()), "combine output must be garbage before the receive hook"
+            comb_hook()
+        sent = quantize_fp8_per_token_group(x, ue8m0=ue8m0) if use_fp8 else None
+        xq = x.double() if not use_fp8 else (sent[0].double().view(-1, h // 128, 128)
+                                             * sent[1].double().unsqueeze(-1)).view(-1, h)
+        want_out = xq * torch.where(idx >= 0, w.double() * (1 + idx.double() / e), 0.0).sum(1, keepdim=True)
+        assert out.shape == x.shape and out.dtype == torch.bfloat16
+        if x.shape[0]:
+            err = float((out.double() - want_out).norm() / want_out.norm())
+            assert err < 1e-2, f"low_latency_combine relative error {err}"
+        checked.append(f"low_latency-{'fp8' if use_fp8 else 'bf16'}{'-ue8m0' if ue8m0 else ''}{'-hook' if hook else ''}")
+    # only two result buffers: the third dispatch reused the first one's slab
+    assert slabs[2].data_ptr() == slabs[0].data_ptr() or slabs[2].dtype != slabs[0].dtype
+    buf4 = [ll.low_latency_dispatch(x, idx, num_max, e, use_fp8=False)[0] for _ in range(3)]
+    assert buf4[0].data_ptr() == buf4[2].data_ptr() != buf4[1].data_ptr()
+    checked.append("two-result-buffers")
+    return {"checked": checked}
+
+
+# --------------------------------------------------------------------------- equivalence
+
+
+def part_equivalence(rank: int, world: int, seed: int) -> dict:
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import deepep_vs_torch_a2a as eq
+
+    from moe_core.plugins import PluginManager
+
+    manager = PluginManager()
+    cases = eq.make_cases(world, 9)
+    cases += [dict(mode=m, wire="fp8", scenario="uniform", counts=[7 + r for r in range(world)], ue8m0=True)
+              for m in ("normal", "low_latency")]
+    cases += [dict(mode=m, wire="bf16", scenario="uniform", counts=[6 + r for r in range(world)], **{"async": True})
+              for m in ("normal", "low_latency")]
+    results = eq.run_cases(cases, SHAPE, seed, rank, world, torch.device("cpu"), manager, exact=True)
+    import moe_plugin_cuda.deepep as deepep
+
+    calls: Counter = Counter()
+    for entry in deepep.BUFFERS._groups.values():
+        calls.update(entry.buffer.calls)
+    return {"results": results, "calls": dict(calls)}
+
+
+# --------------------------------------------------------------------------- layer end to end
+
+
+def _layer_pair(case: dict, world: int, rank: int, ckpt: dict, manager: Any):
+    from moe_core.config import MoEConfig
+    from moe_core.layer import MoELayer
+
+    cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=2048, intermediate_size=128, quant=case["quant"],
+                    ep_size=world, ep_rank=rank, ep_group=dist.group.WORLD, max_tokens_per_rank=case["max_tokens"],
+                    device="cuda", dispatcher="deepep", experts="reference", dispatch_dtype=case["wire"],
+                    dispatch_format=case["format"])
+    layer = MoELayer(cfg, manager=manager, device="cpu")
+    layer.load_weights(**ckpt)
+    layer.process_weights()
+    ref_cfg = MoEConfig(num_experts=8, top_k=3, hidden_size=2048, intermediate_size=128, quant=case["quant"],
+                        device="cpu", dispatcher="standard", experts="reference", dispatch_dtype=case["wire"])
+    ref = MoELayer(ref_cfg, manager=manager, device="cpu")
+    ref.load_weights(**ckpt)
+    ref.process_weights()
+    return layer, ref
+
+
+def part_layer(rank: int, world: int, seed: int) -> dict:
+    import deep_ep
+
+    import moe_plugin_cuda.deepep as deepep
+    from moe_core import quant
+    from moe_core.plugins import PluginManager
+    from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
+
+    manager = PluginManager()
+    ckpts = {}
+    for scheme in ("unquantized", "fp8_block"):
+        w13, w2 = make_float_weights(8, 2048, 128, torch.Generator().manual_seed(seed))
+        if scheme == "unquantized":
+            w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+        ckpts[scheme] = quant.quantize_weights(w13, w2, scheme)
+    cases = [dict(quant=q, wire=wire, format=f, max_tokens=mt)
+             for f, mt in (("ep_normal", None), ("ep_masked", 20))
+             for q, wire in (("unquantized", "bf16"), ("fp8_block", "fp8"))]
+    cases.append(dict(quant="fp8_block", wire="fp8", format="ep_masked", max_tokens=6))
+    # every layer is built before the first call: the buffer must fit the largest (max_tokens 20, not 6)
+    layers = [(c, *_layer_pair(c, world, rank, ckpts[c["quant"]], manager)) for c in cases]
+    entry = deepep.BUFFERS._groups[dist.group.WORLD]
+    gen = torch.Generator().manual_seed(seed * 31 + rank)
+    out: dict[str, Any] = {"cases": []}
+    buffers = set()
+    for rep in range(2):
+        for case, layer, ref in reversed(layers):  # the small graph layer calls first
+            t = 0 if (rank == world - 1 and rep == 0) else min(case["max_tokens"] or 17, 5 + 3 * rank + rep)
+            x = make_hidden(t, 2048, torch.bfloat16, gen)
+            topk = make_topk(t, 3, 8, gen, neg_fraction=0.2, empty_token=t >= 3)
+            y = layer(x, topk)
+            err = rel_error(y, ref(x, topk))
+            tol = tolerance(case["quant"], case["wire"])
+            assert y.shape == x.shape and y.dtype == x.dtype
+            assert err <= tol, f"{case}: relative error {err:.3g} > {tol} (T={t}, rank {rank})"
+            if t and bool((topk.ids[0] < 0).all()):
+                assert bool((y[0] == 0).all()), "a token routed to no expert got a non-zero output"
+            out["cases"].append(dict(case, tokens=t, err=err, format_planned=str(layer.plan.format),
+                                     graph_safe=layer.plan.graph_safe))
+            buffers.add(id(entry.buffer))
+    ll_need = deep_ep.Buffer.get_low_latency_rdma_size_hint(deepep.deepep_num_max(layers[2][1].config), 2048,
+                                                            world, 8)
+    out.update(buffers=len(buffers), rdma_bytes=entry.buffer.num_rdma_bytes, ll_need=ll_need,
+               nvl_bytes=entry.buffer.num_nvl_bytes, low_latency_mode=entry.buffer.low_latency_mode,
+               qps=entry.buffer.num_qps_per_rank, calls=dict(entry.buffer.calls))
+    return out
+
+
+PARTS = {"ops": part_ops, "equivalence": part_equivalence, "layer": part_layer}
+
+
+def _worker(rank: int, world: int, port: int, seed: int, parts: list, q: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        import deep_ep_emulation
+
+        deep_ep_emulation.install_into_process()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        results = {}
+        for name in parts:
+            results[name] = PARTS[name](rank, world, seed)
+            dist.barrier()
+        q.put((rank, results, None))
+    except BaseException:
+        q.put((rank, None, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world: int, parts: list[str], seed: int, timeout: float = 200.0) -> list[dict]:
+    """Run ``parts`` on ``world`` ranks; returns ``results[rank][part]``. Raises on error or timeout."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, parts, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    errors = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, res, err = q.get(timeout=1.0)
+            except queue_mod.Empty:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"deepep world of {world} (seed {seed}) timed out after {timeout}s") from None
+                if not any(p.is_alive() for p in procs) and q.empty():
+                    raise AssertionError(f"deepep world of {world} (seed {seed}): ranks exited without a result "
+                                         f"(exit codes {[p.exitcode for p in procs]})") from None
+                continue
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+            else:
+                results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError(f"deepep world of {world} (seed {seed}) failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]
