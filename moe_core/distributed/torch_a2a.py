@@ -315,10 +315,11 @@ class TorchA2ADispatcher(Dispatcher):
         count, row = self._send_rows(ids, None, w * t)
         src = self._sources(row, w * t, None)
         # counts message, row r goes to rank r: [bad ids here, rows for r, (token, expert) pairs per expert of r]
-        bad = ((ids < -1) | (ids >= e)).sum()
-        key = ids.long().clamp(-1, e).add_(1).reshape(-1)  # 0: id -1, 1..E: experts, E+1: out of range
-        pairs = torch.zeros(e + 2, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-        msg = torch.cat([bad.view(1, 1).expand(w, 1), count.view(w, 1), pairs[1:e + 1].view(w, el)], dim=1)
+        # one histogram of the ids: bin 0 below -1, 1 for -1, 2..E+1 the experts, E+2 from E up
+        key = ids.long().clamp(-2, e).add_(2).reshape(-1)
+        bins = torch.zeros(e + 3, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+        bad = bins[0] + bins[e + 2]
+        msg = torch.cat([bad.view(1, 1).expand(w, 1), count.view(w, 1), bins[2:e + 2].view(w, el)], dim=1)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
         counts = recv_msg[:, 2:].sum(0).to(torch.int32)

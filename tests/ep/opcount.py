@@ -26,7 +26,8 @@ _SYNC_ATEN = {"nonzero", "masked_select", "bincount", "unique", "_unique", "_uni
 # Python-level reads of values
 _SYNC_PY = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "__format__"}
 # ops that allocate or describe memory without launching a kernel
-_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+# (``scalar_tensor``: a Python scalar wrapped as a 0-dim CPU tensor, e.g. by ``torch.where(c, t, 0)``)
+_NO_KERNEL = {"scalar_tensor", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
               "_local_scalar_dense", "is_nonzero", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"}
 
 

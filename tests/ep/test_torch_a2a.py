@@ -82,3 +82,31 @@ def test_errors(world):
         assert c["bad_ids"]["raised"] and "rank(s) [0]" in c["bad_ids"]["message"], c["bad_ids"]
         assert c["after_error"]["rows"] > 0
         assert c["bad_shape"]["raised"] and "[T, 256]" in c["bad_shape"]["message"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overflow_on_one_rank_raises_everywhere(world):
+    """Masked capacity overflow on rank 0 only: every rank raises an error naming the limit, at
+    once (well within the harness timeout, far below the process-group timeout of 30 min)."""
+    for res in run_ranks("overflow", world, TIMEOUT, seed=SEED):
+        c = res["cases"]["overflow_rank0"]
+        assert c["raised"] and c["type"] == "ValueError", (res["rank"], c)
+        assert "max_tokens_per_rank=40" in c["message"], c
+        assert ("43 tokens on EP rank 0" in c["message"]) == (res["rank"] == 0), c
+        assert c["seconds"] < 20, c
+
+
+def test_host_syncs_and_kernel_counts():
+    """Normal dispatch reads the host exactly once, masked mode never, combine never; the kernel
+    and collective counts do not grow with the world size (no loops over ranks or experts)."""
+    counts = {}
+    for world in (2, 4):
+        for res in run_ranks("ops", world, TIMEOUT, seed=SEED):
+            for name, case in res["cases"].items():
+                for stage, s in case.items():
+                    where = f"world {world} rank {res['rank']} {name} {stage}"
+                    syncs = 1 if (name.startswith("ep_normal") and stage == "dispatch") else 0
+                    assert s["host_syncs"] == syncs, f"{where}: {s['host_reads']} {s['sync_ops']}"
+                    counts.setdefault((name, stage), set()).add((s["kernels"], s["collectives"]))
+    for key, seen in counts.items():
+        assert len(seen) == 1, f"{key}: (kernels, collectives) differ between ranks or worlds: {seen}"

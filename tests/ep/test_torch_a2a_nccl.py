@@ -48,6 +48,19 @@ def test_errors_nccl():
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_overflow_on_one_rank_nccl(world):
+    """Rank 0 overflows: it raises the ValueError naming the limit; the others hit the in-band
+    check's device-side assert, which fails their next synchronize (no wait for the PG timeout)."""
+    for res in run_ranks("overflow", world, TIMEOUT, backend="nccl"):
+        c = res["cases"]["overflow_rank0"]
+        assert c["raised"] and c["seconds"] < 60, (res["rank"], c)
+        if res["rank"] == 0:
+            assert c["type"] == "ValueError" and "max_tokens_per_rank=40" in c["message"], c
+        else:
+            assert "device-side assert" in c["message"] or "max_tokens_per_rank" in c["message"], c
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_masked_graph_safe_nccl(world):
     for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
         assert case["host_sync"] is None, f"{where}: masked mode synced with the host: {case['host_sync']}"
@@ -58,7 +71,7 @@ def test_masked_graph_safe_nccl(world):
 if __name__ == "__main__":
     failed = 0
     for fn, args in [(test_layer_nccl, WORLDS), (test_dispatch_layout_nccl, WORLDS), (test_errors_nccl, [None]),
-                     (test_masked_graph_safe_nccl, WORLDS)]:
+                     (test_masked_graph_safe_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS)]:
         for a in args:
             name = f"{fn.__name__}[{a}]" if a is not None else fn.__name__
             try:

@@ -309,6 +309,28 @@ def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
+def scenario_overflow(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Masked capacity overflow on rank 0 only: every rank must raise promptly (not wait in a
+    collective for the process-group timeout). On CUDA the other ranks see a device-side assert,
+    which surfaces at their next synchronizing call."""
+    import time
+
+    gen = torch.Generator().manual_seed(seed + rank)
+    d = _make_dispatcher(world, rank, Format.EP_MASKED, "fp8")
+    t = CAPACITY + 3 if rank == 0 else CAPACITY - rank
+    x, topk = make_hidden(t, H, torch.bfloat16, gen), make_topk(t, K, E, gen)
+    start = time.monotonic()
+    try:
+        d.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        res = {"raised": False}
+    except (ValueError, RuntimeError) as exc:
+        res = {"raised": True, "type": type(exc).__name__, "message": str(exc)}
+    res["seconds"] = time.monotonic() - start
+    return {"overflow_rank0": res}
+
+
 def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict:
     """Kernels, collectives and host syncs of one dispatch and one combine (``opcount.OpCounter``)."""
     from opcount import OpCounter
@@ -333,7 +355,7 @@ def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict
 
 
 SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
-             "ops": scenario_ops}
+             "ops": scenario_ops, "overflow": scenario_overflow}
 
 
 def main() -> None:
@@ -349,14 +371,16 @@ def main() -> None:
         else:
             device = torch.device("cpu")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-        try:
-            result["cases"] = SCENARIOS[scenario](world, rank, device, seed)
-        finally:
+        result["cases"] = SCENARIOS[scenario](world, rank, device, seed)
+        if not (scenario == "overflow" and backend == "nccl"):
             dist.destroy_process_group()
     except Exception:
         result["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if scenario == "overflow" and backend == "nccl":
+        # a device-side assert left this CUDA context unusable: no teardown (it could hang)
+        os._exit(0)
 
 
 if __name__ == "__main__":
