@@ -4,6 +4,9 @@
 
 DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random routing (distinct
 experts per token), 128 and 4096 tokens per rank, both modes, bf16 and fp8 wire. One GPU per rank.
+Masked mode is timed twice: eager, and as it is meant to run, captured in CUDA graphs (one graph
+for dispatch, one for combine, each replayed). A case that fails is recorded with its error and
+the run goes on.
 
 Bandwidth = bytes this rank actually hands to the collectives of the stage (all destinations,
 its own chunk included) / time of the whole stage (quantization, layout, host sync, slab
@@ -21,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -71,7 +75,7 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
     return statistics.median(_timed(lambda: dist.all_to_all_single(out, inp, *splits), iters, warmup))
 
 
-def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, args) -> dict:
+def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph: bool, args) -> dict:
     e, k, h = args.experts, args.top_k, args.hidden
     el = e // world
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
@@ -84,45 +88,45 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, args)
     ids = torch.rand(tokens, e, device=DEVICE, generator=gen).topk(k, dim=1).indices.int()
     weights = torch.softmax(torch.randn(tokens, k, device=DEVICE, generator=gen), dim=1)
     topk = TopK(weights, ids)
-
-    out = d.dispatch(x, topk)
-    _sync()
-    ms_dispatch = statistics.median(_timed(lambda: d.dispatch(x, topk), args.iters, args.warmup))
+    # wire row: data + int32 side block [scales | K ids | K weights | token count]
+    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 1)
     hb = h * 2  # combine moves bf16
+
     if fmt is Format.EP_NORMAL:
+        out = d.dispatch(x, topk)
+        _sync()
+        dispatch_fn = lambda: d.dispatch(x, topk)  # noqa: E731
         hd = out.handle
         ci = EPNormalCombine(torch.randn(sum(hd.recv_counts), h, device=DEVICE, dtype=torch.bfloat16), hd)
-        send_rows, recv_rows = hd.send_counts, hd.recv_counts
-        meta_bytes = 4 * (_scale_words(wire, h) + 2 * k)
-        row_bytes = (h * (2 if wire == "bf16" else 1)) + meta_bytes  # data + side block, per sent row
-        d_send_rows, d_recv_rows = send_rows, recv_rows
-        c_send_rows, c_recv_rows = recv_rows, send_rows
-        valid_rows = sum(send_rows)
+        combine_fn = lambda: d.combine(ci)  # noqa: E731
+        d_send_rows, d_recv_rows = hd.send_counts, hd.recv_counts
+        c_send_rows, c_recv_rows = hd.recv_counts, hd.send_counts
+        valid_rows = sum(hd.send_counts)
     else:
-        del out  # free the dispatch slab before allocating the experts' output slab
-        _empty_cache()
-        out = d.dispatch(x, topk)
         y = torch.empty(el, tokens * world, h, device=DEVICE, dtype=torch.bfloat16).normal_()
-        ci = EPMaskedCombine(y, out.topk, out.handle)
-        meta_bytes = 4 * (_scale_words(wire, h) + 2 * k)
-        row_bytes = (h * (2 if wire == "bf16" else 1)) + meta_bytes
+        if graph:
+            dispatch_fn, combine_fn, out = _graphs(d, x, topk, y)
+        else:
+            out = d.dispatch(x, topk)
+            ci = EPMaskedCombine(y, out.topk, out.handle)
+            dispatch_fn = lambda: d.dispatch(x, topk)  # noqa: E731
+            combine_fn = lambda: d.combine(ci)  # noqa: E731
+        _sync()
         d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
-        valid_rows = int(out.handle.hit.sum())
-    _sync()
-    ms_combine = statistics.median(_timed(lambda: d.combine(ci), args.iters, args.warmup))
+        valid_rows = int((out.handle.slot < tokens * world).sum())
+    ms_dispatch = statistics.median(_timed(dispatch_fn, args.iters, args.warmup))
+    ms_combine = statistics.median(_timed(combine_fn, args.iters, args.warmup))
     raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
     raw_combine = _raw(c_send_rows, c_recv_rows, hb, args.iters, args.warmup)
     d_bytes = sum(d_send_rows) * row_bytes
     c_bytes = sum(c_send_rows) * hb
-    del ci, out
-    _empty_cache()
 
     def gbps(nbytes: int, ms: float) -> float:
         return nbytes / (ms * 1e-3) / 1e9
 
     return {
-        "tokens_per_rank": tokens, "mode": str(fmt), "wire": wire, "world": world,
-        "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
+        "tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager", "wire": wire,
+        "world": world, "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
         "dispatch_bytes": d_bytes, "dispatch_ms": ms_dispatch, "dispatch_GBps": gbps(d_bytes, ms_dispatch),
         "raw_dispatch_ms": raw_dispatch, "raw_dispatch_GBps": gbps(d_bytes, raw_dispatch),
         "dispatch_ratio": raw_dispatch / ms_dispatch,
@@ -130,6 +134,28 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, args)
         "raw_combine_ms": raw_combine, "raw_combine_GBps": gbps(c_bytes, raw_combine),
         "combine_ratio": raw_combine / ms_combine,
     }
+
+
+def _graphs(d, x, topk, y):
+    """Capture masked dispatch and combine in two CUDA graphs (static inputs: x, topk, y; the
+    combine graph reads the dispatch graph's outputs); return their replays and that output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside capture (allocator, NCCL)
+        for _ in range(2):
+            w = d.dispatch(x, topk)
+            d.combine(EPMaskedCombine(y, w.topk, w.handle))
+        del w
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g_dispatch):
+        out = d.dispatch(x, topk)
+    ci = EPMaskedCombine(y, out.topk, out.handle)
+    with torch.cuda.graph(g_combine):
+        d.combine(ci)
+    torch.cuda.synchronize()
+    return g_dispatch.replay, g_combine.replay, out
 
 
 def _sync() -> None:
@@ -156,10 +182,24 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
                                 device_id=torch.device("cuda", rank))
     rows = []
+    execs = [(Format.EP_NORMAL, False), (Format.EP_MASKED, False)] + ([] if args.cpu else [(Format.EP_MASKED, True)])
     for tokens in args.tokens:
-        for fmt in (Format.EP_NORMAL, Format.EP_MASKED):
+        for fmt, graph in execs:
             for wire in args.wires:
-                r = bench_case(rank, world, tokens, fmt, wire, args)
+                case = {"tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager",
+                        "wire": wire, "world": world}
+                try:
+                    r = bench_case(rank, world, tokens, fmt, wire, graph, args)
+                    failed = 0
+                except Exception:  # record it and go on (every rank runs the same cases)
+                    r = dict(case, error=traceback.format_exc()[-2000:])
+                    failed = 1
+                _empty_cache()
+                # ranks agree on the outcome, so one rank's failure does not desynchronize the rest
+                flag = torch.tensor([failed], device=DEVICE)
+                dist.all_reduce(flag)
+                if int(flag) and "error" not in r:
+                    r = dict(case, error="failed on another rank")
                 rows.append(r)
                 if rank == 0:
                     print(json.dumps(r), flush=True)
@@ -170,11 +210,15 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| tokens/rank | mode | wire | dispatch ms | dispatch GB/s | raw a2a GB/s | ratio | "
+    lines = ["| tokens/rank | mode | exec | wire | dispatch ms | dispatch GB/s | raw a2a GB/s | ratio | "
              "combine ms | combine GB/s | raw a2a GB/s | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['tokens_per_rank']} | {r['mode']} | {r['wire']} | {r['dispatch_ms']:.3f} | "
+        head = f"| {r['tokens_per_rank']} | {r['mode']} | {r['exec']} | {r['wire']} |"
+        if "error" in r:
+            lines.append(f"{head} failed: {r['error'].strip().splitlines()[-1][:120]} |||||||")
+            continue
+        lines.append(f"{head} {r['dispatch_ms']:.3f} | "
                      f"{r['dispatch_GBps']:.1f} | {r['raw_dispatch_GBps']:.1f} | {r['dispatch_ratio']:.0%} | "
                      f"{r['combine_ms']:.3f} | {r['combine_GBps']:.1f} | {r['raw_combine_GBps']:.1f} | "
                      f"{r['combine_ratio']:.0%} |")
