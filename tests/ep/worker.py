@@ -328,6 +328,8 @@ def scenario_overflow(world: int, rank: int, device: torch.device, seed: int) ->
     except (ValueError, RuntimeError) as exc:
         res = {"raised": True, "type": type(exc).__name__, "message": str(exc)}
     res["seconds"] = time.monotonic() - start
+    if device.type == "cuda" and rank == 0:
+        torch.cuda.synchronize()  # let this rank's side of the exchange finish before the process exits
     return {"overflow_rank0": res}
 
 
