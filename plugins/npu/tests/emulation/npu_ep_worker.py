@@ -3,7 +3,8 @@
 ``run_world(world, cases, seed)`` spawns ``world`` processes on gloo (127.0.0.1, a free port), each
 installs the emulated Ascend stack, runs every case and returns per-rank results; a hard timeout
 kills the group. A case builds the layer on the planned npu backends (weights on CPU) and compares
-each pass against the core reference backend run locally (ep_size 1, same weights, same wire dtype).
+each pass against the core reference backend run locally (ep_size 1, same weights, same wire dtype);
+quantized npu_gmm cases are also compared with ``gmm_oracle`` (the documented 16-bit intermediate).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def _layers(case: dict, world: int, rank: int, tensors: dict, manager: Any):
 
 
 def run_case(case: dict, world: int, rank: int, seed: int) -> dict:
+    import gmm_oracle
+    from moe_core import quant
     from moe_core.plugins import PluginManager
     from moe_core.testing.data import make_hidden, make_topk, rel_error
 
@@ -84,6 +87,14 @@ def run_case(case: dict, world: int, rank: int, seed: int) -> dict:
             raise AssertionError("a token routed to no expert got a non-zero output")
         result["errors"].append(rel_error(out, expected))
         result["tokens"].append(t)
+        if plan.experts.name == "npu_gmm" and case["quant"] != "unquantized":
+            # also vs the oracle with GMM1's documented 16-bit output, and the exact math (gmm_oracle)
+            x_in = quant.quantize_activations(x, plan.dispatch_dtype).dequantize(torch.float32)
+            args = (x_in, topk.weights, topk.ids, tensors, case["quant"])
+            rsf = case.get("rsf", 1.0)
+            result.setdefault("checks", []).append(gmm_oracle.errors(
+                out, expected, gmm_oracle.npu_gmm_oracle(*args, torch.float16, rsf),
+                gmm_oracle.exact_float64(*args, rsf)))
     buffer = getattr(layer.experts if plan.fused else layer.dispatcher, "buffer", None)
     if buffer is not None:
         result["calls"] = sorted(set(buffer.calls))
