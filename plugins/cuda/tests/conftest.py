@@ -34,3 +34,20 @@ def cutedsl_manager(flashinfer_emu):
     from moe_core.plugins import PluginManager
 
     return PluginManager()
+
+
+# --- deepep: the emulated DeepEP V1 (tests/emulation/deep_ep_emulation), installed per test
+@pytest.fixture
+def deep_ep_emu(monkeypatch):
+    """Emulated deep_ep in sys.modules, an SM90 GPU as the probes see it, a fresh buffer registry."""
+    import deep_ep_emulation
+
+    return deep_ep_emulation.install(monkeypatch)
+
+
+@pytest.fixture
+def deepep_manager(deep_ep_emu):
+    """A fresh plugin manager that sees the emulated deep_ep."""
+    from moe_core.plugins import PluginManager
+
+    return PluginManager()

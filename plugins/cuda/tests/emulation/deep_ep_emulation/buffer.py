@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

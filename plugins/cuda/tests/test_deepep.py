@@ -1,0 +1,187 @@
+"""``deepep`` in one process: plan-time constraints and dtype validation, the buffer registry, the
+async ``Pending``, and the emulated DeepEP ops that need no communication (each against a direct
+computation from vendor-apis.md section 1). Multi-process tests: ``test_deepep_ep.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_core import MoEConfig
+from moe_core.backends import Code
+from moe_core.planner import PlanError, plan
+
+
+def _cfg(**kw):
+    base = dict(num_experts=16, top_k=4, hidden_size=2048, intermediate_size=256, ep_size=2, ep_rank=0,
+                device="cuda", dispatcher="deepep", experts="reference")
+    return MoEConfig(**{**base, **kw})
+
+
+def _reasons(cfg, manager, **kw):
+    with pytest.raises(PlanError) as exc:
+        plan(cfg, manager=manager, **kw)
+    return [r for rej in exc.value.rejected if "deepep" in rej.dispatcher for r in rej.reasons]
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def test_probe_sees_the_emulation(deepep_manager):
+    spec = deepep_manager.spec("deepep")
+    assert deepep_manager.availability(spec).ok
+
+
+def test_normal_mode_planned_and_not_graph_safe(deepep_manager):
+    p = plan(_cfg(quant="fp8_block"), manager=deepep_manager)
+    assert (p.dispatcher.name, str(p.format), str(p.dispatch_dtype), p.graph_safe) == ("deepep", "ep_normal", "fp8", False)
+    p = plan(_cfg(max_tokens_per_rank=64, cuda_graph=True, experts="triton"), manager=deepep_manager, dry_run=True)
+    assert (str(p.format), p.graph_safe) == ("ep_masked", True)  # cuda_graph: only low latency is graph-safe
+
+
+def test_nvfp4_wire_rejected_with_reason(deepep_manager):
+    reasons = _reasons(_cfg(quant="nvfp4", dispatch_dtype="nvfp4", max_tokens_per_rank=32), deepep_manager)
+    assert any(r.code is Code.UNSUPPORTED_QUANT and "NVFP4" in r.message for r in reasons), reasons
+
+
+def test_low_latency_constraints_forced_by_config(deepep_manager):
+    # hidden 1000: no low-latency kernel; no capacity; QP count option != local experts
+    cfg = _cfg(hidden_size=1000, dispatch_format="ep_masked", backend_options={"deepep": {"num_qps_per_rank": 3}})
+    msgs = " | ".join(r.message for r in _reasons(cfg, deepep_manager))
+    assert "low-latency kernel" in msgs and "max_tokens_per_rank" in msgs and "num_qps_per_rank=3" in msgs
+
+
+def test_qp_depth_uses_the_rounded_num_max(deepep_manager):
+    from moe_plugin_cuda.probes import deepep_num_max
+
+    cfg = _cfg(max_tokens_per_rank=511, ep_size=2, dispatch_format="ep_masked")
+    assert deepep_num_max(cfg) == 512  # 2 * 511 % 4 != 0
+    msgs = " | ".join(r.message for r in _reasons(cfg, deepep_manager))
+    assert "NVSHMEM_QP_DEPTH >= 1026" in msgs
+    plan(cfg.replace(backend_options={"deepep": {"qp_depth": 2048}}), manager=deepep_manager)
+
+
+def test_format_dependent_checks_run_in_the_dtype_wrapper(deepep_manager):
+    """With auto format and dtype, only the wrapper knows the mode and the dtype: FP8 normal needs
+    H % 128; experts that accept EP_MASKED only get the low-latency constraints."""
+    reasons = _reasons(_cfg(hidden_size=1000, quant="fp8_block"), deepep_manager)
+    assert any("multiple of 128" in r.message for r in reasons), reasons
+    # cutedsl takes EP_MASKED only: the low-latency constraints come from the wrapper
+    cutedsl = _cfg(quant="nvfp4", experts="cutedsl", max_tokens_per_rank=32)
+    p = plan(cutedsl, manager=deepep_manager, dry_run=True)
+    assert (str(p.format), str(p.dispatch_dtype)) == ("ep_masked", "bf16")  # NVFP4 experts quantize the slab
+    with pytest.raises(PlanError, match="no DeepEP low-latency kernel"):
+        plan(cutedsl.replace(hidden_size=1024), manager=deepep_manager, dry_run=True)
+    fp8 = _cfg(hidden_size=2560, quant="fp8_block", max_tokens_per_rank=32)
+    assert str(plan(fp8, manager=deepep_manager).format) == "ep_normal"  # 2560 % 128 == 0
+    p = plan(fp8.replace(dispatch_format="ep_masked"), manager=deepep_manager)
+    assert (str(p.format), str(p.dispatch_dtype)) == ("ep_masked", "fp8")
+
+
+def test_build_needs_a_process_group(deepep_manager):
+    p = plan(_cfg(), manager=deepep_manager)
+    with pytest.raises(RuntimeError, match="process group"):
+        p.build()
+
+
+# --------------------------------------------------------------------------- registry, Pending, UE8M0
+
+
+class SoloGroup:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+def test_buffer_registry_grows_to_the_largest_need(deep_ep_emu):
+    from moe_plugin_cuda.deepep import BufferNeed, BufferRegistry
+
+    reg, g = BufferRegistry(), SoloGroup()
+    small = reg.declare(g, BufferNeed(1 << 20, 0))
+    first = reg.get(small, deep_ep_emu)
+    assert (first.num_nvl_bytes, first.low_latency_mode) == (1 << 20, False)
+    reg.declare(g, BufferNeed(1 << 10, 0))  # smaller: the same buffer serves
+    assert reg.get(small, deep_ep_emu) is first
+    reg.declare(g, BufferNeed(0, 1 << 22, True, 4))  # a low-latency layer joins: one buffer for both
+    second = reg.get(small, deep_ep_emu)
+    assert second is not first
+    assert (second.num_nvl_bytes, second.num_rdma_bytes, second.low_latency_mode, second.num_qps_per_rank) == \
+        (1 << 20, 1 << 22, True, 4)
+    with pytest.raises(ValueError, match="num_qps_per_rank"):
+        reg.declare(g, BufferNeed(0, 1 << 22, True, 8))
+
+
+def test_pending_waits_once():
+    from moe_plugin_cuda.deepep import Pending
+
+    calls = []
+
+    class Event:
+        def current_stream_wait(self):
+            calls.append("event")
+
+    p = Pending(lambda: calls.append("finish") or 42, Event(), lambda: calls.append("hook"))
+    assert p.wait() == 42 and p.wait() == 42
+    assert calls == ["hook", "event", "finish"]
+
+
+def test_unpack_ue8m0_inverts_deepep_packing(deep_ep_emu):
+    from deep_ep_emulation.buffer import pack_ue8m0
+    from moe_plugin_cuda.deepep import unpack_ue8m0
+
+    scales = torch.exp2(torch.randint(-20, 10, (3, 5, 16)).float())
+    packed = pack_ue8m0(scales)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 5, 4)
+    assert torch.equal(unpack_ue8m0(packed, 16), scales)
+    # a column-major view, as DeepEP returns it
+    cm = packed.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(unpack_ue8m0(cm, 16), scales)
+
+
+# --------------------------------------------------------------------------- emulated ops (no communication)
+
+
+def test_emulated_fp8_quantization_follows_the_recipe():
+    from deep_ep_emulation.buffer import pack_ue8m0, quantize_fp8_ll
+
+    x = (torch.randn(7, 512) * torch.rand(7, 1) * 10).to(torch.bfloat16)
+    x[0, :128] = 0  # an all-zero group: amax floor 1e-4
+    for round_scale in (False, True):
+        q, s = quantize_fp8_ll(x, round_scale)
+        for t in range(7):
+            for gi in range(4):
+                v = x[t, gi * 128:(gi + 1) * 128].float()
+                sinv = max(v.abs().max().item(), 1e-4) / 448
+                if round_scale:
+                    sinv = 2.0 ** torch.ceil(torch.log2(torch.tensor(sinv))).item()
+                assert s[t, gi].item() == pytest.approx(sinv, rel=1e-6)
+                want = (v / s[t, gi]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                assert torch.equal(q[t, gi * 128:(gi + 1) * 128].view(torch.uint8), want.view(torch.uint8))
+        if round_scale:
+            e = pack_ue8m0(s).view(torch.uint8).view(7, 4).long()
+            assert torch.equal(e, torch.log2(s).long() + 127)
+
+
+def test_emulated_config_tables_and_asserts():
+    from deep_ep_emulation.buffer import Buffer, Config
+
+    c = Buffer.get_dispatch_config(8)
+    assert (c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (6, 256, 6, 128)
+    c = Buffer.get_combine_config(8)
+    assert (c.num_max_nvl_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (4, 128)
+    with pytest.raises(AssertionError):
+        Buffer.get_dispatch_config(3)
+    with pytest.raises(AssertionError):
+        Config(20, 256, 256, 6, 128)  # NVL send must be < recv
+    with pytest.raises(AssertionError):
+        Config(20, 6, 256, 65, 128)  # RDMA send must be <= recv / 2
+    with pytest.raises(AssertionError):
+        Buffer.set_num_sms(7)
+    # hints grow with the hidden size; intranode needs no RDMA buffer
+    assert c.get_nvl_buffer_size_hint(4096, 8) > c.get_nvl_buffer_size_hint(2048, 8) > 0
+    assert c.get_rdma_buffer_size_hint(4096, 8) == 0
+    h = Buffer.get_low_latency_rdma_size_hint
+    assert h(128, 7168, 8, 256) > h(64, 7168, 8, 256) and h(128, 7168, 8, 256) % 128 == 0
