@@ -6,6 +6,7 @@ CUDA) with a hard timeout. Each rank dispatches its own tokens, checks the dispa
 structure (counts, masks, local ids), runs the core reference experts and combines; the result
 must equal the single-process reference (standard dispatcher, all tokens, one rank) for the
 rank's tokens. The world runs once, on the first of its cases; the others read its results.
+A fused backend that requires EP runs the same way, whole (``layer(x, topk)``), per declared scheme.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from moe_core import quant
-from moe_core.backends import BackendSpec
+from moe_core.backends import BackendSpec, Role
 from moe_core.config import MoEConfig
 from moe_core.contracts import EPMaskedDispatch, EPNormalDispatch, Format, QuantScheme, StandardDispatch, TopK, WireDtype
 from moe_core.planner import PlanError
@@ -46,6 +47,7 @@ class Sub:
     wire: Optional[WireDtype]
     scenario: str
     skip: str = ""  # set: the whole world is skipped for this reason
+    scheme: Optional[QuantScheme] = None  # fused cases: the declared scheme (dispatcher cases: from the wire)
 
 
 def dispatcher_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub]:
@@ -63,6 +65,21 @@ def dispatcher_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub
                     scenario = "empty"
                 subs.append(Sub(f"dispatcher-ep{world}-{fmt}-{wire}-{scenario}", fmt, wire, scenario))
     return subs
+
+
+def fused_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub]:
+    """A fused backend that requires EP owns dispatch, experts and combine: each declared scheme and
+    scenario runs whole (``layer(x, topk)``) in an EP world and is compared with the reference."""
+    if world == 1:
+        return [Sub("fused-ep1", None, None, "", f"{spec.qualified_name} declares ep='required'")]
+    if shape.num_experts % world:
+        return [Sub(f"fused-ep{world}", None, None, "", f"num_experts={shape.num_experts} not divisible by {world}")]
+    return [Sub(f"fused-ep{world}-{scheme}-{scenario}", Format.FUSED, None, scenario, scheme=scheme)
+            for scheme in sorted(spec.quant_schemes, key=str) for scenario in SCENARIOS]
+
+
+def ep_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub]:
+    return (fused_subcases if spec.role is Role.FUSED else dispatcher_subcases)(spec, world, shape)
 
 
 def dispatcher_case(ctx: KitContext, case: Case) -> None:
@@ -87,7 +104,7 @@ def dispatcher_case(ctx: KitContext, case: Case) -> None:
 def run_world(ctx: KitContext, backend: str, world: int) -> dict[str, tuple[str, str]]:
     spec = ctx.spec(backend)
     kind, device = ctx.placement(spec)
-    subs = [s for s in dispatcher_subcases(spec, world, ctx.shape) if not s.skip]
+    subs = [s for s in ep_subcases(spec, world, ctx.shape) if not s.skip]
     if ctx.options.select:
         subs = [s for s in subs if any(x in s.case_id for x in ctx.options.select)]
     payload = dict(backend=backend, world=world, kind=kind, device=str(device), subs=subs,
@@ -252,7 +269,8 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
     shape, world, device = options.shape, payload["world"], torch.device(payload["device"])
     backend = payload["backend"]
     fmt, wire = sub.fmt, sub.wire
-    scheme = SCHEME_FOR_WIRE[wire]
+    fused = fmt is Format.FUSED  # the backend under test does all three stages; its plan picks the wire
+    scheme = sub.scheme if fused else SCHEME_FOR_WIRE[wire]
     e_local = shape.num_experts // world
     top_k = min(shape.top_k, e_local) if sub.scenario == "skewed" else shape.top_k
     counts = _tokens_per_rank(sub, world, shape)
@@ -273,8 +291,9 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
     cfg = MoEConfig(num_experts=shape.num_experts, top_k=top_k, hidden_size=shape.hidden_size,
                     intermediate_size=shape.intermediate_size, quant=scheme, params_dtype=torch.bfloat16,
                     ep_size=world, ep_rank=rank, ep_group=group, device=payload["kind"], dispatcher=backend,
-                    experts="reference.reference", dispatch_dtype=str(wire),
-                    max_tokens_per_rank=max(max(counts), 1) if fmt is Format.EP_MASKED else None)
+                    experts=backend if fused else "reference.reference", dispatch_dtype="auto" if fused else str(wire),
+                    # the world's largest per-rank batch: fixed-buffer dispatchers (masked, MoRI) size from it
+                    max_tokens_per_rank=max(max(counts), 1) if fmt is not Format.STANDARD else None)
     what = f"{backend} with format {fmt}, wire {wire}, ep_size {world}"
     try:
         p = make_plan(cfg, manager=manager)
@@ -290,14 +309,18 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
     layer.process_weights()
     x_d, topk_d = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
     with torch.no_grad():
-        dispatched = layer.dispatcher.dispatch(x_d, topk_d)
-        _check_dispatch(dispatched, fmt, cfg, topks, rank, world)
-        combined_in = layer.experts.apply(layer, dispatched)
-        out = layer.dispatcher.combine(combined_in)
+        if fused:
+            out = layer(x_d, topk_d)
+        else:
+            dispatched = layer.dispatcher.dispatch(x_d, topk_d)
+            _check_dispatch(dispatched, fmt, cfg, topks, rank, world)
+            combined_in = layer.experts.apply(layer, dispatched)
+            out = layer.dispatcher.combine(combined_in)
+    wire = p.dispatch_dtype
 
     # single-process reference on all tokens
     ref_cfg = cfg.replace(ep_size=1, ep_rank=0, ep_group=None, dispatcher="reference.standard", device="cpu",
-                          max_tokens_per_rank=None)
+                          max_tokens_per_rank=None, experts="reference.reference", dispatch_dtype=str(wire))
     ref_layer = MoELayer(ref_cfg, manager=manager, device=torch.device("cpu"))
     ref_layer.load_weights(**ckpt)
     ref_layer.process_weights()
@@ -315,7 +338,8 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
         o, r = out.detach().cpu().double(), ref.double()
         row = (o - r).norm(dim=-1) / r.norm(dim=-1).clamp(min=1e-12)
         bad = (row > 3 * tol).nonzero().flatten().tolist()
-        raise KitFailure(f"round trip dispatch -> reference experts -> combine differs from the single-process "
+        stages = "the fused backend's output" if fused else "round trip dispatch -> reference experts -> combine"
+        raise KitFailure(f"{stages} differs from the single-process "
                          f"reference: relative error {err:.4g} > {tol:g} (scenario {sub.scenario}, tokens per rank "
                          f"{counts}); {len(bad)} of {len(row)} tokens off, first {bad[:6]}")
 

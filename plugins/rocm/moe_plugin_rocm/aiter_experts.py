@@ -6,7 +6,8 @@ The adapter is chosen once, in ``__init__``, from the plan's format:
   rewritten to a sink expert ``E_local`` and ``expert_mask`` (int32 ``[E_local + 1]``) masks
   the sink off, because AITER cannot take -1 ids.
 - ``EP_NORMAL`` from the ``mori`` dispatcher: the received **global** int32 ids go straight to
-  ``fused_moe`` with ``expert_mask [E]`` set on this rank's expert range (AITER maps a masked-in
+  ``fused_moe`` with ``expert_mask [E + 1]`` set on this rank's expert range (``E``: the fake id
+  of slots the dispatcher filled in for -1, masked off) (AITER maps a masked-in
   id to ``cumsum(mask) - 1``), and ``num_local_tokens = total_recv`` (a device tensor) so the
   kernels read only the valid rows of MoRI's buffer, never the stale ones.
 - ``EP_MASKED``: the ``[E_local, C, H]`` slab becomes ``E_local * C`` rows routed to their own
@@ -23,12 +24,16 @@ layer records what it holds (data pointer and a content fingerprint) so that cal
 checkpoint dtype: on gfx942 the kernel reads the e4m3fn weights as e4m3fnuz (same bits after
 clearing -0, scales doubled; see ``moe_plugin_rocm.fp8``).
 
-FP8 activations: dispatched FP8 (the core's e4m3fn, 1x128 scales) is passed pre-quantized
-(``a1_scale``), converted bit-exactly to fnuz on gfx942. BF16 activations with FP8 weights are
-quantized by AITER itself on gfx950 (amax/448 e4m3fn, the core's recipe); on gfx942 the adapter
-quantizes them with the core's recipe and converts, because AITER's fnuz quantization
-(amax/240) rounds on another grid. The intermediate activation is requantized inside the
-kernel, in the architecture's flavour.
+FP8 schemes: ``fp8_block`` is ``QuantType.per_1x128`` (128x128 weight blocks, 1x128 activation
+groups), ``fp8_per_token`` is ``QuantType.per_Token`` (per-channel weight scales passed as
+``[E, N, 1]``, one activation scale per token). The GEMM1 input is the core scheme's
+quantization (amax/448 e4m3fn): dispatched FP8 (1x128) is passed pre-quantized (``a1_scale``)
+to ``fp8_block`` and requantized per token for ``fp8_per_token``; BF16 input is quantized by
+AITER itself on gfx950 (its recipe is the core's), and by the adapter on gfx942, because AITER
+would round on the fnuz grid (amax/240); pre-quantized e4m3fn is converted bit-exactly to fnuz
+on gfx942. The intermediate activation (GEMM2 input) is requantized inside the kernel in the
+architecture's flavour: on gfx942 that is another FP8 grid than the reference's, an inherent
+~3% difference (see the README and ``docs/decisions.md``).
 
 ``routed_scaling_factor`` is folded into the routing weights passed to ``fused_moe`` (for the
 masked format, into its unit weights), so it is applied exactly once in every format.
@@ -88,7 +93,7 @@ class _KernelWeights:
     w13_scale: Optional[torch.Tensor]
     w2_scale: Optional[torch.Tensor]
     sink_mask: torch.Tensor  # int32 [E_local + 1], the last (sink) expert off
-    rank_mask: torch.Tensor  # int32 [E]: 1 on this rank's experts (MoRI global ids)
+    rank_mask: torch.Tensor  # int32 [E + 1]: 1 on this rank's experts (MoRI global ids); E: fake id, off
 
 
 class AiterExperts(Experts):
@@ -107,10 +112,12 @@ class AiterExperts(Experts):
         self._shuffle_weight = shuffle_weight
         self.activation = {Activation.SILU: ActivationType.Silu, Activation.GELU: ActivationType.Gelu}[cfg.activation]
         # AITER remaps per_128x128 to per_1x128: 128x128 weight blocks, 1x128 activation groups.
-        # (FP8 per-token, QuantType.per_Token, needs a per-channel FP8 scheme the core lacks.)
+        # per_Token: per-output-channel weight scales [E, N, 1], activations one scale per row.
         self.quant_type = {QuantScheme.UNQUANTIZED: QuantType.No,
-                           QuantScheme.FP8_BLOCK: QuantType.per_1x128}[cfg.quant]
-        self.fp8_weights = cfg.quant is QuantScheme.FP8_BLOCK
+                           QuantScheme.FP8_BLOCK: QuantType.per_1x128,
+                           QuantScheme.FP8_PER_TOKEN: QuantType.per_Token}[cfg.quant]
+        self.fp8_weights = cfg.quant in (QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN)
+        self.per_token = cfg.quant is QuantScheme.FP8_PER_TOKEN
         if cfg.params_dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"aiter fused_moe outputs bf16 or fp16, the layer's params_dtype is {cfg.params_dtype}")
         self.out_dtype = cfg.params_dtype
@@ -153,10 +160,12 @@ class AiterExperts(Experts):
         if self.fp8_weights:
             factor = 2.0 if self.fnuz else 1.0  # fnuz reads the same bits as half the value
             scales = [getattr(layer, f"{n}_scale").float() * factor for n in _WEIGHTS]
+            if self.per_token:  # the core's [E, N] per-channel scales as AITER's [E, N, 1]
+                scales = [sc.unsqueeze(-1) for sc in scales]
         dev = views[0].device
         sink = torch.ones(self.num_local + 1, dtype=torch.int32, device=dev)
         sink[-1] = 0
-        rank = torch.zeros(self.num_experts, dtype=torch.int32, device=dev)
+        rank = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=dev)
         rank[self.first_expert:self.first_expert + self.num_local] = 1
         self._kw = _KernelWeights(views[0], views[1], scales[0], scales[1], sink, rank)
 
@@ -169,19 +178,28 @@ class AiterExperts(Experts):
         return self._adapter(kw, dispatched)
 
     def _hidden(self, qa: QuantizedActivations) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The activations as fused_moe takes them, and ``a1_scale`` when pre-quantized."""
-        if qa.dtype is WireDtype.BF16:
-            if not (self.fp8_weights and self.fnuz):
-                return qa.data, None  # unquantized, or gfx950: AITER's own 1x128 quant is amax/448 e4m3fn
-            # gfx942: AITER would quantize on the fnuz grid (amax/240); quantize as the core's FP8
-            # scheme does (amax/448 e4m3fn) and pass the same values as fnuz, bit-exact
-            qa = quant.quantize_activations(qa.data, WireDtype.FP8)
-        if qa.dtype is not WireDtype.FP8:
+        """The activations as fused_moe takes them, and ``a1_scale`` when pre-quantized.
+
+        With FP8 weights the GEMM1 input is always the core scheme's quantization (amax/448
+        e4m3fn, per 1x128 group or per token): on gfx950 that is AITER's own dynamic quantization
+        of bf16 input; otherwise it is done here and passed pre-quantized (as fnuz on gfx942,
+        where AITER would quantize on the fnuz grid, amax/240)."""
+        if qa.dtype not in (WireDtype.BF16, WireDtype.FP8):
             raise TypeError(f"aiter takes bf16 or fp8 activations, got {qa.dtype}")
         if not self.fp8_weights:
-            return qa.dequantize(self.out_dtype), None
-        lead = qa.data.shape[:-1]
-        data, scale = qa.data.reshape(-1, qa.data.shape[-1]), qa.scale.reshape(-1, qa.scale.shape[-1])
+            return (qa.data, None) if qa.dtype is WireDtype.BF16 else (qa.dequantize(self.out_dtype), None)
+        if qa.dtype is WireDtype.BF16 and not self.fnuz:
+            return qa.data, None
+        if self.per_token:
+            # the FP8 wire's 1x128 groups are not per-token scales: requantize (decisions.md 10)
+            x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(torch.float32)
+            data, scale = quant.quantize_fp8_per_token(x)
+        elif qa.dtype is WireDtype.BF16:
+            data, scale = quant.quantize_fp8_per_token_group(qa.data)
+        else:
+            data, scale = qa.data, qa.scale  # already the scheme's 1x128 activations
+        lead = data.shape[:-1]
+        data, scale = data.reshape(-1, data.shape[-1]), scale.reshape(-1, scale.shape[-1])
         if self.fnuz:
             data, scale = fn_to_fnuz(data, scale)
         return data.view(*lead, data.shape[-1]), scale.view(*lead, scale.shape[-1])

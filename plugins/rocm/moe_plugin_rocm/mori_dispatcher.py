@@ -16,8 +16,10 @@ The dispatch output is the core's ``EPNormalDispatch`` over the whole buffer, wi
   for combine.
 
 -1 ids (no expert): MoRI derives destinations from ids, so a -1 slot is replaced by another id of
-the same token (weight 0: no extra traffic, zero contribution), or, for a token with no expert
-at all, by this rank's first expert (weight 0: a local copy whose output is zero).
+the same token (no extra traffic), or, for a token with no expert at all, by this rank's first
+expert (a local copy). Such a filled slot travels with weight **-0.0**, a marker that contributes
+nothing and that the receiver turns back into -1 (local ids) or the fake expert id ``E``
+(``MoriHandle.recv_ids``), so filled slots are neither counted nor computed.
 
 Before building layers, each process initializes MoRI's symmetric memory once with
 ``init_mori_shmem(group)`` (MoRI's documented setup; not hidden in a layer, since it is
@@ -60,7 +62,8 @@ class MoriHandle:
 
     src_ids: torch.Tensor  # int32 [T, K]: this rank's routing as dispatched (-1 replaced)
     num_tokens: int  # T
-    recv_ids: torch.Tensor = field(repr=False)  # int32 [max_recv, K] global ids (rows >= total_recv: stale)
+    recv_ids: torch.Tensor = field(repr=False)  # int32 [max_recv, K] global ids, E where the sender filled a -1
+    # slot (rows >= total_recv: stale)
     recv_weights: torch.Tensor = field(repr=False)  # fp32 [max_recv, K]
     total_recv: torch.Tensor = field(repr=False)  # int32 [1] on the device
 
@@ -82,6 +85,7 @@ class MoriDispatcher(Dispatcher):
         self.top_k = cfg.top_k
         self.num_local = cfg.num_local_experts
         self.first_expert = cfg.local_expert_range.start
+        self.num_experts = cfg.num_experts
         self.max_recv = cfg.ep_size * cfg.max_tokens_per_rank
         fp8 = self.wire is WireDtype.FP8
         H = cfg.hidden_size
@@ -112,7 +116,7 @@ class MoriDispatcher(Dispatcher):
         first = valid.to(torch.int8).argmax(dim=1, keepdim=True)  # first valid slot (0 if none)
         fill = ids.gather(1, first)
         fill = torch.where(valid.any(dim=1, keepdim=True), fill, self.first_expert)
-        return torch.where(valid, ids, fill).to(torch.int32), torch.where(valid, weights, 0.0)
+        return torch.where(valid, ids, fill).to(torch.int32), torch.where(valid, weights, -0.0)
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         T = hidden_states.shape[0]
@@ -129,7 +133,8 @@ class MoriDispatcher(Dispatcher):
         # localize on the device: rows past total_recv and other ranks' experts -> -1, weight 0
         row = torch.arange(out_i.shape[0], device=out_i.device)[:, None]
         local = out_i - self.first_expert
-        mine = (local >= 0) & (local < self.num_local) & (row < total_recv.to(row.dtype))
+        filled = (out_w == 0) & torch.signbit(out_w)  # a -1 slot the sender filled in (weight -0.0)
+        mine = (local >= 0) & (local < self.num_local) & (row < total_recv.to(row.dtype)) & ~filled
         local_ids = torch.where(mine, local, -1).to(torch.int32)
         local_w = torch.where(mine, out_w, 0.0)
         counts = torch.zeros(self.num_local + 1, dtype=torch.int64, device=out_i.device)
@@ -137,7 +142,8 @@ class MoriDispatcher(Dispatcher):
                             torch.ones(local.numel(), dtype=torch.int64, device=out_i.device))
         hidden = QuantizedActivations(out, WireDtype.FP8, out_s) if self.wire is WireDtype.FP8 \
             else QuantizedActivations(out)
-        handle = MoriHandle(ids, T, out_i, out_w, total_recv)
+        recv_ids = torch.where(filled, self.num_experts, out_i).to(torch.int32)
+        handle = MoriHandle(ids, T, recv_ids, out_w, total_recv)
         return EPNormalDispatch(hidden, TopK(local_w, local_ids), counts[:-1].to(torch.int32), handle=handle)
 
     def combine(self, combine_input: EPNormalCombine) -> torch.Tensor:

@@ -97,7 +97,7 @@ AITER_SPEC = BackendSpec(
     formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED),
     devices=frozenset({"rocm"}),
     wire_dtypes=(WireDtype.BF16, WireDtype.FP8),
-    quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}),
+    quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN}),
     activations=frozenset({Activation.SILU, Activation.GELU}),
     # fused_moe reads counts and the valid-row count on the device: no host sync in any format
     graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
@@ -105,8 +105,8 @@ AITER_SPEC = BackendSpec(
     priority=50,
     probe="moe_plugin_rocm.plugin:probe_aiter",
     check="moe_plugin_rocm.plugin:check_aiter",
-    description="AITER fused_moe (CK/asm kernels) with per-format adapters; BF16 and FP8 block-scale "
-                "(fnuz on gfx942, OCP on gfx950); preshuffled weights",
+    description="AITER fused_moe (CK/asm kernels) with per-format adapters; BF16, FP8 block-scale and FP8 "
+                "per-token (fnuz on gfx942, OCP on gfx950); preshuffled weights",
 )
 
 MORI_SPEC = BackendSpec(

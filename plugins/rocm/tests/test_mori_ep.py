@@ -60,10 +60,10 @@ def test_emulated_mori_op(world, tmp_path):
             assert 1e-3 < res["fp8_direct_cast_combine_err"] < 6e-2
 
 
-def _fp8_tol(arch: str) -> float:
-    # gfx942 (fnuz, max 240) requantizes the intermediate activation on another grid than the
-    # reference's e4m3fn/448: two equally valid roundings whose difference is ~3% (see README)
-    return 5e-2 if arch == "gfx942" else 3e-2
+# gfx942 requantizes the intermediate activation on the e4m3fnuz grid (amax/240), the core
+# reference on e4m3fn (amax/448): two valid roundings whose difference (~3%, measured) is inherent.
+# Each side is held to 3e-2 against the float64 of its own definition (rocm_emulation.arch_oracle).
+CROSS_FLAVOUR_TOL = 5e-2
 
 
 @pytest.mark.multiproc
@@ -75,10 +75,14 @@ def test_mori_layer_matches_reference(world, arch, tmp_path):
             if not isinstance(v, dict):
                 continue
             scheme, wire, experts = key.split("/")
-            fp8 = scheme == "fp8_block"
-            tol = _fp8_tol(arch) if fp8 and experts == "aiter" else (3e-2 if fp8 else 1e-2)
-            assert v["err"] < tol, f"rank {r} {key}: rel err {v['err']:.4f} vs reference (tol {tol})"
+            fp8 = scheme != "unquantized"
+            tol = 3e-2 if fp8 else 1e-2
+            # MoRI buffers hold more rows than were received: only total_recv rows may be read
+            assert v["exact"] < tol, f"rank {r} {key}: rel err {v['exact']:.4f} vs its float64 definition (tol {tol})"
+            ref_tol = CROSS_FLAVOUR_TOL if fp8 and experts == "aiter" and arch == "gfx942" else tol
+            assert v["err"] < ref_tol, f"rank {r} {key}: rel err {v['err']:.4f} vs the core reference (tol {ref_tol})"
             # no less accurate than the reference itself, against the float64 oracle
             assert v["oracle"] < 1.25 * v["ref_oracle"] + 1e-2, f"rank {r} {key}: {v}"
             assert v["shuffled"] == (experts == "aiter"), f"rank {r} {key}: shuffle applied by the wrong backend"
-            assert v["dtype"] == ("fp8" if fp8 and wire == "auto" else "bf16")
+            fp8_wire = wire == "fp8" or (scheme == "fp8_block" and wire == "auto")
+            assert v["dtype"] == ("fp8" if fp8_wire else "bf16"), f"rank {r} {key}: {v['dtype']}"

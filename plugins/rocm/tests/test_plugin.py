@@ -19,7 +19,7 @@ def test_entry_point_discovery_and_specs():
     aiter, mori = pm.spec("aiter"), pm.spec("mori")
     assert aiter.plugin == "rocm" and mori.plugin == "rocm"
     assert aiter.devices == {"rocm"} and mori.devices == {"rocm"}
-    assert set(aiter.quant_schemes) == {QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}
+    assert set(aiter.quant_schemes) == {QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN}
     assert [str(f) for f in mori.formats] == ["ep_normal"] and mori.ep == "required"
 
 
@@ -81,6 +81,8 @@ def test_checks():
     assert [r.code for r in check_aiter(_cfg(hidden_size=240), AITER_SPEC)] == [Code.UNSUPPORTED_SHAPE]
     assert [r.code for r in check_aiter(_cfg(intermediate_size=96, quant="fp8_block"), AITER_SPEC)] == \
         [Code.UNSUPPORTED_SHAPE]
+    # per-token FP8 has no 128x128 blocks: only the 16x32 shuffle tiles constrain it
+    assert check_aiter(_cfg(intermediate_size=96, quant="fp8_per_token"), AITER_SPEC) == []
     import torch
 
     assert check_aiter(_cfg(params_dtype=torch.float32), AITER_SPEC)[0].code is Code.UNSUPPORTED_SHAPE

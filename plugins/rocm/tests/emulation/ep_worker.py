@@ -25,26 +25,8 @@ import torch
 import torch.distributed as dist
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def install(arch: str) -> None:
-    """The emulation, installed for the life of this process (what the fixture does per test)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rocm_emulation", HERE / "__init__.py",
-                                                  submodule_search_locations=[str(HERE)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rocm_emulation"] = module
-    spec.loader.exec_module(module)
-
-    class _Patch:  # the subset of pytest's monkeypatch that install() uses, never undone
-        def setitem(self, d, k, v):
-            d[k] = v
-
-        def setattr(self, obj, name, value):
-            setattr(obj, name, value)
-
-    module.install(_Patch(), arch)
+sys.path.insert(0, str(HERE))
+from rocm_kit_setup import install_for_process as install  # noqa: E402
 
 
 def case_op(arch: str, rank: int, world: int) -> dict:
@@ -103,8 +85,9 @@ def case_op(arch: str, rank: int, world: int) -> dict:
 
 
 def case_layer(arch: str, rank: int, world: int) -> dict:
-    from moe_core import MoEConfig, MoELayer, PluginManager, QuantScheme, quant
+    from moe_core import MoEConfig, MoELayer, PluginManager, QuantScheme, WireDtype, quant
     from moe_core.reference.oracle import moe_float64
+    from rocm_emulation.arch_oracle import aiter_float64
     from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error
 
     from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
@@ -113,8 +96,8 @@ def case_layer(arch: str, rank: int, world: int) -> dict:
     pm = PluginManager()
     E, K, H, inter, P = 4 * world, 3, 256, 128, 24
     results = {}
-    for scheme in (QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK):
-        for wire in ("auto", "bf16"):
+    for scheme in (QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN):
+        for wire in ("auto", "fp8" if scheme is QuantScheme.FP8_PER_TOKEN else "bf16"):
             for experts in ("aiter", "reference"):
                 if experts == "reference" and wire == "bf16":
                     continue
@@ -137,7 +120,7 @@ def case_layer(arch: str, rank: int, world: int) -> dict:
                 ref = MoELayer(ref_cfg, manager=pm, device="cpu")
                 ref.load_weights(**ckpt)
                 ref.process_weights()
-                errs, oracle_errs, ref_oracle_errs = [], [], []
+                errs, oracle_errs, ref_oracle_errs, exact_errs = [], [], [], []
                 for step in range(2):
                     gl = torch.Generator().manual_seed(1000 * step + rank)
                     T = [[19, 0, 1, 24], [7, 13, 24, 5]][step][rank % 4]
@@ -152,9 +135,16 @@ def case_layer(arch: str, rank: int, world: int) -> dict:
                         o = moe_float64(x, topk.weights, topk.ids, d13, d2, routed_scaling_factor=1.5)
                         oracle_errs.append(rel_error(out, o))
                         ref_oracle_errs.append(rel_error(expect, o))
+                        # the float64 definition of what this experts backend computes on this arch
+                        x_in = quant.quantize_activations(x, layer.plan.dispatch_dtype).dequantize() \
+                            if layer.plan.dispatch_dtype is WireDtype.FP8 else x
+                        exact = aiter_float64(scheme, arch if experts == "aiter" else "gfx950", x_in, topk.weights,
+                                              topk.ids, ckpt, routed_scaling_factor=1.5)
+                        exact_errs.append(rel_error(out, exact))
                     if T and topk.ids[0].eq(-1).all():
                         errs.append(float(out[0].float().abs().max()))  # token with no expert: zero
                 results[key] = {"dtype": str(layer.plan.dispatch_dtype), "err": max(errs),
+                                "exact": max(exact_errs, default=0.0),
                                 "oracle": max(oracle_errs, default=0.0), "ref_oracle": max(ref_oracle_errs, default=0.0),
                                 "shuffled": bool(getattr(layer.w13, "is_shuffled", False))}
     # T above the layer's capacity is an error, never a silent truncation
