@@ -192,8 +192,9 @@ def test_fp8_block_matches_fp32_and_checks_flavour(arch):
                             w1_scale=s1, w2_scale=s2, _arch=arch)
 
 
-def test_fp8_per_token():
-    fp8 = torch.float8_e4m3fnuz
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_fp8_per_token(arch):
+    fp8 = aiter_emu.ARCH_FP8[arch]
     E, H, inter, M, K = 2, 64, 32, 6, 2
     w1, w2 = make_weights(E, H, inter, torch.float32)
     fmax = torch.finfo(fp8).max
@@ -204,7 +205,7 @@ def test_fp8_per_token():
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(M)]).int()
     w = torch.rand(M, K)
     out = aiter_emu.fused_moe(x, q1, q2, w, ids, quant_type=aiter_emu.QuantType.per_Token, w1_scale=s1,
-                              w2_scale=s2, _arch="gfx942")
+                              w2_scale=s2, _arch=arch)
 
     def qtok(v):
         s = v.abs().amax() / fmax
@@ -212,3 +213,9 @@ def test_fp8_per_token():
 
     ref = aiter_emu.torch_moe_reference(x, q1.float() * s1, q2.float() * s2, w, ids, act_quant=qtok)
     assert rel(out, ref) < 1e-2
+    # pre-quantized input with one scale per token ([M, 1]) gives the same result
+    xs = x.float().abs().amax(-1, keepdim=True) / fmax
+    xq = (x.float() / xs).clamp(-fmax, fmax).to(fp8)
+    out_pre = aiter_emu.fused_moe(xq, q1, q2, w, ids, quant_type=aiter_emu.QuantType.per_Token, w1_scale=s1,
+                                  w2_scale=s2, a1_scale=xs, dtype=torch.bfloat16, _arch=arch)
+    assert torch.equal(out_pre, out)
