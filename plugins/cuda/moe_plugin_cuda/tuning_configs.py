@@ -45,7 +45,24 @@ def _c(bm: int, bn: int, bk: int, g: int, w: int, s: int, **extra) -> dict[str, 
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=g, num_warps=w, num_stages=s, **extra)
 
 
-def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool) -> dict[str, dict[str, int]]:
+SMEM_BYTES = 227 * 1024  # H100's shared memory per block (the smallest budget we target)
+
+
+def _fit_smem(c: dict[str, int], elem_bytes: int) -> dict[str, int]:
+    """Shrink BLOCK_K, then stages, until the pipelined A and B tiles fit in shared memory
+    (fp32 tiles are twice bf16's: the shapes below are sized for 1-2 byte elements)."""
+    c = dict(c)
+    def need(c):
+        return c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * elem_bytes
+    while need(c) > SMEM_BYTES and c["BLOCK_K"] > 32:
+        c["BLOCK_K"] //= 2
+    while need(c) > SMEM_BYTES and c["num_stages"] > 2:
+        c["num_stages"] -= 1
+    return c
+
+
+def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool,
+              elem_bytes: int = 2) -> dict[str, dict[str, int]]:
     """Untuned default: BLOCK_M from the mean rows per expert; wide tiles once M is large.
 
     Register budget (why these shapes): GEMM1 keeps one fp32 BLOCK_M x BLOCK_N accumulator (FP8: plus
@@ -77,7 +94,7 @@ def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool) -> dict[str
             g1, g2 = _c(bm, 256, 64, g, 8, 3), _c(bm, 128, 64, g, 4, 4)
         else:
             g1, g2 = _c(bm, 256, 64, g, 8, 3), _c(bm, 128, 64, g, 8, 4)
-    return {"gemm1": g1, "gemm2": g2}
+    return {"gemm1": _fit_smem(g1, 1 if fp8 else elem_bytes), "gemm2": _fit_smem(g2, 1 if fp8 else elem_bytes)}
 
 
 def as_two_acc(cfg: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
@@ -102,7 +119,7 @@ def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_na
                 return {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
                             **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
                         for k in ("gemm1", "gemm2")}, name
-    return heuristic(M, E, top_k, I, H, dtype == "fp8_block"), "heuristic"
+    return heuristic(M, E, top_k, I, H, dtype == "fp8_block", elem_bytes=4 if dtype == "fp32" else 2), "heuristic"
 
 
 def save_table(path: Path, table: dict[int, dict[str, Any]]) -> None:

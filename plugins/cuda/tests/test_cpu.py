@@ -291,6 +291,17 @@ def test_tuner_candidates_and_heuristic_fit_hopper(fp8):
     assert 128 in seen_bm and 16 in seen_bm  # large M gets BLOCK_M=128 again
 
 
+def test_heuristic_fits_fp32_tiles():
+    """fp32 tiles take twice bf16's shared memory: the heuristic shrinks BLOCK_K/stages to fit
+    (an fp32 layer on the H100 ran out of shared memory before this)."""
+    from moe_plugin_cuda import tuning_configs
+
+    for M in (1, 77, 1024, 16384):
+        cfg = tuning_configs.heuristic(M, 8, 2, 136, 200, False, elem_bytes=4)
+        for c in cfg.values():
+            assert c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 4 <= tuning_configs.SMEM_BYTES, c
+
+
 def test_tuned_config_files_carry_the_kernel_version(tmp_path):
     """Configs of another kernel version are never read; files of this version are."""
     import json
