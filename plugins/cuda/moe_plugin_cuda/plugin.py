@@ -37,16 +37,15 @@ class CudaPlugin(BackendPlugin):
                 name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.BF16,),
-                # FP8: torch's grouped FP8 GEMM is row-wise scaled; requantizing fp8_block weights per
-                # row measured 7% relative error against the reference on the H100 (tolerance 3%),
-                # so fp8_block is not declared (the code path stays for row-wise checkpoints)
-                quant_schemes=frozenset({QuantScheme.UNQUANTIZED}),
+                # FP8: torch's grouped FP8 GEMM is row-wise scaled = fp8_per_token's layout; fp8_block
+                # requantized per row measured 7% relative error on the H100, so it is not declared
+                quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_PER_TOKEN}),
                 activations=_ALL_ACTS,
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL}),
                 quantizes_internally=True,
                 priority=PRIORITY_GROUPED_MM, probe=f"{_P}.probes:probe_grouped_mm",
                 check=f"{_P}.probes:check_grouped_mm",
-                description="torch._grouped_mm (bf16) on SM90+",
+                description="torch._grouped_mm (bf16) / torch._scaled_grouped_mm (FP8 per token) on SM90+",
             ),
             BackendSpec(
                 name="deepep", role=Role.DISPATCHER, impl=f"{_P}.deepep:DeepEPDispatcher",

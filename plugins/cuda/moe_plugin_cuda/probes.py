@@ -145,7 +145,7 @@ def check_grouped_mm(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     if config.params_dtype is not torch.bfloat16:
         out.append(unavailable(Code.UNSUPPORTED_QUANT, f"torch._grouped_mm's CUTLASS path is bf16 only "
                                f"(params_dtype={config.params_dtype})", "use bf16 params or the triton experts"))
-    align = 16 if str(config.quant) == "fp8_block" else 8
+    align = 16 if str(config.quant) == "fp8_per_token" else 8
     for name in ("hidden_size", "intermediate_size"):
         if getattr(config, name) % align:
             out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"{name}={getattr(config, name)} is not a multiple of "

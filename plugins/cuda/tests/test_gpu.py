@@ -17,7 +17,7 @@ from moe_core.runtime import BackendContext
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-TOL = {"unquantized": 1e-2, "fp8_block": 3e-2}
+TOL = {"unquantized": 1e-2, "fp8_block": 3e-2, "fp8_per_token": 3e-2}
 
 
 def _cfg(backend, quant, E=16, K=4, H=256, inter=192, act="silu", dtype=torch.bfloat16, **kw):
@@ -61,7 +61,8 @@ def _topk(T, cfg, minus_one=True):
     return TopK(w.contiguous(), ids.contiguous())
 
 
-CASES = [("triton", "unquantized"), ("triton", "fp8_block"), ("grouped_mm", "unquantized")]
+CASES = [("triton", "unquantized"), ("triton", "fp8_block"), ("grouped_mm", "unquantized"),
+         ("grouped_mm", "fp8_per_token")]
 
 
 @pytest.mark.parametrize("backend,quant", CASES)
