@@ -227,9 +227,10 @@ def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
 
     token_counts = (0, 1, shape.tokens_odd, shape.tokens_large)
     top_ks = sorted({1, shape.top_k})
-    if spec.role is Role.FUSED and spec.ep == "required":
-        add("experts-fused", checks.not_covered, reason=f"{name} declares ep='required': fused backends are only "
-            "checked in a single process by this version of the kit (EP worlds cover dispatchers)")
+    if spec.role is Role.FUSED and spec.ep == "required":  # checked whole, in EP worlds (like dispatchers)
+        for world in options.ep_sizes:
+            for sub in ep.fused_subcases(spec, world, shape):
+                add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
     elif spec.role in (Role.EXPERTS, Role.FUSED):
         formats = [f for f in spec.formats if f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED)]
         if spec.role is Role.FUSED:
