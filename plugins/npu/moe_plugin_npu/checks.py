@@ -98,7 +98,11 @@ def check_fuseep(config: MoEConfig, spec: BackendSpec) -> list[Reason]:
         within(c.max_tokens_per_rank, FUSED_TOKENS, "max_tokens_per_rank")
     mode = fuse_mode(c, spec.name)
     if mode not in SUPPORTED_FUSE_MODES:
-        reasons.append(Reason(Code.DISABLED, f"fuse_mode={mode} is not supported by this plugin (mode 2, "
-                              "DispatchFFNCombine, needs modelslim weights with a 128-tile scale permute that we "
-                              "could not verify)", "use backend_options={'fuseep': {'fuse_mode': 1}}"))
+        # Mode 2 (DispatchFFNCombine): the references say only that SGLang applies a "128-tile scale
+        # permute" and passes scales as int64 bit patterns of fp32, for modelslim checkpoints; the permute
+        # itself is not defined anywhere we have, so we cannot lay the weights out for it.
+        reasons.append(Reason(Code.DISABLED, f"fuse_mode={mode} is not supported by this plugin: mode 2 "
+                              "(DispatchFFNCombine) needs modelslim weights and a 128-tile scale permute that "
+                              "no documentation available to us defines",
+                              "use backend_options={'fuseep': {'fuse_mode': 1}} (FUSED_DEEP_MOE)"))
     return reasons
