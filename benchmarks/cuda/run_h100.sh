@@ -4,7 +4,8 @@
 #   install  pip install -e moe-core + the plugin, versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
 #   tune     moe-cuda-tune for TUNE_PRESETS, bf16 + fp8_block, 7 T   -> CFG_DIR, OUT/tune.log
-#   bench    moe-core bench, 4 presets x 7 T x 2 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
+#   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
+#            (best of eager and CUDA-graph replay at every T, as the SGLang bar is measured)
 #   profile  qwen3-30b-a3b fp8_block T=4096: ncu (SOL, launch stats, occupancy) or torch.profiler,
 #            registers/spills of the compiled GEMMs                  -> OUT/profile*.log
 # The tuned JSON is copied to OUT/configs at the end of every call (commit it into
@@ -53,8 +54,8 @@ phase_bench() {
   # BENCH_TWO_ACC=1: GEMM1 on the two-accumulator fallback (if the one-accumulator epilogue fails on the device)
   local two=""; [ -n "$BENCH_TWO_ACC" ] && two=', "gemm1_two_acc": true'
   # shellcheck disable=SC2086
-  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant unquantized fp8_block \
-    --iters "${BENCH_ITERS:-10}" --graph-max-tokens 1024 \
+  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant unquantized fp8_block fp8_per_token \
+    --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
     --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
 }
 

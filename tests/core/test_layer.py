@@ -42,6 +42,19 @@ def test_bad_input_names_the_argument(layer, bad, match):
         layer(x, topk)
 
 
+def test_id_check_modes(layer):
+    bad = mc.TopK(torch.ones(5, 2), torch.full((5, 2), 6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="check_ids must be"):
+        mc.MoELayer(CFG, check_ids="always")
+    # the accelerator path (device-side assert, no host sync), exercised on CPU where it raises at once
+    layer._sync_check = False
+    with pytest.raises(RuntimeError, match=r"topk.ids must be in \[-1, 6\)"):
+        layer(x_bf16(), bad)
+    assert layer(x_bf16(), random_topk(5, 6, 2)).shape == (5, 64)
+    off = mc.MoELayer(CFG, check_ids=False)
+    assert not off.check_ids and mc.MoELayer(CFG, check_ids="sync")._sync_check
+
+
 def test_topk_dtypes_are_checked_at_construction():
     with pytest.raises(TypeError, match="TopK.ids must be torch.int32"):
         mc.TopK(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64))

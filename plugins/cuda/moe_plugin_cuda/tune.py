@@ -5,7 +5,7 @@ once, times GEMM1 alone over a short candidate list (FP8: including the activati
 kernel when the tile cannot quantize in its epilogue), then GEMM2 alone on that GEMM1's output;
 the BLOCK_M with the lowest GEMM1 + GEMM2 wins. The winner and the heuristic are then timed as
 the whole pipeline (align + GEMM1 + GEMM2 + reduce) and the faster is kept. Times are
-``triton.testing.do_bench`` medians. The table is written as
+``triton.testing.do_bench_cudagraph`` medians (graph replay, as engines run decode). The table is written as
 ``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``tuning_configs``) into
 ``--out-dir`` (default: the installed package's ``configs/``), where the backend finds it.
 
@@ -140,7 +140,10 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
 
     def timed(fn, what):
         try:
-            return triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+            # replayed from a CUDA graph: at small M the Python launch cost of a Triton kernel (tens of
+            # microseconds) exceeds the kernel itself, and plain do_bench then ranks configs by noise
+            # (measured on the H100: T=1 pipelines timed 3x slower than the benchmark's graph replay)
+            return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
         except Exception as exc:  # e.g. out of shared memory / registers for this tile shape
             log(f"    skip {what}: {type(exc).__name__}: {str(exc)[:100]}")
             return float("inf")
