@@ -143,6 +143,10 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
             # replayed from a CUDA graph: at small M the Python launch cost of a Triton kernel (tens of
             # microseconds) exceeds the kernel itself, and plain do_bench then ranks configs by noise
             # (measured on the H100: T=1 pipelines timed 3x slower than the benchmark's graph replay)
+            # do_bench_cudagraph runs fn on a side stream that does not wait for the default stream,
+            # where the inputs (weights, routing, alignment) were just produced: sync first (without
+            # it the first candidate after a new preset read half-written indices: illegal address)
+            torch.cuda.synchronize()
             return triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
         except Exception as exc:  # e.g. out of shared memory / registers for this tile shape
             log(f"    skip {what}: {type(exc).__name__}: {str(exc)[:100]}")
