@@ -114,6 +114,19 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
         _sync()
         d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
         valid_rows = int((out.handle.slot < tokens * world).sum())
+    if args.profile:  # every rank runs the calls (collectives), rank 0 records and prints kernels
+        from contextlib import nullcontext
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if rank == 0 else nullcontext()) as prof:
+            for _ in range(3):
+                dispatch_fn()
+                combine_fn()
+            _sync()
+        if rank == 0:
+            print(f"--- profile {tokens} tok/rank {fmt} {wire} graph={graph} (3 dispatch+combine)", flush=True)
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=18), flush=True)
     ms_dispatch = statistics.median(_timed(dispatch_fn, args.iters, args.warmup))
     ms_combine = statistics.median(_timed(combine_fn, args.iters, args.warmup))
     raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
@@ -237,6 +250,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="smoke-test the script on gloo/CPU (numbers meaningless)")
     p.add_argument("--out", default=None, help="directory for results.json and results.md")
+    p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel device times per case")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

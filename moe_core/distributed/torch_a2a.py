@@ -259,7 +259,10 @@ class TorchA2ADispatcher(Dispatcher):
         """
         ranks = torch.arange(self.world, device=ids.device, dtype=ids.dtype)
         hit = (ids.div(self.num_local, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-        pos = hit.cumsum(0)  # inclusive rank of the token among those sent to r
+        # inclusive rank of the token among those sent to r. Scanned along the contiguous dim of a
+        # [W, T] copy: an outer-dim scan over T runs serially per column (0.37 ms per dispatch at
+        # 4096 tokens/rank on H200, profiled)
+        pos = hit.T.contiguous().cumsum(1).T
         count = pos[-1] if ids.shape[0] else hit.sum(0)
         base = ranks * capacity if capacity is not None else count.cumsum(0) - count
         row = torch.where(hit, pos + (base - 1), unused)
@@ -398,9 +401,11 @@ class TorchA2ADispatcher(Dispatcher):
         # expert in (source rank, token, k) order; pairs not here go to one scratch row past the slab
         mine, local = self._local(rids)
         key = torch.where(mine, local, el).long()  # [CW, K]; el: not here
-        seen = torch.zeros(cw, el + 1, dtype=torch.int32, device=dev).scatter_(1, key, 1).cumsum(0)
-        slab_index = torch.add(seen.gather(1, key), key, alpha=cw).sub_(1).clamp_(max=el * cw)
-        masked_m = seen[-1, :el].to(torch.int32)
+        # [el + 1, CW], scanned along its contiguous dim (the [CW, el + 1] outer-dim scan took 1.9 ms
+        # per dispatch at 4096 tokens/rank on H200, profiled)
+        seen = torch.zeros(el + 1, cw, dtype=torch.int32, device=dev).scatter_(0, key.T, 1).cumsum(1, dtype=torch.int32)
+        slab_index = torch.add(seen.gather(0, key.T).T, key, alpha=cw).sub_(1).clamp_(max=el * cw)
+        masked_m = seen[:el, -1].to(torch.int32)
         # expand: one row write per pair (fixed shape). A pair that is not here rewrites the same
         # data into its slot's first row here; a slot with no pair here writes its own scratch row
         # past the slab. (All of them into ONE scratch row serialized ~32k writes of 14 KB on one
