@@ -164,10 +164,13 @@ class Buffer:
                                 "NVSHMEM_IBGDA_NUM_RC_PER_PE": str(num_qps_per_rank),
                                 "NVSHMEM_DISABLE_P2P": "0" if allow_nvlink_for_low_latency_mode else "1"}
         if self.group_size > 1:  # creation is collective (DeepEP all-gathers IPC handles / NVSHMEM ids)
-            mine = (num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank)
-            every = [None] * self.group_size
-            dist.all_gather_object(every, mine, group=group)
-            if any(e != mine for e in every):
+            # a tensor all-gather, not all_gather_object (which needs numpy, absent from CI)
+            mine = torch.tensor([num_nvl_bytes, num_rdma_bytes, int(low_latency_mode), num_qps_per_rank],
+                                dtype=torch.int64)
+            gathered = [torch.empty_like(mine) for _ in range(self.group_size)]
+            dist.all_gather(gathered, mine, group=group)
+            every = [tuple(g.tolist()) for g in gathered]
+            if any(e != tuple(mine.tolist()) for e in every):
                 raise RuntimeError(f"ranks created DeepEP buffers with different settings: {every}")
         self.calls: Counter = Counter()  # test introspection
         self._dirty = False  # normal kernels ran since the last clean_low_latency_buffer
