@@ -30,6 +30,7 @@ from moe_core.testing.kit import (
     generate_cases,
     run_kit,
 )
+from moe_core.testing.world import run_gloo_world
 
 __all__ = ["Case", "CaseResult", "KitContext", "KitFailure", "KitOptions", "KitReport", "KitSkip", "Shape",
-           "generate_cases", "rel_error", "run_kit", "tolerance"]
+           "generate_cases", "rel_error", "run_gloo_world", "run_kit", "tolerance"]

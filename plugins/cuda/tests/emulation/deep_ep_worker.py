@@ -14,26 +14,17 @@ kills the world. Parts:
 from __future__ import annotations
 
 import pathlib
-import queue as queue_mod
-import socket
 import sys
-import time
-import traceback
 from collections import Counter
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from moe_core.testing.world import run_gloo_world
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 SHAPE = dict(experts=8, topk=3, hidden=2048)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- ops
@@ -302,56 +293,15 @@ def part_layer(rank: int, world: int, seed: int) -> dict:
 PARTS = {"ops": part_ops, "equivalence": part_equivalence, "layer": part_layer}
 
 
-def _worker(rank: int, world: int, port: int, seed: int, parts: list, q: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        import deep_ep_emulation
-
-        deep_ep_emulation.install_into_process()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results = {}
-        for name in parts:
-            results[name] = PARTS[name](rank, world, seed)
-            dist.barrier()
-        q.put((rank, results, None))
-    except BaseException:
-        q.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _parts(rank: int, world: int, seed: int, parts: list) -> dict:
+    results = {}
+    for name in parts:
+        results[name] = PARTS[name](rank, world, seed)
+        dist.barrier()
+    return results
 
 
 def run_world(world: int, parts: list[str], seed: int, timeout: float = 200.0) -> list[dict]:
     """Run ``parts`` on ``world`` ranks; returns ``results[rank][part]``. Raises on error or timeout."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, parts, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) + len(errors) < world:
-            try:
-                rank, res, err = q.get(timeout=1.0)
-            except queue_mod.Empty:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"deepep world of {world} (seed {seed}) timed out after {timeout}s") from None
-                if not any(p.is_alive() for p in procs) and q.empty():
-                    raise AssertionError(f"deepep world of {world} (seed {seed}): ranks exited without a result "
-                                         f"(exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if err:
-                errors.append(f"rank {rank}:\n{err}")
-            else:
-                results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise AssertionError(f"deepep world of {world} (seed {seed}) failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_gloo_world(_parts, world, seed, parts, setup="deep_ep_emulation:install_into_process",
+                          timeout=timeout)

@@ -8,19 +8,12 @@ wire). Returns per-rank dicts with the plan and the relative errors; a hard time
 
 from __future__ import annotations
 
-import socket
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from moe_core.testing.world import run_gloo_world
 
 
 def run_rank(case: dict, world: int, rank: int, seed: int) -> dict:
@@ -66,47 +59,11 @@ def run_rank(case: dict, world: int, rank: int, seed: int) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, seed: int, case: dict, queue: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        import flashinfer_emulation
-
-        flashinfer_emulation.install_into_process()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        result = run_rank(case, world, rank, seed)
-        dist.barrier()
-        queue.put((rank, result, None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank(rank: int, world: int, case: dict, seed: int) -> dict:
+    return run_rank(case, world, rank, seed)
 
 
 def run_world(world: int, case: dict, seed: int, timeout: float = 120.0) -> list[dict]:
     """Run ``case`` on ``world`` ranks; return the result of each rank. Raises on error or timeout."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, case, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict] = {}
-    errors = []
-    try:
-        for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
-            if err:
-                errors.append(f"rank {rank}:\n{err}")
-                break
-            results[rank] = res
-    except Exception as exc:  # queue.Empty: a rank hung or died
-        errors.append(f"no result within {timeout}s ({type(exc).__name__})")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_gloo_world(_rank, world, case, seed, setup="flashinfer_emulation:install_into_process",
+                          timeout=timeout)

@@ -10,21 +10,14 @@ quantized npu_gmm cases are also compared with ``gmm_oracle`` (the documented 16
 from __future__ import annotations
 
 import os
-import socket
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from moe_core.testing.world import run_gloo_world
 
 INT8_ENV = "DEEP_NORMAL_MODE_USE_INT8_QUANT"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(case: dict, seed: int) -> dict[str, torch.Tensor]:
@@ -129,50 +122,11 @@ def run_two_layers(case: dict, world: int, rank: int, seed: int) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, seed: int, cases: list, queue: Any) -> None:
-    try:
-        torch.set_num_threads(1)
-        import npu_emulation
-
-        npu_emulation.install_into_process()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results = []
-        for case in cases:
-            fn = run_two_layers if case.get("kind") == "two_layers" else run_case
-            results.append(fn(case, world, rank, seed))
-        dist.barrier()
-        queue.put((rank, results, None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _cases(rank: int, world: int, cases: list, seed: int) -> list:
+    return [(run_two_layers if case.get("kind") == "two_layers" else run_case)(case, world, rank, seed)
+            for case in cases]
 
 
 def run_world(world: int, cases: list, seed: int, timeout: float = 150.0) -> list[list[dict]]:
     """Run ``cases`` on ``world`` ranks; return ``results[rank][case]``. Raises on error or timeout."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, seed, cases, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, list] = {}
-    errors = []
-    try:
-        for _ in range(world):
-            rank, res, err = queue.get(timeout=timeout)
-            if err:
-                errors.append(f"rank {rank}:\n{err}")
-                break
-            results[rank] = res
-    except Exception as exc:  # queue.Empty: a rank hung or died
-        errors.append(f"no result within {timeout}s ({type(exc).__name__})")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.1)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return run_gloo_world(_cases, world, cases, seed, setup="npu_emulation:install_into_process", timeout=timeout)
