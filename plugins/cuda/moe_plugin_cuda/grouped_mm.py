@@ -27,23 +27,12 @@ from moe_core.contracts import (
     StandardDispatch,
     WireDtype,
 )
+from moe_core.quant import quantize_fp8_per_token
 from moe_core.runtime import Experts
 from moe_plugin_cuda.weights import expert_weights
 
 if TYPE_CHECKING:
     from moe_core.layer import MoELayer
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-def quant_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] -> (e4m3 [..., K], fp32 [...]) with one scale per row (amax / 448)."""
-    amax = x.abs().amax(dim=-1).to(torch.float32).clamp_min(1e-10)
-    s = amax / FP8_MAX
-    q = (x.to(torch.float32) / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, s
-
 
 def _act(h: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
     g, u = h[:, :inter], h[:, inter:]
@@ -80,11 +69,14 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         y = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offs)
     else:
         w13q, w13s, w2q, w2s = rowwise
-        xq, xs = quant_rowwise(x)
-        h = torch._scaled_grouped_mm(xq[tok], w13q.transpose(-2, -1), xs[tok], w13s, offs=offs,
+        # the scheme's own activation quantization (per token, amax / 448), as the reference does
+        xq, xs = quantize_fp8_per_token(x)
+        h = torch._scaled_grouped_mm(xq[tok], w13q.transpose(-2, -1), xs[tok, 0], w13s, offs=offs,
                                      out_dtype=torch.bfloat16)
-        aq, as_ = quant_rowwise(_act(h.float(), inter, activation) * w)
-        y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_, w2s, offs=offs, out_dtype=torch.bfloat16)
+        aq, as_ = quantize_fp8_per_token(_act(h.float(), inter, activation))
+        # the routing weight goes into the row scale: exact, and the quantized values do not depend on it
+        y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_[:, 0] * w[:, 0], w2s, offs=offs,
+                                     out_dtype=torch.bfloat16)
     slots = torch.empty((T * K, H), dtype=y.dtype, device=x.device)
     slots[order] = y
     return slots.view(T, K, H).sum(1).to(out_dtype)
@@ -107,7 +99,7 @@ class GroupedMMExperts(Experts):
         c = self.config
         if self.fp8:
             w = expert_weights(layer, True)
-            rw = (w.w13, w.w13_scale.to(torch.float32), w.w2, w.w2_scale.to(torch.float32))
+            rw = (w.w13, w.w13_scale, w.w2, w.w2_scale)  # fp32 scales: the layer's checkpoint layout
             return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=self.activation,
                                       routed_scaling_factor=c.routed_scaling_factor, rowwise=rw)
         w = expert_weights(layer, False)
