@@ -406,15 +406,21 @@ class TorchA2ADispatcher(Dispatcher):
         seen = torch.zeros(el + 1, cw, dtype=torch.int32, device=dev).scatter_(0, key.T, 1).cumsum(1, dtype=torch.int32)
         slab_index = torch.add(seen.gather(0, key.T).T, key, alpha=cw).sub_(1).clamp_(max=el * cw)
         masked_m = seen[:el, -1].to(torch.int32)
-        # expand: one row write per pair (the scratch row absorbs the pairs that are not here)
+        # expand: one row write per pair (fixed shape). A pair that is not here rewrites the same
+        # data into its slot's first row here; a slot with no pair here writes its own scratch row
+        # past the slab. (All of them into ONE scratch row serialized ~32k writes of 14 KB on one
+        # address range: 3.1 ms for 4096 tokens/rank on 2x H200.)
+        first_here = slab_index.gather(1, mine.to(torch.int8).argmax(1, keepdim=True))
+        scratch = torch.arange(el * cw, el * cw + cw, device=dev).unsqueeze(1)
+        write_index = torch.where(mine, slab_index, torch.where(mine.any(1, keepdim=True), first_here, scratch))
         db = recv_data.shape[1]
-        slab = torch.empty(el * cw + 1, db, dtype=torch.uint8, device=dev)
+        slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)
         word = _word(slab, recv_data)
-        slab.view(word).index_put_((slab_index,), recv_data.view(word).unsqueeze(1))
+        slab.view(word).index_put_((write_index,), recv_data.view(word).unsqueeze(1))
         slab_scale = None
         if scale is not None:
-            slab_scale = torch.empty(el * cw + 1, self.n_scale, dtype=torch.float32, device=dev)
-            slab_scale.index_put_((slab_index,), scale.unsqueeze(1))
+            slab_scale = torch.empty(el * cw + cw, self.n_scale, dtype=torch.float32, device=dev)
+            slab_scale.index_put_((write_index,), scale.unsqueeze(1))
             slab_scale = slab_scale[:el * cw].view(el, cw, self.n_scale)
         data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
         hidden = QuantizedActivations(data_slab, self.wire, slab_scale, ue8m0=qa.ue8m0)
