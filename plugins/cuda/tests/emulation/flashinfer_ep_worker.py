@@ -3,7 +3,9 @@
 ``run_world(world, case, seed)`` spawns ``world`` processes (gloo on 127.0.0.1); each installs the
 emulated flashinfer (SM100), plans ``torch_a2a`` x ``cutedsl`` through the planner, and compares every
 pass with the core reference computed locally on one rank (all experts, same checkpoint, same BF16
-wire). Returns per-rank dicts with the plan and the relative errors; a hard timeout kills the group.
+wire) and with the exact float64 computation (dequantized weights, no activation rounding). Returns
+per-rank dicts with the plan and, per pass, the relative errors [vs reference, backend vs exact,
+reference vs exact]; a hard timeout kills the group.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ def run_rank(case: dict, world: int, rank: int, seed: int) -> dict:
     from moe_core.config import MoEConfig
     from moe_core.layer import MoELayer
     from moe_core.plugins import PluginManager
+    from moe_core.reference.oracle import moe_float64
     from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error
 
     manager = PluginManager()
     E, K, H, I = case["E"], case["K"], case["H"], case["I"]
     w13, w2 = make_float_weights(E, H, I, torch.Generator().manual_seed(seed))  # one checkpoint on every rank
     ckpt = quant.quantize_weights(w13, w2, "nvfp4", a13_amax=4.0, a2_amax=4.0)
+    dw13, dw2 = quant.dequantize_weights(ckpt, "nvfp4")
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, quant="nvfp4", ep_size=world,
                     ep_rank=rank, ep_group=dist.group.WORLD, max_tokens_per_rank=case["max_tokens"], device="cuda",
                     cuda_graph=True, routed_scaling_factor=case["rsf"])
@@ -53,7 +57,8 @@ def run_rank(case: dict, world: int, rank: int, seed: int) -> dict:
             raise AssertionError(f"output {tuple(out.shape)} {out.dtype}, expected {tuple(expected.shape)}")
         if t and bool(topk.ids[0].eq(-1).all()):
             result["empty_rows_zero"] &= bool(out[0].eq(0).all())
-        result["errors"].append(rel_error(out, expected))
+        exact = moe_float64(x.float(), topk.weights, topk.ids, dw13, dw2, routed_scaling_factor=case["rsf"])
+        result["errors"].append([rel_error(out, expected), rel_error(out, exact), rel_error(expected, exact)])
         result["tokens"].append(t)
     result["calls"] = sorted(set(__import__("flashinfer").emulator.calls))
     return result
