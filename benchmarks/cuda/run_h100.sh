@@ -8,7 +8,7 @@
 #            (best of eager and CUDA-graph replay at every T, as the issue's SGLang bar is measured)
 #   profile  qwen3-30b-a3b fp8_block T=4096: ncu (SOL, launch stats, occupancy) or torch.profiler,
 #            registers/spills of the compiled GEMMs                  -> OUT/profile*.log
-# The tuned JSON is copied to OUT/configs at the end of every call (commit it into
+# The tuned JSON is saved to OUT/configs.tar at the end of every call (commit it into
 # plugins/cuda/moe_plugin_cuda/configs/). CFG_DIR lives outside OUT so that a later call on the
 # same (warm) machine still finds it.
 #
@@ -28,6 +28,8 @@ CFG_DIR=${CFG_DIR:-/tmp/moe_cuda_configs}
 TUNE_PRESETS=${TUNE_PRESETS:-qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b deepseek-v3}
 BENCH_PRESETS=${BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 qwen3-235b-a22b}
 TOKENS="1 16 64 256 1024 4096 16384"
+TUNE_TOKENS=${TUNE_TOKENS:-$TOKENS}      # e.g. "4096 16384": re-tune those T, keep the committed entries of the others
+BENCH_QUANTS=${BENCH_QUANTS:-unquantized fp8_block fp8_per_token}
 mkdir -p "$CFG_DIR"
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
@@ -45,8 +47,9 @@ phase_tests() {
 }
 
 phase_tune() {
+  cp -n plugins/cuda/moe_plugin_cuda/configs/*.json "$CFG_DIR"/  # the committed tables: tuning some T merges into them
   # shellcheck disable=SC2086
-  moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant unquantized fp8_block --tokens $TOKENS \
+  moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant unquantized fp8_block --tokens $TUNE_TOKENS \
     --rep-ms "${TUNE_REP_MS:-20}" 2>&1 | tee -a "$OUT/tune.log"
 }
 
@@ -54,7 +57,7 @@ phase_bench() {
   # BENCH_TWO_ACC=1: GEMM1 on the two-accumulator fallback (if the one-accumulator epilogue fails on the device)
   local two=""; [ -n "$BENCH_TWO_ACC" ] && two=', "gemm1_two_acc": true'
   # shellcheck disable=SC2086
-  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant unquantized fp8_block fp8_per_token \
+  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant $BENCH_QUANTS \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
     --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
 }
@@ -79,5 +82,6 @@ for ph in $PHASES; do
     FAILED="$FAILED $ph"
   fi
 done
-mkdir -p "$OUT/configs" && cp "$CFG_DIR"/*.json "$OUT/configs/" 2>/dev/null
-say "done; failed phases:${FAILED:- none}; configs in $OUT/configs: $(ls "$OUT/configs" 2>/dev/null | wc -l) files"
+# as a tar: the device tool does not bring back files whose names hold '=' or ','
+tar -C "$CFG_DIR" -cf "$OUT/configs.tar" . 2>/dev/null
+say "done; failed phases:${FAILED:- none}; configs in $OUT/configs.tar: $(ls "$CFG_DIR" 2>/dev/null | wc -l) files"

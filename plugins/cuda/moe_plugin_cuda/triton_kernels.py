@@ -134,13 +134,13 @@ def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexp
 # row counts change with T: not specialized on them (one compiled kernel per config, not several)
 @triton.jit(do_not_specialize=["num_valid", "a_row_div", "inter", "up_row", "capacity", "num_m_blocks"])
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
     sorted_ptr, expert_ids_ptr, post_pad_ptr, masked_m_ptr,
     N, K, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr,
+    FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C = A[rows] @ B[e].T per M-block of one expert. ``N`` is the number of B rows the grid spans.
@@ -149,6 +149,8 @@ def _moe_gemm_kernel(
     ``inter`` = act(gate j) * up j, BLOCK_N/2 output columns per program. GATE == 2: gate row
     j*ROW_MUL and up row j*ROW_MUL + up_row (checkpoint: 1, I; interleaved: 2, 1), two accumulators.
     FP8 weight scales are in the checkpoint layout: gate j in scale row j // 128, up j in (inter + j) // 128.
+    B_TMA (GATE 0/1): B tiles come through ``b_desc``, a TMA descriptor over B viewed as [E*N, K]
+    (out-of-range K reads as zero; rows past this expert's N only feed masked-off output columns).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -208,7 +210,10 @@ def _moe_gemm_kernel(
         k_left = K - k * BLOCK_K
         k_mask = offs_k < k_left
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if B_TMA:
+            b = b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k * BLOCK_K]).T
+        else:
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
             kg = (k * BLOCK_K) // 128
             a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_mask, other=0.0)

@@ -82,8 +82,12 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
+    b_tma = bool(cfg.get("B_TMA", 0))
+    b_desc = _b_descriptor(b, N, cfg) if b_tma else None
+    if b_tma and gate == 2:
+        raise ValueError("B_TMA needs GEMM1's one-accumulator kernel (not TWO_ACC)")
     return K._moe_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, b, b_scale if b_scale is not None else dummy,
+        a, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
         N, Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
@@ -93,9 +97,22 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         b_scale.stride(2) if b_scale is not None else 0,
         c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _b_descriptor(b: torch.Tensor, N: int, cfg: dict):
+    """Host-side TMA descriptor over the weights viewed as [E*N, K] (Hopper+; configs ask for it
+    with ``B_TMA: 1``). Built per call: a few microseconds, and a CUDA graph keeps it by value."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, n, k = b.shape
+    if n != N or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
+        raise ValueError(f"B_TMA needs contiguous weights [E, N={N}, K], got {tuple(b.shape)} strides {b.stride()}")
+    if k * b.element_size() % 16:
+        raise ValueError(f"B_TMA needs rows of a multiple of 16 bytes (TMA), got K={k} x {b.element_size()} bytes")
+    return TensorDescriptor.from_tensor(b.view(E * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
 
 
 ACT_IDS = {"silu": 0, "gelu": 1}

@@ -17,7 +17,9 @@ H100's 227 KB of shared memory (stages x (BM + BN) x BK x bytes) and keep GEMM1'
 (FP8: plus the scaled-dot temporary) at <= 128 registers per thread; small BLOCK_M (weight
 streaming) wants narrow N, deep K and more stages, large BLOCK_M wants wide N and 8 warps. About
 5 candidates per GEMM per BLOCK_M and 2 BLOCK_M per T keep the 4 presets x 2 quants x 7 T within
-~10 minutes on an H100 (compiles are cached across T and presets). Each GEMM1 list holds one
+~10 minutes on an H100 (compiles are cached across T and presets); on Hopper, BLOCK_M >= 64
+candidates are also tried with TMA weight loads (``B_TMA``). An existing table in ``--out-dir``
+keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 ``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
 two-accumulator kernel still yields a table.
 """
@@ -25,6 +27,7 @@ two-accumulator kernel still yields a table.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -66,10 +69,18 @@ _G2 = {
 }
 
 
-def candidates(bm: int, fp8: bool) -> tuple[list[dict], list[dict]]:
+def candidates(bm: int, fp8: bool, tma: bool = False) -> tuple[list[dict], list[dict]]:
+    """GEMM1 and GEMM2 candidates for BLOCK_M ``bm``; with ``tma`` (Hopper+, BLOCK_M >= 64, where the
+    GEMMs are compute-bound) each one-accumulator candidate also once with its weight tiles
+    loaded through TMA (``B_TMA``)."""
     key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
     g = 16 if bm >= 64 else 1
-    return ([_c(bm, *t[:4], g, *t[4:]) for t in _G1[key]], [_c(bm, *t[:4], g) for t in _G2[key]])
+    c1 = [_c(bm, *t[:4], g, *t[4:]) for t in _G1[key]]
+    c2 = [_c(bm, *t[:4], g) for t in _G2[key]]
+    if tma and bm >= 64:
+        c1 += [{**c, "B_TMA": 1} for c in c1 if not c.get("TWO_ACC")]
+        c2 += [{**c, "B_TMA": 1} for c in c2]
+    return c1, c2
 
 
 def smem_bytes(c: dict, fp8: bool, two_acc: bool = False) -> int:
@@ -134,9 +145,11 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
     fp8 = quant == "fp8_block"
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
     bias = torch.randn(E, generator=g, device=dev) if cfg.router.use_correction_bias else None
-    table: dict[int, dict] = {}
     path = out_dir / tuning_configs.config_file_name(E, inter, H, torch.cuda.get_device_name(),
                                                      config_dtype(cfg.quant, torch.bfloat16))
+    # re-tuning some T keeps the entries of the others
+    table: dict[int, dict] = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
+    tma = torch.cuda.get_device_capability(dev)[0] >= 9
 
     def timed(fn, what):
         try:
@@ -167,7 +180,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
             kw = dict(align=align, masked_m=None, num_rows=M * K, capacity=0, num_m_blocks=n_blocks)
             g1 = partial(triton_ops.gemm1, a, a_s, w13, s13, a_row_div=K, activation="silu", fp8=fp8,
                          w13_interleaved=True, out_dtype=torch.bfloat16, **kw)
-            c1s, c2s = candidates(bm, fp8)
+            c1s, c2s = candidates(bm, fp8, tma)
             ms1, i1 = min((timed(partial(g1, cfg1=c), f"gemm1 {c}"), i) for i, c in enumerate(c1s))
             if ms1 == float("inf"):
                 continue

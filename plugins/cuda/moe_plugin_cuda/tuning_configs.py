@@ -4,7 +4,8 @@ File name: ``E={E},N={I},H={H},device_name={device},dtype={dtype},kernel={KERNEL
 (``dtype`` is ``bf16``, ``fp16``, ``fp32`` or ``fp8_block``) under ``moe_plugin_cuda/configs/`` or a
 directory given in ``backend_options={"triton": {"config_dir": ...}}``. Content: ``{"<M>": {"gemm1":
 {...}, "gemm2": {...}}}`` for token counts M, each a dict of BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/
-num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback); both GEMMs
+num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback; either GEMM
+``B_TMA: 1``, weight tiles through a TMA descriptor, Hopper and later); both GEMMs
 share BLOCK_M (the alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
 i.e. BLOCK_N/2 output columns. Lookup takes the nearest M, as SGLang does.
 
@@ -24,7 +25,7 @@ from typing import Any, Optional
 CONFIG_DIR = Path(__file__).parent / "configs"
 KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = {"TWO_ACC": 0}
+OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0}
 
 
 def config_file_name(E: int, I: int, H: int, device_name: str, dtype: str) -> str:
@@ -103,7 +104,7 @@ def as_two_acc(cfg: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     g1 = cfg["gemm1"]
     if g1.get("TWO_ACC", 0):
         return cfg
-    return {**cfg, "gemm1": {**g1, "BLOCK_N": max(16, g1["BLOCK_N"] // 2), "TWO_ACC": 1}}
+    return {**cfg, "gemm1": {**g1, "BLOCK_N": max(16, g1["BLOCK_N"] // 2), "TWO_ACC": 1, "B_TMA": 0}}
 
 
 def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],

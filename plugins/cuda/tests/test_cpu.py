@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -64,14 +66,16 @@ def _case(T, E, K, H, inter, dtype):
     return x, w13, w2, torch.rand(T, K), ids
 
 
-def _cfg(bn1=16, two_acc=0, bm=16):
-    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, TWO_ACC=two_acc),
-            "gemm2": dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2)}
+def _cfg(bn1=16, two_acc=0, bm=16, b_tma=0):
+    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, TWO_ACC=two_acc,
+                          B_TMA=b_tma),
+            "gemm2": dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2, B_TMA=b_tma)}
 
 
-# GEMM1 variants: one accumulator over interleaved w13 (the backend's default), the two-accumulator
-# fallback over interleaved and over checkpoint rows
-LAYOUTS = {"one_acc": (True, 0), "two_acc_interleaved": (True, 1), "two_acc_checkpoint": (False, 1)}
+# GEMM1 variants: one accumulator over interleaved w13 (the backend's default), the same with weight
+# tiles through TMA descriptors, the two-accumulator fallback over interleaved and over checkpoint rows
+LAYOUTS = {"one_acc": (True, 0, 0), "one_acc_b_tma": (True, 0, 1), "two_acc_interleaved": (True, 1, 0),
+           "two_acc_checkpoint": (False, 1, 0)}
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
@@ -83,18 +87,23 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    interleaved, two_acc = LAYOUTS[layout]
+    interleaved, two_acc, b_tma = LAYOUTS[layout]
     x, w13, w2, w, ids = _case(T, E, K, H, inter, dtype)
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
-    out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
-                                   activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
-                                   cfg=_cfg(bn1, two_acc), w13_interleaved=interleaved)
+    run = partial(triton_ops.fused_experts, x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
+                  w, ids, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
+                  cfg=_cfg(bn1, two_acc, b_tma=b_tma), w13_interleaved=interleaved)
+    if b_tma and T and inter * w2.element_size() % 16:  # w2 rows of 37 x 4 bytes: TMA cannot address them
+        with pytest.raises(ValueError, match="16 bytes"):
+            run()
+        return
+    out = run()
     assert out.shape == (T, H)
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-4)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("layout", ["one_acc", "two_acc_interleaved"])
+@pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved"])
 def test_masked_experts_interpreter(layout):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
@@ -105,7 +114,7 @@ def test_masked_experts_interpreter(layout):
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
     out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13), w2, None, None, activation="silu",
                                     routed_scaling_factor=2.0, out_dtype=torch.float32,
-                                    cfg=_cfg(32, LAYOUTS[layout][1]), w13_interleaved=True)
+                                    cfg=_cfg(32, LAYOUTS[layout][1], b_tma=LAYOUTS[layout][2]), w13_interleaved=True)
     for e in range(E):
         m = int(mm[e])
         if m:
@@ -272,8 +281,10 @@ def test_tuner_candidates_and_heuristic_fit_hopper(fp8):
         assert not gemm1 or c["BLOCK_N"] % 2 == 0, c
 
     for bm in (16, 32, 64, 128):
-        c1s, c2s = tune.candidates(bm, fp8)
+        c1s, c2s = tune.candidates(bm, fp8, tma=True)
         assert any(c.get("TWO_ACC") for c in c1s) and not all(c.get("TWO_ACC") for c in c1s)
+        assert not any(c.get("TWO_ACC") and c.get("B_TMA") for c in c1s)
+        assert any(c.get("B_TMA") for c in c1s + c2s) == (bm >= 64)
         for c in c1s + c2s:
             assert c["BLOCK_M"] == bm
         for c in c1s:

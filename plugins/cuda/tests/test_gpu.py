@@ -97,25 +97,28 @@ def test_triton_large_expert_count(quant):
     assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
 
 
-# GEMM1 variants (BLOCK_M, BLOCK_N, TWO_ACC): one accumulator over interleaved rows (BLOCK_N/2 outputs; 256 =
-# one 128-column group, so FP8 quantizes in the epilogue; 128 = a separate quantization kernel), and the
-# two-accumulator fallback (BLOCK_N outputs; 128 fuses the FP8 quantization, 64 does not)
-GEMM1_VARIANTS = [(16, 256, 0), (16, 128, 0), (16, 128, 1), (16, 64, 1), (64, 256, 0), (128, 128, 0)]
+# GEMM1 variants (BLOCK_M, BLOCK_N, TWO_ACC, B_TMA): one accumulator over interleaved rows (BLOCK_N/2 outputs;
+# 256 = one 128-column group, so FP8 quantizes in the epilogue; 128 = a separate quantization kernel), the
+# two-accumulator fallback (BLOCK_N outputs; 128 fuses the FP8 quantization, 64 does not), and weight
+# tiles through TMA descriptors in both GEMMs (B_TMA)
+GEMM1_VARIANTS = [(16, 256, 0, 0), (16, 128, 0, 0), (16, 128, 1, 0), (16, 64, 1, 0), (64, 256, 0, 0), (128, 128, 0, 0),
+                  (16, 128, 0, 1), (64, 256, 0, 1), (128, 128, 0, 1)]
 
 
-def _fixed(bm, bn, two_acc, fp8):
+def _fixed(bm, bn, two_acc, b_tma, fp8):
     warps = 8 if bm >= 64 else 4
     bk = 128 if fp8 else 64  # 3 stages of these tiles fit the 227 KB of shared memory
-    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, num_warps=warps, num_stages=3, TWO_ACC=two_acc),
+    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, num_warps=warps, num_stages=3, TWO_ACC=two_acc,
+                          B_TMA=b_tma),
             "gemm2": dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128 if fp8 else 64, GROUP_M=4, num_warps=warps,
-                          num_stages=3)}
+                          num_stages=3, B_TMA=b_tma)}
 
 
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("bm,bn,two_acc", GEMM1_VARIANTS)
-def test_triton_masked(quant, bm, bn, two_acc):
+@pytest.mark.parametrize("bm,bn,two_acc,b_tma", GEMM1_VARIANTS)
+def test_triton_masked(quant, bm, bn, two_acc, b_tma):
     cfg = _cfg("triton", quant, max_tokens_per_rank=64, backend_options={"triton": {
-        "config": _fixed(bm, bn, two_acc, quant == "fp8_block")}})
+        "config": _fixed(bm, bn, two_acc, b_tma, quant == "fp8_block")}})
     gen = torch.Generator(device="cuda").manual_seed(3)
     w = _weights(cfg, gen)
     layer, ref = MoELayer(cfg, device=_dev()), MoELayer(cfg.replace(experts="reference"), device=_dev())
@@ -138,12 +141,13 @@ def test_triton_masked(quant, bm, bn, two_acc):
 
 # I=320: up rows straddle the 128-row FP8 scale blocks and the last output group is partial
 @pytest.mark.parametrize("quant,inter", [("unquantized", 320), ("fp8_block", 384), ("fp8_block", 320)])
-@pytest.mark.parametrize("bm,bn,two_acc", GEMM1_VARIANTS)
-def test_triton_gemm1_variants(quant, inter, bm, bn, two_acc):
+@pytest.mark.parametrize("bm,bn,two_acc,b_tma", GEMM1_VARIANTS)
+def test_triton_gemm1_variants(quant, inter, bm, bn, two_acc, b_tma):
     """Each GEMM1 kernel variant through the whole layer against the reference (T=700: many
     blocks per expert, -1 ids), including the FP8 epilogue quantization and BLOCK_M=128 tiles."""
     cfg, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=inter,
-                              backend_options={"triton": {"config": _fixed(bm, bn, two_acc, quant == "fp8_block")}})
+                              backend_options={"triton": {"config": _fixed(bm, bn, two_acc, b_tma,
+                                                                           quant == "fp8_block")}})
     x = torch.randn(700, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
     topk = _topk(700, cfg)
     assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
@@ -273,3 +277,31 @@ def test_backend_context_options_fixed_config():
 
     e = TritonExperts(BackendContext(cfg, p.experts, p.format, p.dispatch_dtype))
     assert e.launch_config(1000, torch.device("cuda"))["gemm1"]["BLOCK_M"] == 32
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_b_tma_config_graph_and_compile(quant):
+    """Tuned tables may pick B_TMA (TMA descriptors built on the host per call): it must replay from a
+    CUDA graph and run under torch.compile like any other config."""
+    fixed = _fixed(64, 256, 0, 1, quant == "fp8_block")
+    cfg, layer, ref = _layers("triton", quant, cuda_graph=True, backend_options={"triton": {"config": fixed}})
+    T = 150
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = _topk(T, cfg)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    x.copy_(torch.randn_like(x))
+    new = _topk(T, cfg)
+    topk.weights.copy_(new.weights)
+    topk.ids.copy_(new.ids)
+    g.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, ref(x, topk)) < TOL[quant]
+    compiled = torch.compile(layer)
+    assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
