@@ -30,6 +30,7 @@ BENCH_PRESETS=${BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 qwen3-235b
 TOKENS="1 16 64 256 1024 4096 16384"
 TUNE_TOKENS=${TUNE_TOKENS:-$TOKENS}      # e.g. "4096 16384": re-tune those T, keep the committed entries of the others
 BENCH_QUANTS=${BENCH_QUANTS:-unquantized fp8_block fp8_per_token}
+BENCH_TOKENS=${BENCH_TOKENS:-$TOKENS}
 mkdir -p "$CFG_DIR"
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
@@ -57,7 +58,7 @@ phase_bench() {
   # BENCH_TWO_ACC=1: GEMM1 on the two-accumulator fallback (if the one-accumulator epilogue fails on the device)
   local two=""; [ -n "$BENCH_TWO_ACC" ] && two=', "gemm1_two_acc": true'
   # shellcheck disable=SC2086
-  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $TOKENS --quant $BENCH_QUANTS \
+  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $BENCH_TOKENS --quant $BENCH_QUANTS \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
     --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
 }

@@ -107,6 +107,10 @@ class TritonExperts(Experts):
             activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
             cfg=self.launch_config(data.shape[0], data.device), w13_interleaved=True)
 
+    # Opaque to torch.compile (a graph break here): inductor re-compiles user Triton kernels itself,
+    # and its build of the FP8 GEMM failed in Triton's LLVM lowering (H100, torch 2.11, Triton 3.6)
+    # while the same kernel runs eagerly; the kernels are already compiled Triton, nothing to fuse.
+    @torch.compiler.disable
     def apply(self, layer: "MoELayer", dispatched):
         if isinstance(dispatched, StandardDispatch):
             return StandardCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk))
