@@ -30,13 +30,15 @@ no tokens and its token count in-band (every row carries its sender's count), th
 once and is re-raised as the same ``ValueError``; on an accelerator it is a device-side assert
 that makes the rank's next synchronizing call fail (the CUDA context is then unusable, as after
 any device-side assert). Inside a CUDA graph the token count is fixed at capture, so only the
-host-side shape check can fire, at capture time.
+host-side shape check can fire, at capture time. Ids outside ``[-1, E)`` travel the same way (the
+sender's count of them in-band, checked by every rank with the same assert): normal mode checks
+them in its one host read.
 
 Wire dtypes: BF16 (the activations' own dtype), FP8 (e4m3, per-token 128-channel group scales)
 and INT8 (per-token scale), quantized once per token before the rows are gathered per
 destination. Each row travels as two parts: the wire data, and an int32 side block
-``[scales | K global ids | K weights (fp32 bits) | sender's token count]``; receivers make the
-ids local. Every collective moves bytes, so any dtype works on any backend (gloo has no float8);
+``[scales | K global ids | K weights (fp32 bits) | sender's bad-id count | sender's token count]``;
+receivers make the ids local. Every collective moves bytes, so any dtype works on any backend (gloo has no float8);
 row copies use the widest integer word that divides the row (both sides of a copy use the same
 word, since both are chosen from the same row size). Combine moves the experts' output dtype.
 
@@ -216,9 +218,9 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
-        # int32 side block of each row: [scales | K global ids | K weights | sender's token count]
+        # int32 side block of each row: [scales | K global ids | K weights | bad-id count | token count]
         self.n_scale = _scale_words(self.wire, self.hidden)
-        self.meta_words = self.n_scale + 2 * self.top_k + 1
+        self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
 
     # ----------------------------------------------------------------- common
 
@@ -233,20 +235,23 @@ class TorchA2ADispatcher(Dispatcher):
         if topk.ids.device != x.device:
             raise ValueError(f"topk on {topk.ids.device} but hidden_states on {x.device}")
 
-    def _tables(self, x: torch.Tensor, topk: TopK, num_tokens: int) -> tuple[QuantizedActivations, torch.Tensor,
-                                                                              torch.Tensor]:
+    def _tables(self, x: torch.Tensor, topk: TopK, num_tokens: int,
+                bad_ids: Optional[torch.Tensor] = None) -> tuple[QuantizedActivations, torch.Tensor, torch.Tensor]:
         """Per-token wire rows, quantized once: (quantized, data ``uint8 [T, B]``, side block
-        ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots."""
+        ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots.
+        Every row, padding included, carries the sender's token count and ``bad_ids`` (its count of
+        ids outside ``[-1, E)``, when given): the in-band checks of masked mode."""
         from moe_core.quant import quantize_activations
 
         t, ns, k = x.shape[0], self.n_scale, self.top_k
         qa = quantize_activations(x, self.wire)
         meta = topk.ids.new_full((t + 1, self.meta_words), num_tokens)
+        meta[:, -2] = 0 if bad_ids is None else bad_ids
         if ns:
             meta[:t, :ns] = qa.scale.float().reshape(t, ns).view(torch.int32)
         meta[:t, ns:ns + k] = topk.ids
         meta[:t, ns + k:ns + 2 * k] = topk.weights.view(torch.int32)
-        meta[t, :-1] = -1  # padding row: ids -1, never read as data
+        meta[t, :ns + 2 * k] = -1  # padding row: ids -1, never read as data
         return qa, _bytes(qa.data), meta
 
     def _send_rows(self, ids: torch.Tensor, capacity: Optional[int], unused: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,11 +284,12 @@ class TorchA2ADispatcher(Dispatcher):
         return src.scatter_(0, row.reshape(-1), tokens)
 
     def _split_meta(self, meta: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]:
-        """Received side block -> (scales or None, global ids int32, weights fp32, sender's token count)."""
+                                                      torch.Tensor, torch.Tensor]:
+        """Received side block -> (scales or None, global ids int32, weights fp32, sender's bad-id
+        count, sender's token count)."""
         ns, k = self.n_scale, self.top_k
         scale = meta[:, :ns].view(torch.float32) if ns else None
-        return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -1]
+        return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -2], meta[:, -1]
 
     def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global ids -> (bool: the expert is on this rank, local id)."""
@@ -344,7 +350,7 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_data, _gather_rows(data, src[:n_send]), recv_counts, send_counts, self.group)
         _a2a(recv_meta, meta.index_select(0, src[:n_send]), recv_counts, send_counts, self.group)
 
-        scale, rids, rweights, _ = self._split_meta(recv_meta)
+        scale, rids, rweights, _, _ = self._split_meta(recv_meta)
         mine, local = self._local(rids)
         lids = torch.where(mine, local, -1)
         weights = torch.where(mine, rweights, 0.0)
@@ -379,14 +385,14 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
         dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
-        t_in, cw = x.shape[0], c * w
+        t_in, cw, ids_in = x.shape[0], c * w, topk.ids
         overflow = t_in > c
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
         _, slot = self._send_rows(topk.ids, c, cw)
         src = self._sources(slot, cw, t)[:cw]
-        qa, data, meta = self._tables(x, topk, t_in)
+        qa, data, meta = self._tables(x, topk, t_in, bad_ids=self._bad_ids(ids_in))
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
         recv_data = torch.empty_like(send_data)
         recv_meta = torch.empty(cw, self.meta_words, dtype=torch.int32, device=dev)
@@ -394,8 +400,8 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
-        scale, rids, rweights, rtokens = self._split_meta(recv_meta)
-        self._check_senders(rtokens)
+        scale, rids, rweights, rbad, rtokens = self._split_meta(recv_meta)
+        self._check_senders(rtokens, rbad)
 
         # slab row of each received (slot, k) pair: expert * C*W + its rank among the pairs of that
         # expert in (source rank, token, k) order; pairs not here go to one scratch row past the slab
@@ -431,13 +437,21 @@ class TorchA2ADispatcher(Dispatcher):
         return (f"masked dispatch: {what} max_tokens_per_rank={self.capacity} (the fixed capacity of the "
                 "masked slab); raise max_tokens_per_rank or split the batch")
 
-    def _check_senders(self, tokens: torch.Tensor) -> None:
-        """Every rank learns of an overflow elsewhere without a host sync (see the module doc)."""
-        msg = self._overflow_message("another EP rank's tokens exceed")
-        try:
-            torch._assert_async((tokens <= self.capacity).all(), msg)
-        except RuntimeError as exc:  # CPU: checked at once
-            raise ValueError(msg) from exc
+    def _bad_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Count of ids outside ``[-1, E)`` (int32 scalar on the device, no host read)."""
+        return ((ids < -1) | (ids >= self.num_experts)).sum(dtype=torch.int32)
+
+    def _check_senders(self, tokens: torch.Tensor, bad_ids: torch.Tensor) -> None:
+        """Every rank learns of an overflow or of out-of-range ids on any rank (its own included:
+        each rank receives its own rows too) without a host sync (see the module doc)."""
+        checks = ((tokens <= self.capacity).all(), self._overflow_message("an EP rank's tokens exceed")), \
+            ((bad_ids == 0).all(), f"masked dispatch: topk.ids out of range [-1, {self.num_experts}) on an EP rank "
+                                   "(those pairs would be dropped silently)")
+        for ok, msg in checks:
+            try:
+                torch._assert_async(ok, msg)
+            except RuntimeError as exc:  # CPU: checked at once
+                raise ValueError(msg) from exc
 
     def _combine_masked(self, ci: EPMaskedCombine) -> torch.Tensor:
         h: _MaskedHandle = ci.handle

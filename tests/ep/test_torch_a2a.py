@@ -80,6 +80,7 @@ def test_errors(world):
         assert c["overflow"]["raised"] and "max_tokens_per_rank=40" in c["overflow"]["message"], c["overflow"]
         # rank 0 had a bad id: every rank raises (no rank left waiting in a collective)
         assert c["bad_ids"]["raised"] and "rank(s) [0]" in c["bad_ids"]["message"], c["bad_ids"]
+        assert c["bad_ids_masked"]["raised"] and "out of range [-1, 16)" in c["bad_ids_masked"]["message"], c
         assert c["after_error"]["rows"] > 0
         assert c["bad_shape"]["raised"] and "[T, 256]" in c["bad_shape"]["message"]
 

@@ -10,7 +10,7 @@ Scenarios:
   routings) against the single-process reference layer on this rank's tokens.
 - ``comm``: the dispatcher alone, checking the layouts (each token once per destination rank,
   counts, order, masked_m, garbage rows ignored) with a float64 stand-in for the experts.
-- ``errors``: masked capacity overflow, ids out of range (normal mode), bad shapes.
+- ``errors``: masked capacity overflow, ids out of range (both modes), bad shapes.
 """
 
 from __future__ import annotations
@@ -251,6 +251,16 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
         results["bad_ids"] = {"raised": False}
     except ValueError as exc:
         results["bad_ids"] = {"raised": True, "message": str(exc)}
+    # the same in masked mode (no host read: the count travels in-band), on rank 0 only. CPU only: on
+    # CUDA it is a device-side assert, which leaves the context unusable (the overflow scenario
+    # covers that path, alone in its processes)
+    if device.type == "cpu":
+        dm = _make_dispatcher(world, rank, Format.EP_MASKED, "bf16")
+        try:
+            dm.dispatch(x.to(device), TopK(topk.weights.to(device), ids.to(device)))
+            results["bad_ids_masked"] = {"raised": False}
+        except ValueError as exc:
+            results["bad_ids_masked"] = {"raised": True, "message": str(exc)}
     # the group is still usable afterwards
     out_d = d.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
     results["after_error"] = {"rows": int(out_d.hidden.shape[0])}
