@@ -505,10 +505,23 @@ def _honesty_config(ctx: KitContext, spec: BackendSpec, change: dict[str, Any]) 
         fields.update(dispatcher=spec.qualified_name, experts=REFERENCE_EXPERTS)
     if spec.ep == "required":
         fields["ep_size"] = 2
+    if spec.role is Role.EXPERTS and Format.STANDARD not in spec.formats:
+        # EP-only experts (e.g. EP_MASKED only): the base pairs them with a loaded dispatcher that
+        # produces a format they accept, in an EP group of 2 (a dry-run plan needs no process group)
+        d = _dispatcher_for(ctx, spec, kind)
+        if d is not None:
+            fields.update(dispatcher=d.qualified_name, ep_size=2)
     fields["max_tokens_per_rank"] = 8
     fields["device"] = kind
     fields.update(change)
     return base_config(ctx, spec, kind, {}, **fields)
+
+
+def _dispatcher_for(ctx: KitContext, spec: BackendSpec, kind: str) -> Optional[BackendSpec]:
+    """A loaded dispatcher for ``kind`` that produces one of ``spec``'s formats (the core's first)."""
+    found = [d for d in ctx.manager.specs if d.role is Role.DISPATCHER and kind in d.devices
+             and set(d.formats) & set(spec.formats)]
+    return sorted(found, key=lambda d: (d.plugin != "reference", d.qualified_name))[0] if found else None
 
 
 def _expect_rejection(ctx: KitContext, spec: BackendSpec, base: MoEConfig, config: MoEConfig, what: str) -> None:
@@ -557,6 +570,8 @@ def honesty_format(ctx: KitContext, case: Case) -> None:
     change: dict[str, Any] = {"dispatcher": d.qualified_name, "max_tokens_per_rank": 8}
     if d.ep == "required":
         change["ep_size"] = 2
+    elif d.ep == "none":
+        change["ep_size"] = 1  # the pair is rejected for the format, not for the EP size
     base = _honesty_config(ctx, spec, {k: v for k, v in change.items() if k != "dispatcher"})
     _expect_rejection(ctx, spec, base, _honesty_config(ctx, spec, change),
                       f"unclaimed format {fmt} (from dispatcher {d.qualified_name})")

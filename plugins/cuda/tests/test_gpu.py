@@ -305,3 +305,14 @@ def test_b_tma_config_graph_and_compile(quant):
     assert relative_error(out, ref(x, topk)) < TOL[quant]
     compiled = torch.compile(layer)
     assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("backend", ["cuda.triton", "cuda.grouped_mm"])
+def test_conformance_kit_on_the_gpu(backend):
+    """The conformance kit, as a vendor runs it, on this GPU (every scheme the backend declares)."""
+    from moe_core.testing import run_kit
+
+    report = run_kit(backend)
+    print(report.text())
+    assert report.ok, report.text()
+    assert sum(r.status == "passed" for r in report.results) > 20
