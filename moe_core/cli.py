@@ -1,4 +1,4 @@
-"""The ``moe-core`` command line: backends, plan, doctor, demo, bench."""
+"""The ``moe-core`` command line: backends, plan, doctor, demo, bench, tune."""
 
 from __future__ import annotations
 
@@ -218,6 +218,37 @@ def cmd_bench(args: argparse.Namespace, rest: Sequence[str]) -> int:
     return bench.main(list(rest))
 
 
+# --------------------------------------------------------------------------- tune
+
+TUNERS_GROUP = "moe_core.tuners"  # entry points: name -> main(argv) -> exit code, e.g. the cuda plugin's
+
+
+def cmd_tune(rest: Sequence[str]) -> int:
+    """``moe-core tune`` lists the installed tuners; ``moe-core tune NAME [-- args]`` runs one (it writes
+    the launch configs its backends read on this machine)."""
+    from importlib.metadata import entry_points
+
+    tuners = {ep.name: ep for ep in entry_points(group=TUNERS_GROUP)}
+    args = [a for a in rest if a != "--"]
+    if not args or args[0] in ("-h", "--help"):
+        if not tuners:
+            print("no tuner installed (plugins register one under the entry-point group "
+                  f"'{TUNERS_GROUP}', e.g. moe-plugin-cuda)")
+            return 2 if not args else 0
+        print("tuners (run: moe-core tune NAME -- --help):")
+        for name in sorted(tuners):
+            print(f"  {name:10s} {tuners[name].value}")
+        return 0
+    name, tuner_args = args[0], args[1:]
+    if name not in tuners:
+        print(f"no tuner named {name!r}; installed: {', '.join(sorted(tuners)) or 'none'}", file=sys.stderr)
+        return 2
+    try:
+        return int(tuners[name].load()(tuner_args) or 0)
+    except SystemExit as exc:  # argparse's --help / usage errors
+        return exc.code if isinstance(exc.code, int) else 1
+
+
 # --------------------------------------------------------------------------- parser
 
 
@@ -269,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time the usable experts backends (options: moe-core bench -- --help)",
                        add_help=False)
     p.set_defaults(func=None)
+    p = sub.add_parser("tune", help="list the installed tuners, or run one: moe-core tune NAME -- ARGS "
+                                    "(writes launch configs for this machine's GPU)", add_help=False)
+    p.set_defaults(func=None)
     return parser
 
 
@@ -286,11 +320,12 @@ def local_device_kind() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if "bench" in argv:  # everything after "bench" belongs to the benchmark's own parser
-        idx = argv.index("bench")
-        args = parser.parse_args(argv[: idx + 1])
-        rest = [a for a in argv[idx + 1:] if a != "--"]
-        return cmd_bench(args, rest)
+    for command in ("bench", "tune"):  # everything after it belongs to the tool's own parser
+        if command in argv:
+            idx = argv.index(command)
+            args = parser.parse_args(argv[: idx + 1])
+            rest = [a for a in argv[idx + 1:] if a != "--"]
+            return cmd_bench(args, rest) if command == "bench" else cmd_tune(rest)
     args = parser.parse_args(argv)
     if getattr(args, "device", "unset") is None:
         args.device = local_device_kind()

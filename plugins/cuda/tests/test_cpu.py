@@ -37,6 +37,22 @@ def test_cutedsl_unsupported_arch_on_hopper(monkeypatch):
     assert r.code is Code.UNSUPPORTED_ARCH and "triton" in r.hint
 
 
+def test_moe_core_tune_finds_the_cuda_tuner(capsys):
+    """``moe-core tune`` lists the tuners plugins register (entry-point group ``moe_core.tuners``) and
+    runs one with the arguments after ``--``."""
+    from moe_core.cli import main
+
+    assert main(["tune"]) == 0
+    assert "cuda" in capsys.readouterr().out
+    assert main(["tune", "cuda", "--", "--help"]) == 0
+    assert "--presets" in capsys.readouterr().out
+    assert main(["tune", "no-such-tuner"]) == 2
+    assert "installed: cuda" in capsys.readouterr().err
+    if not cuda:
+        assert main(["tune", "cuda"]) == 1
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_deepep_not_installed_hint():
     from moe_plugin_cuda import probes
 
