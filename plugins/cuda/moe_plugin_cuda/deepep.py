@@ -21,7 +21,10 @@ DeepEP takes bf16 activations only: other activation dtypes are cast to bf16 for
 output is cast back. The DeepEP handle travels in the dispatch output's ``handle``, never on
 ``self``. For engines that overlap communication with compute, ``dispatch_async`` and
 ``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
-receive hook, or a stream wait on the normal kernels' event) and returns the result.
+receive hook, or a stream wait on the normal kernels' event) and returns the result. At most two
+async low-latency calls may be in flight per buffer (a third raises before it is issued), and a
+low-latency dispatch's slab is a view of DeepEP's buffer: valid until the second low-latency call
+after it is received (consume it before, or copy it).
 
 Buffers: one ``deep_ep.Buffer`` per process group, shared by every layer on that group and sized
 for the largest need declared when the layers were built (see ``BufferRegistry``).
@@ -54,6 +57,9 @@ from moe_plugin_cuda.probes import deepep_num_max, deepep_problems
 __all__ = ["DeepEPDispatcher", "BufferRegistry", "BUFFERS", "Pending", "unpack_ue8m0"]
 
 WIRE_DTYPES = (WireDtype.BF16, WireDtype.FP8)
+# DeepEP's low-latency buffer has two halves used in turn: a third call issued before the first was
+# received would overwrite data still being read (DeepEP #166, #513). Enforced on the async API.
+MAX_LOW_LATENCY_IN_FLIGHT = 2
 T = TypeVar("T")
 
 
@@ -90,6 +96,7 @@ class _GroupBuffer:
     buffer: Any = None  # the deep_ep.Buffer, created at the first call after the needs were declared
     built_for: Optional[BufferNeed] = None
     used_normal: bool = False  # normal kernels ran since the last low-latency clean
+    low_latency_in_flight: int = 0  # async low-latency calls issued and not yet received (wait())
 
 
 class BufferRegistry:
@@ -326,8 +333,31 @@ class DeepEPDispatcher(Dispatcher):
             self._entry.used_normal = False
         return buf
 
+    def _in_flight(self, async_: bool) -> Callable[[Optional[Callable[[], None]]], Optional[Callable[[], None]]]:
+        """Before an async low-latency call: raise if it would be the third in flight on the buffer's
+        two halves. Returns ``wrap(hook)``, applied once the call was issued: it counts the call until
+        its receive hook runs."""
+        if not async_:
+            return lambda hook: None
+        entry = self._entry
+        if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
+            raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
+                               "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
+                               "Pending before issuing another")
+
+        def wrap(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
+            entry.low_latency_in_flight += 1
+
+            def receive() -> None:
+                entry.low_latency_in_flight -= 1
+                if hook is not None:
+                    hook()
+            return receive
+        return wrap
+
     def _dispatch_low_latency(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor,
                               async_: bool) -> Pending[EPMaskedDispatch]:
+        wrap = self._in_flight(async_)
         buf = self._low_latency_buffer()
         # async: the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
@@ -345,7 +375,7 @@ class DeepEPDispatcher(Dispatcher):
                 hidden = QuantizedActivations(recv_x)
             return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
 
-        return Pending(finish, None, hook if async_ else None)
+        return Pending(finish, None, wrap(hook))
 
     def _combine_low_latency(self, ci: EPMaskedCombine, async_: bool) -> Pending[torch.Tensor]:
         h: _LowLatencyHandle = ci.handle
@@ -356,7 +386,8 @@ class DeepEPDispatcher(Dispatcher):
         if ci.topk.weights.shape != tuple(h.topk_idx.shape):
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
                              f"got {tuple(ci.topk.weights.shape)}")
+        wrap = self._in_flight(async_)
         out, _, hook = self._low_latency_buffer().low_latency_combine(
             y.to(torch.bfloat16).contiguous(), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False,
             return_recv_hook=async_)
-        return Pending(lambda: out.to(h.dtype), None, hook if async_ else None)
+        return Pending(lambda: out.to(h.dtype), None, wrap(hook))

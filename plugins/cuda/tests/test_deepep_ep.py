@@ -85,3 +85,13 @@ def test_conformance_kit_ep2(deepep_manager):
             for scenario in ("uniform", "skewed", "empty-rank"):
                 assert f"dispatcher-ep2-{fmt}-{wire}-{scenario}" in passed, report.text()
     assert "honesty-unclaimed-wire-nvfp4" in passed, report.text()
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_low_latency_in_flight_limit():
+    for rank, r in enumerate(run_world(2, ["in_flight"], random.randrange(1 << 30))):
+        r = r["in_flight"]
+        assert r["third"] and "in flight" in r["third"] and "#166" in r["third"], (rank, r)
+        assert r["same_counts"] and r["combined_rows"] == 5, (rank, r)
+

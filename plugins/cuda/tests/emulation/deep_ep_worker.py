@@ -290,7 +290,36 @@ def part_layer(rank: int, world: int, seed: int) -> dict:
     return out
 
 
-PARTS = {"ops": part_ops, "equivalence": part_equivalence, "layer": part_layer}
+def part_in_flight(rank: int, world: int, seed: int) -> dict:
+    """Async low-latency calls: a third one in flight is refused before it is issued (every rank
+    raises at the same point, no collective left waiting); once one is received the next goes through."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import deepep_vs_torch_a2a as eq
+
+    from moe_core.plugins import PluginManager
+    from moe_core.testing.data import make_hidden, make_topk
+
+    case = dict(mode="low_latency", wire="bf16", scenario="uniform", counts=[5] * world)
+    d = eq._dispatcher("deepep", case, SHAPE, SHAPE["topk"], rank, world, PluginManager())
+    gen = torch.Generator().manual_seed(seed + rank)
+    x, topk = make_hidden(5, SHAPE["hidden"], torch.bfloat16, gen), make_topk(5, SHAPE["topk"], SHAPE["experts"], gen)
+    first, second = d.dispatch_async(x, topk), d.dispatch_async(x, topk)
+    try:
+        d.dispatch_async(x, topk)
+        third = None
+    except RuntimeError as exc:
+        third = str(exc)
+    m1 = first.wait().masked_m.clone()  # the slab itself is only valid until the second call after it
+    again = d.dispatch_async(x, topk)  # allowed again
+    m2, out = second.wait().masked_m.clone(), again.wait()
+    comb = d.combine_async(eq._synthetic_experts(out, rank, SHAPE["experts"]))
+    y = comb.wait()
+    return {"third": third, "same_counts": bool(torch.equal(m1, m2) and torch.equal(m1, out.masked_m)),
+            "combined_rows": int(y.shape[0])}
+
+
+PARTS = {"ops": part_ops, "equivalence": part_equivalence, "layer": part_layer, "in_flight": part_in_flight}
 
 
 def _parts(rank: int, world: int, seed: int, parts: list) -> dict:
