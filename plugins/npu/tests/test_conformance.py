@@ -5,6 +5,8 @@ gloo world of 2 whose workers install the emulation through the kit's ``setup`` 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moe_core.testing import run_kit
@@ -56,4 +58,7 @@ def test_kit_fused_ep_cases_catch_a_wrong_fused_op(ascend):
     report = kit("npu.fuseep", shape=FUSED_SHAPE, setup="kit_faults:install_misweighted_fused",
                  select=("fused-ep2-int8_w8a8-uniform",))
     (result,) = report.results
-    assert result.status == "failed" and "relative error 0.1" in result.message, report.text()
+    assert result.status == "failed", report.text()
+    # the injected 10% weight error, give or take the INT8 noise (the message once read 0.09999)
+    err = float(re.search(r"relative error ([0-9.e+-]+)", result.message).group(1))
+    assert 0.08 <= err <= 0.12, report.text()
