@@ -213,9 +213,20 @@ def test_triton_align_on_device(numel_tokens, E, bm):
     assert (expert_ids[total // bm:max_blocks] == -1).all()
 
 
-@pytest.mark.parametrize("backend,quant", CASES)
-def test_cuda_graph_capture_replay(backend, quant):
-    cfg, layer, ref = _layers(backend, quant, cuda_graph=True)
+# every backend x scheme, plus triton on a config with TMA weight loads (tuned tables pick B_TMA at
+# large T; its descriptors are built on the host per call and must replay / compile like the rest)
+VARIANTS = [(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
+
+
+def _variant_options(quant, variant):
+    if variant == "b_tma":
+        return {"backend_options": {"triton": {"config": _fixed(64, 256, 0, 1, quant == "fp8_block")}}}
+    return {}
+
+
+@pytest.mark.parametrize("backend,quant,variant", VARIANTS)
+def test_cuda_graph_capture_replay(backend, quant, variant):
+    cfg, layer, ref = _layers(backend, quant, cuda_graph=True, **_variant_options(quant, variant))
     assert layer.plan.graph_safe
     T = 96
     x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
@@ -238,9 +249,9 @@ def test_cuda_graph_capture_replay(backend, quant):
         assert relative_error(out, ref(x, topk)) < TOL[quant]
 
 
-@pytest.mark.parametrize("backend,quant", CASES)
-def test_torch_compile(backend, quant):
-    cfg, layer, ref = _layers(backend, quant)
+@pytest.mark.parametrize("backend,quant,variant", VARIANTS)
+def test_torch_compile(backend, quant, variant):
+    cfg, layer, ref = _layers(backend, quant, **_variant_options(quant, variant))
     compiled = torch.compile(layer)
     for T in (5, 64):
         x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
@@ -277,34 +288,6 @@ def test_backend_context_options_fixed_config():
 
     e = TritonExperts(BackendContext(cfg, p.experts, p.format, p.dispatch_dtype))
     assert e.launch_config(1000, torch.device("cuda"))["gemm1"]["BLOCK_M"] == 32
-
-
-@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-def test_b_tma_config_graph_and_compile(quant):
-    """Tuned tables may pick B_TMA (TMA descriptors built on the host per call): it must replay from a
-    CUDA graph and run under torch.compile like any other config."""
-    fixed = _fixed(64, 256, 0, 1, quant == "fp8_block")
-    cfg, layer, ref = _layers("triton", quant, cuda_graph=True, backend_options={"triton": {"config": fixed}})
-    T = 150
-    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
-    topk = _topk(T, cfg)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(x, topk)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = layer(x, topk)
-    x.copy_(torch.randn_like(x))
-    new = _topk(T, cfg)
-    topk.weights.copy_(new.weights)
-    topk.ids.copy_(new.ids)
-    g.replay()
-    torch.cuda.synchronize()
-    assert relative_error(out, ref(x, topk)) < TOL[quant]
-    compiled = torch.compile(layer)
-    assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
 
 
 @pytest.mark.parametrize("backend", ["cuda.triton", "cuda.grouped_mm"])
