@@ -320,12 +320,12 @@ def local_device_kind() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    for command in ("bench", "tune"):  # everything after it belongs to the tool's own parser
-        if command in argv:
-            idx = argv.index(command)
-            args = parser.parse_args(argv[: idx + 1])
-            rest = [a for a in argv[idx + 1:] if a != "--"]
-            return cmd_bench(args, rest) if command == "bench" else cmd_tune(rest)
+    passthrough = [i for i, a in enumerate(argv) if a in ("bench", "tune")]
+    if passthrough:  # everything after the first of them belongs to that tool's own parser
+        idx = passthrough[0]
+        args = parser.parse_args(argv[: idx + 1])
+        rest = [a for a in argv[idx + 1:] if a != "--"]
+        return cmd_bench(args, rest) if argv[idx] == "bench" else cmd_tune(rest)
     args = parser.parse_args(argv)
     if getattr(args, "device", "unset") is None:
         args.device = local_device_kind()
