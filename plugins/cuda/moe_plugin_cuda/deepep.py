@@ -22,7 +22,7 @@ output is cast back. The DeepEP handle travels in the dispatch output's ``handle
 ``self``. For engines that overlap communication with compute, ``dispatch_async`` and
 ``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
 receive hook, or a stream wait on the normal kernels' event) and returns the result. At most two
-async low-latency calls may be in flight per buffer (a third raises before it is issued), and a
+low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued), and a
 low-latency dispatch's slab is a view of DeepEP's buffer: valid until the second low-latency call
 after it is received (consume it before, or copy it).
 
@@ -334,16 +334,16 @@ class DeepEPDispatcher(Dispatcher):
         return buf
 
     def _in_flight(self, async_: bool) -> Callable[[Optional[Callable[[], None]]], Optional[Callable[[], None]]]:
-        """Before an async low-latency call: raise if it would be the third in flight on the buffer's
-        two halves. Returns ``wrap(hook)``, applied once the call was issued: it counts the call until
-        its receive hook runs."""
-        if not async_:
-            return lambda hook: None
+        """Before a low-latency call: raise if it would be the third in flight on the buffer's two
+        halves (a synchronous call is in flight too while it runs). Returns ``wrap(hook)``, applied
+        once the call was issued: an async call counts until its receive hook runs."""
         entry = self._entry
         if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
             raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
                                "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
                                "Pending before issuing another")
+        if not async_:
+            return lambda hook: None
 
         def wrap(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
             entry.low_latency_in_flight += 1

@@ -93,5 +93,6 @@ def test_low_latency_in_flight_limit():
     for rank, r in enumerate(run_world(2, ["in_flight"], random.randrange(1 << 30))):
         r = r["in_flight"]
         assert r["third"] and "in flight" in r["third"] and "#166" in r["third"], (rank, r)
+        assert r["third_sync"] and "in flight" in r["third_sync"], (rank, r)
         assert r["same_counts"] and r["combined_rows"] == 5, (rank, r)
 

@@ -310,12 +310,17 @@ def part_in_flight(rank: int, world: int, seed: int) -> dict:
         third = None
     except RuntimeError as exc:
         third = str(exc)
+    try:
+        d.dispatch(x, topk)  # a synchronous call would be a third one in flight too
+        third_sync = None
+    except RuntimeError as exc:
+        third_sync = str(exc)
     m1 = first.wait().masked_m.clone()  # the slab itself is only valid until the second call after it
     again = d.dispatch_async(x, topk)  # allowed again
     m2, out = second.wait().masked_m.clone(), again.wait()
     comb = d.combine_async(eq._synthetic_experts(out, rank, SHAPE["experts"]))
     y = comb.wait()
-    return {"third": third, "same_counts": bool(torch.equal(m1, m2) and torch.equal(m1, out.masked_m)),
+    return {"third": third, "third_sync": third_sync, "same_counts": bool(torch.equal(m1, m2) and torch.equal(m1, out.masked_m)),
             "combined_rows": int(y.shape[0])}
 
 
