@@ -198,7 +198,9 @@ class MoELayer(nn.Module):
                 or hidden_states.device != self.device or topk.ids.shape != (shape[0], self._top_k)
                 or topk.ids.device != self.device):
             raise self._input_error(hidden_states, topk)
-        if self.check_ids and shape[0] and not self._sync_check:
+        # under torch.compile the check is the device-side assert on every device (a host read would
+        # break the graph)
+        if self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
             ids = topk.ids
             torch._assert_async(((ids >= -1) & (ids < self._num_experts)).all(),
                                 f"moe_core.MoELayer: topk.ids must be in [-1, {self._num_experts}) (-1 = no expert)")

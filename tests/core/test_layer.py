@@ -55,6 +55,18 @@ def test_id_check_modes(layer):
     assert not off.check_ids and mc.MoELayer(CFG, check_ids="sync")._sync_check
 
 
+def test_torch_compile_matches_eager_and_keeps_the_id_check(layer):
+    """Under torch.compile the id check is the device-side assert on every device (the CPU's host read
+    would break the graph on data): same output as eager, bad ids still fail with the message."""
+    compiled = torch.compile(layer)
+    x, topk = x_bf16(7), random_topk(7, 6, 2)
+    assert torch.equal(compiled(x, topk), layer(x, topk))
+    bad = mc.TopK(topk.weights, topk.ids.clone())
+    bad.ids[3, 1] = 6
+    with pytest.raises(RuntimeError, match=r"topk.ids must be in \[-1, 6\)"):
+        compiled(x, bad)
+
+
 def test_topk_dtypes_are_checked_at_construction():
     with pytest.raises(TypeError, match="TopK.ids must be torch.int32"):
         mc.TopK(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64))
