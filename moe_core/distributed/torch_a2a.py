@@ -246,7 +246,8 @@ class TorchA2ADispatcher(Dispatcher):
         t, ns, k = x.shape[0], self.n_scale, self.top_k
         qa = quantize_activations(x, self.wire)
         meta = topk.ids.new_full((t + 1, self.meta_words), num_tokens)
-        meta[:, -2] = 0 if bad_ids is None else bad_ids
+        if bad_ids is not None:  # masked mode's in-band check (normal mode checks its histogram on the host)
+            meta[:, -2] = bad_ids
         if ns:
             meta[:t, :ns] = qa.scale.float().reshape(t, ns).view(torch.int32)
         meta[:t, ns:ns + k] = topk.ids
