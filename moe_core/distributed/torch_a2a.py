@@ -19,8 +19,8 @@ first, in (source rank, token, k) order). All shapes are fixed and nothing is re
 host, so this mode is graph-safe. Combine weights each expert output with the sender's top-k
 weights (the weights travel with the token at dispatch; if ``EPMaskedCombine.topk`` is a
 different TopK, its weights are exchanged again), reduces the K rows of each received token on
-the expert's rank in one ``embedding_bag`` (a weighted sum over the slab rows, never an expanded
-copy), sends one row per (token, rank) back and sums.
+the expert's rank (a weighted sum over the slab rows, never an expanded copy; one inductor-compiled
+kernel on CUDA, ``embedding_bag`` elsewhere), sends one row per (token, rank) back and sums.
 
 Capacity overflow (``T > max_tokens_per_rank`` on some ranks) must not leave the other ranks
 waiting in a collective. The overflowing rank still takes part in the dispatch exchange, with
@@ -153,6 +153,65 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], 
         raise ValueError("internal: all-to-all output must be contiguous")
     out_b = out.view(out.shape[0], math.prod(out.shape[1:])).view(torch.uint8)
     dist.all_to_all_single(out_b, _bytes(inp), out_splits, in_splits, group=group)
+
+
+# --------------------------------------------------------------------------- masked slab kernels
+# The masked layout writes each received row into its K slab rows (dispatch) and sums K weighted
+# slab rows per received token (combine). Eager PyTorch has no fused op for either: index_put_ and
+# embedding_bag ran at ~460 / ~660 GB/s on H100 for DeepSeek-V3 sizes, a loop over K compiled by
+# inductor (one kernel) at ~1.4 / ~4.6 TB/s (benchmarks/ep/masked_layout_variants.py, RESULTS.md).
+# On CUDA devices the compiled loops are used (compiled at the first call: warm up before a CUDA
+# graph capture, as for any JIT kernel); elsewhere (gloo CI, NPU) the eager ops.
+
+
+def _expand_pairs_loop(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tensor) -> None:
+    """``slab[write_index[i, k]] = rows[i]`` for every k."""
+    for k in range(write_index.shape[1]):
+        slab[write_index[:, k]] = rows
+
+
+def _reduce_pairs_loop(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out[i] = sum_k weights[i, k] * table[index[i, k]]`` (weights None: 1) in fp32, returned
+    in ``table.dtype``."""
+    acc = None
+    for k in range(index.shape[1]):
+        term = table[index[:, k]].float()
+        term = term if weights is None else term * weights[:, k:k + 1]
+        acc = term if acc is None else acc + term
+    return acc.to(table.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` (built once per process, traced per shape by dynamo)."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn.__name__]
+
+
+def _fused_layout(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def expand_pairs(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tensor) -> None:
+    """Write row ``i`` of ``rows [N, D]`` into the ``K`` rows ``write_index[i] [N, K]`` of ``slab``
+    (in place; pairs may repeat a row with the same data)."""
+    if _fused_layout(slab.device):
+        _compiled(_expand_pairs_loop)(slab, rows, write_index)
+    else:
+        slab.index_put_((write_index,), rows.unsqueeze(1))
+
+
+def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """``[N, H]`` in ``table.dtype``: per row ``i``, the sum over k of the rows ``index[i, k]`` of
+    ``table``, times fp32 ``weights[i, k]`` unless ``weights`` is None (fp32 accumulation)."""
+    if _fused_layout(table.device):
+        return _compiled(_reduce_pairs_loop)(table, index, weights)
+    if weights is None:  # few terms (one per rank): gather then sum
+        return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[1]).sum(1)
+    return torch.nn.functional.embedding_bag(index, table, per_sample_weights=weights.to(table.dtype), mode="sum")
 
 
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
@@ -375,12 +434,11 @@ class TorchA2ADispatcher(Dispatcher):
                      dtype: torch.dtype) -> torch.Tensor:
         """Send ``y`` back to the ranks its rows came from; sum each token's rows (``row [T, W]``
         into the returned buffer, ``n_back`` = a zero row for ranks the token was not sent to).
-        The sum accumulates in fp32 (torch's reduction of low-precision dtypes)."""
-        t, w = row.shape
+        The sum accumulates in fp32."""
         back = torch.empty(n_back + 1, self.hidden, dtype=y.dtype, device=y.device)
         back[n_back].zero_()
         _a2a(back[:n_back], y, back_counts, y_counts, self.group)
-        return back.index_select(0, row.reshape(-1)).view(t, w, self.hidden).sum(1).to(dtype)
+        return reduce_pairs(back, row, None).to(dtype)
 
     # ----------------------------------------------------------------- masked mode
 
@@ -423,11 +481,11 @@ class TorchA2ADispatcher(Dispatcher):
         db = recv_data.shape[1]
         slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)
         word = _word(slab, recv_data)
-        slab.view(word).index_put_((write_index,), recv_data.view(word).unsqueeze(1))
+        expand_pairs(slab.view(word), recv_data.view(word), write_index)
         slab_scale = None
         if scale is not None:
             slab_scale = torch.empty(el * cw + cw, self.n_scale, dtype=torch.float32, device=dev)
-            slab_scale.index_put_((write_index,), scale.unsqueeze(1))
+            expand_pairs(slab_scale, scale, write_index)
             slab_scale = slab_scale[:el * cw].view(el, cw, self.n_scale)
         data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
         hidden = QuantizedActivations(data_slab, self.wire, slab_scale, ue8m0=qa.ue8m0)
@@ -471,13 +529,12 @@ class TorchA2ADispatcher(Dispatcher):
             weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
             _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
-        # weighted sum of each received token's rows on this rank: one embedding_bag over the slab
-        # (fp32 accumulation). Pairs not here read their slot's first pair here with weight 0, so
-        # they never touch a row past masked_m (garbage, maybe NaN); slots with no pair here read
-        # garbage, and their sender never reads those rows back.
+        # weighted sum of each received token's rows on this rank (fp32 accumulation). Pairs not
+        # here read their slot's first pair here with weight 0, so they never touch a row past
+        # masked_m (garbage, maybe NaN); slots with no pair here read garbage, and their sender
+        # never reads those rows back.
         first = h.slab_index.gather(1, h.valid.to(torch.int8).argmax(1, keepdim=True))
         index = torch.where(h.valid, h.slab_index, first).clamp_(max=el * cw - 1)
-        pair_w = torch.where(h.valid, weights, 0.0).to(y.dtype)
-        send = torch.nn.functional.embedding_bag(index, y.reshape(el * cw, self.hidden),
-                                                 per_sample_weights=pair_w, mode="sum")
+        pair_w = torch.where(h.valid, weights, 0.0)
+        send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w)
         return self._return_rows(send, None, None, cw, h.slot, h.dtype)

@@ -346,8 +346,10 @@ class KitReport:
             for why, n in sorted(skips.items(), key=lambda x: -x[1]):
                 lines.append(f"      skipped {n:>3} x {why}")
             for r in results:
-                if r.status == "failed":
-                    lines.append(f"      FAILED {r.case_id}" + (f": {_first_line(r.message)}" if failures else ""))
+                if r.status == "failed":  # in full: the numbers that decide a failure come last
+                    lines.append(f"      FAILED {r.case_id}")
+                    if failures:
+                        lines += [f"          {line}" for line in r.message.strip().splitlines()]
         return "\n".join(lines)
 
     def __str__(self) -> str:
