@@ -27,7 +27,7 @@ import time
 import torch
 
 # the loops torch_a2a compiles on CUDA (the variants under test here)
-from moe_core.distributed.torch_a2a import _expand_pairs_loop as expand_k_loop
+from moe_core.distributed.torch_a2a import _expand_pairs_flat as expand_flat
 from moe_core.distributed.torch_a2a import _reduce_pairs_loop as reduce_k_loop
 
 
@@ -50,6 +50,12 @@ def expand_index_copy(slab, rows, write_index):
     k = write_index.shape[1]
     slab.index_copy_(0, write_index.reshape(-1), rows.repeat_interleave(k, dim=0))
     return slab
+
+
+def expand_k_loop(slab, rows, write_index):
+    """A loop over K (inductor: K kernels; measured slower than the flat scatter, kept to compare)."""
+    for k in range(write_index.shape[1]):
+        slab[write_index[:, k]] = rows
 
 
 def make_case(tokens, world, hidden, experts, top_k, dtype, device, gen):
@@ -107,6 +113,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--expand-words", action="store_true", help="expand int64 words (as torch_a2a does), not bf16")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
@@ -117,6 +124,7 @@ def main() -> None:
     want = reduce_k_loop(slab_rows, c["index"], c["w"]).float()
     compiled_reduce = torch.compile(reduce_k_loop, dynamic=False, fullgraph=True)
     compiled_expand = torch.compile(expand_k_loop, dynamic=False, fullgraph=True)
+    compiled_flat = torch.compile(expand_flat, dynamic=False, fullgraph=True)
     reduce_bytes = c["index"].numel() * args.hidden * 2
     results = []
     for name, fn in [("reduce embedding_bag", reduce_embedding_bag), ("reduce gather+bmm", reduce_gather_bmm),
@@ -127,9 +135,11 @@ def main() -> None:
             ms = timed(lambda: fn(slab_rows, c["index"], c["w"]), args.iters, device, graph)
             results.append(dict(variant=name, graph=graph, ms=ms, GBps=reduce_bytes / ms / 1e6, rel_err=err))
     expand_bytes = c["write_index"].numel() * args.hidden * 2
+    if args.expand_words:  # as torch_a2a moves rows: int64 words of the wire bytes
+        c["slab"], c["rows"] = c["slab"].view(torch.int64), c["rows"].view(torch.int64)
     ref = expand_index_put(c["slab"].clone(), c["rows"], c["write_index"])
     for name, fn in [("expand index_put", expand_index_put), ("expand index_copy", expand_index_copy),
-                     ("expand k-loop compiled", compiled_expand)]:
+                     ("expand k-loop compiled", compiled_expand), ("expand flat compiled", compiled_flat)]:
         slab = c["slab"].clone()
         fn(slab, c["rows"], c["write_index"])  # in place
         same = bool(torch.equal(slab, ref))

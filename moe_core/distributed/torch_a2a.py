@@ -157,17 +157,19 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], 
 
 # --------------------------------------------------------------------------- masked slab kernels
 # The masked layout writes each received row into its K slab rows (dispatch) and sums K weighted
-# slab rows per received token (combine). Eager PyTorch has no fused op for either: index_put_ and
-# embedding_bag ran at ~460 / ~660 GB/s on H100 for DeepSeek-V3 sizes, a loop over K compiled by
-# inductor (one kernel) at ~1.4 / ~4.6 TB/s (benchmarks/ep/masked_layout_variants.py, RESULTS.md).
+# slab rows per received token (combine). Eager PyTorch has no fused op for either. DeepSeek-V3
+# sizes, 4096 tokens/rank, W = 2, one H200 (benchmarks/ep/masked_layout_variants.py, RESULTS.md):
+# expand of int64 words index_put_ 0.51 ms, one compiled scatter 0.25 ms; reduce embedding_bag
+# ~1.3 ms, a compiled loop over K (one kernel) 0.14 ms.
 # On CUDA devices the compiled loops are used (compiled at the first call: warm up before a CUDA
 # graph capture, as for any JIT kernel); elsewhere (gloo CI, NPU) the eager ops.
 
 
-def _expand_pairs_loop(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tensor) -> None:
-    """``slab[write_index[i, k]] = rows[i]`` for every k."""
-    for k in range(write_index.shape[1]):
-        slab[write_index[:, k]] = rows
+def _expand_pairs_flat(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tensor) -> None:
+    """``slab[write_index[i, k]] = rows[i]`` for every k, as one scatter of the broadcast rows
+    (inductor: one kernel; a loop over k made K kernels, 2x slower on H200)."""
+    n, k = write_index.shape
+    slab[write_index.reshape(-1)] = rows.unsqueeze(1).expand(n, k, rows.shape[1]).reshape(n * k, rows.shape[1])
 
 
 def _reduce_pairs_loop(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
@@ -199,7 +201,7 @@ def expand_pairs(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tens
     """Write row ``i`` of ``rows [N, D]`` into the ``K`` rows ``write_index[i] [N, K]`` of ``slab``
     (in place; pairs may repeat a row with the same data)."""
     if _fused_layout(slab.device):
-        _compiled(_expand_pairs_loop)(slab, rows, write_index)
+        _compiled(_expand_pairs_flat)(slab, rows, write_index)
     else:
         slab.index_put_((write_index,), rows.unsqueeze(1))
 

@@ -1,4 +1,4 @@
-"""The masked slab's expand / reduce kernels of ``torch_a2a``: the loops it compiles on CUDA agree
+"""The masked slab's expand / reduce kernels of ``torch_a2a``: the functions it compiles on CUDA agree
 with the eager ops it uses elsewhere (``index_put_``, ``embedding_bag``), eager and compiled.
 Random O(1) data, repeated pair rows (pairs not on a rank point at a row already written), every
 word dtype the byte views use."""
@@ -38,7 +38,7 @@ def test_reduce_loop_matches_embedding_bag(n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float32])
-def test_expand_loop_matches_index_put(dtype):
+def test_expand_flat_matches_index_put(dtype):
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     n, k, slab_rows = 29, 8, 300
     rows, _, _ = _case(n, 1, n, 24, dtype, gen)
@@ -47,7 +47,7 @@ def test_expand_loop_matches_index_put(dtype):
     write_index[:, 1] = write_index[:, 0]
     slab = torch.zeros(slab_rows, 24, dtype=dtype)
     want = slab.clone().index_put_((write_index,), rows.unsqueeze(1))
-    a2a._expand_pairs_loop(slab, rows, write_index)
+    a2a._expand_pairs_flat(slab, rows, write_index)
     assert torch.equal(slab, want)
     assert torch.equal(slab[write_index[:, 3]], rows)
 
