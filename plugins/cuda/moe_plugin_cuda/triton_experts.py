@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -32,6 +34,40 @@ def config_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
     return "fp8_block" if quant is QuantScheme.FP8_BLOCK else _DTYPE_NAMES[params_dtype]
 
 
+# ---------------------------------------------------------------- torch.compile: custom ops
+# Under torch.compile the pipeline is one opaque custom op per call (no graph break, fullgraph
+# works): inductor does not trace into it, so it never re-compiles our Triton kernels (its build
+# of the FP8 GEMM failed in Triton's LLVM lowering on H100). Eager calls skip the op dispatch.
+# The op finds its backend (launch configs, options) by a key: ops take tensors and scalars only
+# (the fake function, which computes shapes only, must not depend on the key: it may be symbolic).
+_BACKENDS: "weakref.WeakValueDictionary[int, TritonExperts]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("moe_cuda::triton_fused_experts", mutates_args=())
+def _fused_experts_op(backend: int, hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Tensor,
+                      w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return _BACKENDS[backend].run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+
+
+@_fused_experts_op.register_fake
+def _(backend, hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, out_dtype):
+    return hidden.new_empty((hidden.shape[0], w2.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("moe_cuda::triton_masked_experts", mutates_args=())
+def _masked_experts_op(backend: int, hidden: torch.Tensor, scale: Optional[torch.Tensor], masked_m: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, w13_scale: Optional[torch.Tensor],
+                       w2_scale: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _BACKENDS[backend].run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale)
+
+
+@_masked_experts_op.register_fake
+def _(backend, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, out_dtype):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1], w2.shape[1]), dtype=out_dtype)
+
+
 class TritonExperts(Experts):
     """Fused-MoE Triton experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
 
@@ -56,6 +92,8 @@ class TritonExperts(Experts):
         self._configs: dict[int, dict] = {}
         self._device_name: Optional[str] = None
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
+        self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
+        _BACKENDS[self.op_key] = self
 
     # ------------------------------------------------------------------ configs
     def launch_config(self, m: int, device: torch.device) -> dict:
@@ -98,19 +136,32 @@ class TritonExperts(Experts):
         # any other wire dtype: back to the compute dtype (the FP8 kernels requantize)
         return qa.dequantize(self.config.params_dtype), None
 
+    def run_fused(self, hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
+        """STANDARD / EP_NORMAL token list through the pipeline -> ``[T, H]`` in the params dtype."""
+        c = self.config
+        return self._ops.fused_experts(
+            hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+            activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
+            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=True)
+
+    def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
+        """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""
+        E, C, _ = hidden.shape
+        # mean rows per expert is unknown without a sync: size tiles for a full slab
+        cfg = self.launch_config(max(1, E * C // max(1, self.config.top_k)), hidden.device)
+        return self._ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
+                                        activation=self.activation,
+                                        routed_scaling_factor=self.config.routed_scaling_factor,
+                                        out_dtype=self.config.params_dtype, cfg=cfg, w13_interleaved=True)
+
     def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
         w = expert_weights(layer, self.fp8)
         data, scale = self._activations(qa)
-        c = self.config
-        return self._ops.fused_experts(
-            data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
-            activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
-            cfg=self.launch_config(data.shape[0], data.device), w13_interleaved=True)
+        args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids)
+        if torch.compiler.is_compiling():
+            return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.config.params_dtype)
+        return self.run_fused(*args)
 
-    # Opaque to torch.compile (a graph break here): inductor re-compiles user Triton kernels itself,
-    # and its build of the FP8 GEMM failed in Triton's LLVM lowering (H100, torch 2.11, Triton 3.6)
-    # while the same kernel runs eagerly; the kernels are already compiled Triton, nothing to fuse.
-    @torch.compiler.disable
     def apply(self, layer: "MoELayer", dispatched):
         if isinstance(dispatched, StandardDispatch):
             return StandardCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk))
@@ -120,12 +171,10 @@ class TritonExperts(Experts):
         if isinstance(dispatched, EPMaskedDispatch):
             w = expert_weights(layer, self.fp8)
             data, scale = self._activations(dispatched.hidden)
-            E, C, _ = data.shape
-            # mean rows per expert is unknown without a sync: size tiles for a full slab
-            cfg = self.launch_config(max(1, E * C // max(1, self.config.top_k)), data.device)
-            out = self._ops.masked_experts(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                                           activation=self.activation,
-                                           routed_scaling_factor=self.config.routed_scaling_factor,
-                                           out_dtype=self.config.params_dtype, cfg=cfg, w13_interleaved=True)
+            args = (data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale)
+            if torch.compiler.is_compiling():
+                out = torch.ops.moe_cuda.triton_masked_experts(self.op_key, *args, self.config.params_dtype)
+            else:
+                out = self.run_masked(*args)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"triton experts do not accept {type(dispatched).__name__}")

@@ -364,3 +364,48 @@ def test_as_two_acc_keeps_output_width():
             assert two["gemm1"]["TWO_ACC"] == 1 and two["gemm2"] == cfg["gemm2"]
             assert two["gemm1"]["BLOCK_N"] * 2 == cfg["gemm1"]["BLOCK_N"]  # same output columns per program
             assert tuning_configs.as_two_acc(two) == two
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("fmt", ["standard", "ep_masked"])
+def test_apply_is_one_custom_op_under_torch_compile_interpreter(fmt):
+    """Under torch.compile(fullgraph=True) the triton experts' apply is one opaque custom op (no graph
+    break, inductor never re-compiles our kernels); it computes what the eager call does. aot_eager:
+    dynamo + the op's fake (shape) function, without a C++ build on this CPU."""
+    from moe_core import MoEConfig
+    from moe_core.contracts import (EPMaskedDispatch, Format, QuantizedActivations, StandardDispatch, TopK,
+                                    WireDtype)
+    from moe_core.plugins import PluginManager
+    from moe_core.runtime import BackendContext
+    from moe_plugin_cuda.triton_experts import TritonExperts
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    E, K, H, inter = 4, 2, 48, 40
+    spec = next(s for s in PluginManager().specs if s.plugin == "cuda" and s.name == "triton")
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=inter, params_dtype=torch.float32,
+                    routed_scaling_factor=1.5, backend_options={"triton": {"config": _cfg(32)}})
+    form = Format.STANDARD if fmt == "standard" else Format.EP_MASKED
+    experts = TritonExperts(BackendContext(cfg, spec, form, WireDtype.BF16))
+    x, w13, w2, w, ids = _case(5, E, K, H, inter, torch.float32)
+    layer = torch.nn.Module()
+    layer.w13, layer.w2 = torch.nn.Parameter(interleave_gate_up(w13)), torch.nn.Parameter(w2)
+    if fmt == "standard":
+        d = StandardDispatch(QuantizedActivations(x, WireDtype.BF16), TopK(w, ids))
+        ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
+    else:
+        slab = torch.randn(E, 6, H)
+        mm = torch.tensor([6, 0, 2, 5], dtype=torch.int32)
+        d = EPMaskedDispatch(QuantizedActivations(slab, WireDtype.BF16), mm, TopK(w, ids), handle=None)
+    compiled = torch.compile(lambda disp: experts.apply(layer, disp).hidden, fullgraph=True, backend="aot_eager")
+    out, eager = compiled(d), experts.apply(layer, d).hidden
+    if fmt == "standard":
+        assert out.shape == (5, H) and relative_error(out, ref) < 1e-4
+        assert torch.equal(out, eager)
+    else:
+        for e in range(E):
+            m = int(mm[e])
+            assert torch.equal(out[e, :m], eager[e, :m])
+            if m:
+                r = moe_float64(slab[e, :m], torch.ones(m, 1), torch.full((m, 1), e, dtype=torch.int32), w13, w2,
+                                routed_scaling_factor=1.5)
+                assert relative_error(out[e, :m], r) < 1e-4

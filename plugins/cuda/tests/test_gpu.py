@@ -259,6 +259,17 @@ def test_torch_compile(backend, quant, variant):
         assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
 
 
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_torch_compile_fullgraph_triton(quant):
+    """fullgraph=True: the triton experts are one custom op under compile, not a graph break."""
+    cfg, layer, ref = _layers("triton", quant)
+    compiled = torch.compile(layer, fullgraph=True)
+    for T in (1, 37):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+        topk = _topk(T, cfg)
+        assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
+
+
 def test_planner_picks_triton_on_this_gpu():
     for quant in ("unquantized", "fp8_block"):
         p = plan(MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, quant=quant,
