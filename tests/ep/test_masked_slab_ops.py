@@ -65,3 +65,21 @@ def test_compiled_loops_match_on_cpu(monkeypatch):
     slab = torch.zeros(400, 8, dtype=torch.int64)
     a2a.expand_pairs(slab, rows, write_index)
     assert torch.equal(slab, torch.zeros_like(slab).index_put_((write_index,), rows.unsqueeze(1)))
+
+
+def test_inside_an_outer_torch_compile(monkeypatch):
+    """A layer compiled by the user (fullgraph) traces through the compiled helpers into its own graph."""
+    monkeypatch.setattr(a2a, "_fused_layout", lambda device: True)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    table, index, w = _case(13, 4, 29, 32, torch.float32, gen)
+    write_index = torch.randperm(200, generator=gen)[:13 * 4].view(13, 4)
+
+    def step(table, index, w, write_index):
+        slab = torch.zeros(200, 32)
+        a2a.expand_pairs(slab, table[:13], write_index)
+        return a2a.reduce_pairs(table, index, w), slab
+
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(table, index, w, write_index)
+    want = (torch.nn.functional.embedding_bag(index, table, per_sample_weights=w, mode="sum"),
+            torch.zeros(200, 32).index_put_((write_index,), table[:13].unsqueeze(1)))
+    assert rel_error(got[0], want[0]) < 1e-5 and torch.equal(got[1], want[1])
