@@ -17,8 +17,8 @@ H100's 227 KB of shared memory (stages x (BM + BN) x BK x bytes) and keep GEMM1'
 (FP8: plus the scaled-dot temporary) at <= 128 registers per thread; small BLOCK_M (weight
 streaming) wants narrow N, deep K and more stages, large BLOCK_M wants wide N and 8 warps. About
 5 candidates per GEMM per BLOCK_M and 2 BLOCK_M per T keep the 4 presets x 2 quants x 7 T within
-~10 minutes on an H100 (compiles are cached across T and presets); on Hopper, BLOCK_M >= 64
-candidates are also tried with TMA weight loads (``B_TMA``). An existing table in ``--out-dir``
+~10 minutes on an H100 (compiles are cached across T and presets); on Hopper every one-accumulator
+candidate is also tried with TMA weight loads (``B_TMA``). An existing table in ``--out-dir``
 keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 ``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
 two-accumulator kernel still yields a table.
@@ -70,14 +70,14 @@ _G2 = {
 
 
 def candidates(bm: int, fp8: bool, tma: bool = False) -> tuple[list[dict], list[dict]]:
-    """GEMM1 and GEMM2 candidates for BLOCK_M ``bm``; with ``tma`` (Hopper+, BLOCK_M >= 64, where the
-    GEMMs are compute-bound) each one-accumulator candidate also once with its weight tiles
-    loaded through TMA (``B_TMA``)."""
+    """GEMM1 and GEMM2 candidates for BLOCK_M ``bm``; with ``tma`` (Hopper+) each one-accumulator
+    candidate also once with its weight tiles loaded through TMA (``B_TMA``): at large BLOCK_M for
+    compute-bound GEMMs, at small BLOCK_M for weight-streaming (bandwidth-bound) ones."""
     key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
     g = 16 if bm >= 64 else 1
     c1 = [_c(bm, *t[:4], g, *t[4:]) for t in _G1[key]]
     c2 = [_c(bm, *t[:4], g) for t in _G2[key]]
-    if tma and bm >= 64:
+    if tma:
         c1 += [{**c, "B_TMA": 1} for c in c1 if not c.get("TWO_ACC")]
         c2 += [{**c, "B_TMA": 1} for c in c2]
     return c1, c2
