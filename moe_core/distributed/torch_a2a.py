@@ -51,6 +51,7 @@ at most one row per (token, expert).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -183,14 +184,10 @@ def _reduce_pairs_loop(table: torch.Tensor, index: torch.Tensor, weights: Option
     return acc.to(table.dtype)
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled(fn):
     """``fn`` under ``torch.compile`` (built once per process, traced per shape by dynamo)."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, fullgraph=True)
-    return _COMPILED[fn.__name__]
+    return torch.compile(fn, fullgraph=True)
 
 
 def _fused_layout(device: torch.device) -> bool:
