@@ -63,12 +63,15 @@ def quantize_fp8_per_token_group(
     ``q = clamp(x / scale, +-448)``; dequantize as ``q * scale``.
     """
     h = x.shape[-1]
-    xg = _pad_last(x.float(), group).unflatten(-1, (-1, group))
-    scale = xg.abs().amax(dim=-1).clamp(min=_FP8_AMAX_FLOOR) / FP8_MAX
+    xf = x.float()
+    scale = _pad_last(xf, group).unflatten(-1, (-1, group)).abs().amax(dim=-1).clamp(min=_FP8_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    q = (xg / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.flatten(-2)[..., :h].contiguous(), scale
+    # each channel divided by its group's scale, indexed (torch_a2a compiles this function on CUDA;
+    # inductor 2.13 on CPU miscompiled the broadcast-then-slice form when H % group != 0)
+    group_of = torch.arange(h, device=x.device) // group
+    q = (xf / scale[..., group_of]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
 
 
 def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:

@@ -114,23 +114,25 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
         _sync()
         d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
         valid_rows = int((out.handle.slot < tokens * world).sum())
-    if args.profile:  # every rank runs the calls (collectives), rank 0 records and prints kernels
+    ms_dispatch = statistics.median(_timed(dispatch_fn, args.iters, args.warmup))
+    ms_combine = statistics.median(_timed(combine_fn, args.iters, args.warmup))
+    raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
+    raw_combine = _raw(c_send_rows, c_recv_rows, hb, args.iters, args.warmup)
+    if args.profile:  # after the timed runs (compiled kernels built); every rank runs the calls
         from contextlib import nullcontext
 
         from torch.profiler import ProfilerActivity, profile
 
         with (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if rank == 0 else nullcontext()) as prof:
-            for _ in range(3):
+            for _ in range(args.profile_iters):
                 dispatch_fn()
                 combine_fn()
             _sync()
         if rank == 0:
-            print(f"--- profile {tokens} tok/rank {fmt} {wire} graph={graph} (3 dispatch+combine)", flush=True)
-            print(prof.key_averages().table(sort_by="device_time_total", row_limit=18), flush=True)
-    ms_dispatch = statistics.median(_timed(dispatch_fn, args.iters, args.warmup))
-    ms_combine = statistics.median(_timed(combine_fn, args.iters, args.warmup))
-    raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
-    raw_combine = _raw(c_send_rows, c_recv_rows, hb, args.iters, args.warmup)
+            print(f"--- profile {tokens} tok/rank {fmt} {wire} graph={graph} ({args.profile_iters} dispatch+combine)",
+                  flush=True)
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=25), flush=True)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
     d_bytes = sum(d_send_rows) * row_bytes
     c_bytes = sum(c_send_rows) * hb
 
@@ -195,7 +197,9 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
                                 device_id=torch.device("cuda", rank))
     rows = []
-    execs = [(Format.EP_NORMAL, False), (Format.EP_MASKED, False)] + ([] if args.cpu else [(Format.EP_MASKED, True)])
+    modes = {"normal": (Format.EP_NORMAL, False), "masked": (Format.EP_MASKED, False),
+             "masked-graph": (Format.EP_MASKED, True)}
+    execs = [modes[m] for m in args.modes if not (args.cpu and m == "masked-graph")]
     for tokens in args.tokens:
         for fmt, graph in execs:
             for wire in args.wires:
@@ -250,7 +254,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cpu", action="store_true", help="smoke-test the script on gloo/CPU (numbers meaningless)")
     p.add_argument("--out", default=None, help="directory for results.json and results.md")
-    p.add_argument("--profile", action="store_true", help="print rank 0's per-kernel device times per case")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile --profile-iters calls and print rank 0's kernel and host tables")
+    p.add_argument("--profile-iters", type=int, default=5)
+    p.add_argument("--modes", nargs="+", default=["normal", "masked", "masked-graph"],
+                   help="which of normal (eager), masked (eager), masked-graph to run")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -127,6 +128,8 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """``[N, ...]`` -> contiguous ``uint8 [N, row_bytes]`` view (collectives move bytes)."""
+    if t.numel() == 0:  # an empty tensor may have any strides (a compiled op's output, say)
+        return torch.empty(t.shape[0], math.prod(t.shape[1:]) * t.element_size(), dtype=torch.uint8, device=t.device)
     t = t.contiguous()
     return t.view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
@@ -185,9 +188,41 @@ def _reduce_pairs_loop(table: torch.Tensor, index: torch.Tensor, weights: Option
 
 
 @functools.cache
-def _compiled(fn):
-    """``fn`` under ``torch.compile`` (built once per process, traced per shape by dynamo)."""
-    return torch.compile(fn, fullgraph=True)
+def _compiled(fn, dynamic: Optional[bool] = None):
+    """``fn`` under ``torch.compile`` (built once per process, traced per shape by dynamo).
+
+    If compiling fails - dynamo's recompile limit (8 graphs per function: many layer shapes or
+    dtypes in one process), or an inductor codegen error (inductor 2.11 on CUDA failed on
+    ``_normal_layout`` with a dynamic token count, seen on H200) - ``fn`` runs eagerly from that
+    call on, with one warning: same results, more launches. A compile failure happens before
+    anything runs, and every function here is pure or rewrites the same values, so re-running is safe."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    eager = False
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal eager
+        if not eager:
+            try:
+                return compiled(*args)
+            except _compile_failures() as exc:
+                eager = True
+                warnings.warn(f"torch_a2a: compiling {fn.__name__} failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200]}); it runs eagerly from now on (same results, "
+                              "slower)", RuntimeWarning, stacklevel=2)
+        return fn(*args)
+
+    return run
+
+
+@functools.cache
+def _compile_failures() -> tuple[type, ...]:
+    import torch._dynamo.exc
+    import torch._inductor.exc  # imported here: only processes that compile pay for it
+
+    return tuple(c for c in (getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", None),
+                             getattr(torch._dynamo.exc, "BackendCompilerFailed", None),
+                             getattr(torch._inductor.exc, "InductorError", None)) if c is not None)
 
 
 def _fused_layout(device: torch.device) -> bool:
@@ -198,19 +233,177 @@ def expand_pairs(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tens
     """Write row ``i`` of ``rows [N, D]`` into the ``K`` rows ``write_index[i] [N, K]`` of ``slab``
     (in place; pairs may repeat a row with the same data)."""
     if _fused_layout(slab.device):
-        _compiled(_expand_pairs_flat)(slab, rows, write_index)
+        _fast(_expand_pairs_flat, slab.device, static=True)(slab, rows, write_index)
     else:
         slab.index_put_((write_index,), rows.unsqueeze(1))
 
 
-def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[torch.Tensor],
+                 static: bool = False) -> torch.Tensor:
     """``[N, H]`` in ``table.dtype``: per row ``i``, the sum over k of the rows ``index[i, k]`` of
-    ``table``, times fp32 ``weights[i, k]`` unless ``weights`` is None (fp32 accumulation)."""
+    ``table``, times fp32 ``weights[i, k]`` unless ``weights`` is None (fp32 accumulation).
+    ``static``: the shapes are fixed per layer (see ``_fast``)."""
     if _fused_layout(table.device):
-        return _compiled(_reduce_pairs_loop)(table, index, weights)
+        return _fast(_reduce_pairs_loop, table.device, static)(table, index, weights)
     if weights is None:  # few terms (one per rank): gather then sum
         return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[1]).sum(1)
     return torch.nn.functional.embedding_bag(index, table, per_sample_weights=weights.to(table.dtype), mode="sum")
+
+
+# --------------------------------------------------------------------------- layout math
+# Each stage's index math is one pure function of tensors and layer constants. On CUDA the
+# stages after a transfer and the wire quantization run inductor-compiled (a few fused kernels
+# instead of ~10 small launches each; FP8 quantization was ~6 passes over the activations); elsewhere
+# they run eagerly. The send side (``_normal_layout``, ``_masked_layout``) stays eager everywhere:
+# inductor 2.11 failed to generate CUDA code for it at 4096 tokens with W = 2 (``InductorError``,
+# "list indices must be integers or slices, not NoneType"; at 128 and 1000 tokens it compiled; H200).
+
+
+def _fast(fn, device: torch.device, static: bool = False):
+    """``fn`` compiled on CUDA devices, ``fn`` itself elsewhere (decision 16). ``static``: one
+    graph per shape (masked mode's shapes are fixed per layer); else dynamo goes dynamic after
+    the first change (normal mode's token counts change every call)."""
+    if not _fused_layout(device):
+        return fn
+    return _compiled(fn, False) if static else _compiled(fn)
+
+
+def _send_rows(ids: torch.Tensor, world: int, num_local: int, capacity: Optional[int],
+               unused: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (token, rank) pair goes in a destination-major send buffer.
+
+    A token goes to rank ``r`` when one of its ids is an expert of ``r`` (ids outside ``[0, E)``
+    go nowhere). Returns ``count`` (int64 ``[W]``: tokens per rank) and ``row`` (int64
+    ``[T, W]``: the pair's row, ``unused`` where the token does not go to ``r``). Rows are
+    packed by rank, or with ``capacity`` every rank owns ``capacity`` rows.
+    """
+    ranks = torch.arange(world, device=ids.device, dtype=torch.int64)
+    hit = (ids.div(num_local, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
+    # inclusive rank of the token among those sent to r. Scanned along the contiguous dim of a
+    # [W, T] copy: an outer-dim scan over T runs serially per column (0.37 ms per dispatch at
+    # 4096 tokens/rank on H200, profiled)
+    pos = hit.T.contiguous().cumsum(1).T
+    count = hit.sum(0)
+    base = ranks * capacity if capacity is not None else count.cumsum(0) - count
+    row = torch.where(hit, pos + (base - 1), unused)
+    return count, row
+
+
+def _sources(row: torch.Tensor, size: int, fill: Optional[int]) -> torch.Tensor:
+    """Inverse of ``row``: int64 ``[size + 1]``, the source token of each send-buffer row
+    (``fill`` where no token lands; the last entry collects the unused pairs)."""
+    t, w = row.shape
+    src = (torch.full((size + 1,), fill, dtype=torch.int64, device=row.device) if fill is not None
+           else torch.empty(size + 1, dtype=torch.int64, device=row.device))
+    tokens = torch.arange(t * w, device=row.device).div_(w, rounding_mode="floor")
+    return src.scatter_(0, row.reshape(-1), tokens)
+
+
+def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normal dispatch, before the host read: ``row [T, W]`` (see ``_send_rows``) and the counts
+    message ``[W, 2 + E_local]``, row r for rank r: [ids outside [-1, E) here, rows for r,
+    (token, expert) pairs per expert of r]."""
+    t, e = ids.shape[0], world * num_local
+    count, row = _send_rows(ids, world, num_local, None, world * t)
+    # one histogram of the ids: bin 0 below -1, 1 for -1, 2..E+1 the experts, E+2 from E up
+    key = ids.long().clamp(-2, e).add(2).reshape(-1)
+    bins = torch.zeros(e + 3, dtype=torch.int64, device=ids.device).scatter_add(0, key, torch.ones_like(key))
+    bad = bins[0] + bins[e + 2]
+    msg = torch.cat([bad.view(1, 1).expand(world, 1), count.view(world, 1), bins[2:e + 2].view(world, num_local)], dim=1)
+    return row, msg
+
+
+def _masked_layout(ids: torch.Tensor, world: int, num_local: int, capacity: int,
+                   num_experts: int, overflow: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked dispatch's send side: ``slot [T, W]`` (see ``_send_rows``; every rank owns C slots)
+    and the count of ids outside ``[-1, E)`` (int32 scalar). An overflowing rank sends no tokens
+    (and still counts its ids)."""
+    bad = ((ids < -1) | (ids >= num_experts)).sum(dtype=torch.int32)
+    _, slot = _send_rows(ids[:0] if overflow else ids, world, num_local, capacity, world * capacity)
+    return slot, bad
+
+
+def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: WireDtype, meta_words: int,
+               num_tokens: int, bad_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                                                        torch.Tensor]:
+    """Per-token wire rows, quantized once: (wire data ``[T, H]``, scales or None, side block
+    ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots.
+    Every row, padding included, carries the sender's token count and ``bad_ids`` (its count of
+    ids outside ``[-1, E)``, when given): the in-band checks of masked mode."""
+    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
+
+    t, k = ids.shape
+    if wire is WireDtype.FP8:
+        data, scale = quantize_fp8_per_token_group(x)
+    elif wire is WireDtype.INT8:
+        data, scale = quantize_int8_per_token(x)
+    else:
+        data, scale = x, None
+    ns = 0 if scale is None else scale.shape[-1]
+    meta = ids.new_full((t + 1, meta_words), num_tokens)
+    if bad_ids is not None:  # masked mode's in-band check (normal mode checks its histogram on the host)
+        meta[:, -2] = bad_ids
+    if ns:
+        meta[:t, :ns] = scale.view(torch.int32)
+    meta[:t, ns:ns + k] = ids
+    meta[:t, ns + k:ns + 2 * k] = weights.float().view(torch.int32)
+    meta[t, :ns + 2 * k] = -1  # padding row: ids -1, never read as data
+    return data, scale, meta
+
+
+def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[torch.Tensor], torch.Tensor,
+                                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Received side block -> (scales or None, global ids int32, weights fp32, sender's bad-id
+    count, sender's token count)."""
+    ns, k = n_scale, top_k
+    scale = meta[:, :ns].view(torch.float32) if ns else None
+    return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -2], meta[:, -1]
+
+
+def _normal_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
+                     num_local: int) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Received side block of normal mode -> (scales or None, local ids (-1: expert elsewhere),
+    weights (0 for experts elsewhere))."""
+    scale, ids, weights, _, _ = _split_meta(meta, n_scale, top_k)
+    mine = ids.div(num_local, rounding_mode="floor") == rank
+    local = torch.where(mine, ids - rank * num_local, -1)
+    return (None if scale is None else scale.contiguous()), local, torch.where(mine, weights, 0.0)
+
+
+def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
+    """Received side block of masked mode -> where each received (slot, k) pair goes in the slab.
+
+    Returns (scales or None, sender's weights, sender's bad-id counts, sender's token counts,
+    ``mine`` (the pair's expert is here), ``slab_index`` (slab row of each pair here: expert *
+    C*W + its rank among that expert's pairs in (source rank, token, k) order), ``masked_m``,
+    ``write_index`` (the row each pair writes, see below))."""
+    el = num_local
+    cw = meta.shape[0]
+    scale, ids, weights, bad, tokens = _split_meta(meta, n_scale, top_k)
+    mine = ids.div(el, rounding_mode="floor") == rank
+    key = torch.where(mine, ids - rank * el, el).long()  # [CW, K]; el: not here
+    # [el + 1, CW], scanned along its contiguous dim (the [CW, el + 1] outer-dim scan took 1.9 ms
+    # per dispatch at 4096 tokens/rank on H200, profiled)
+    seen = torch.zeros(el + 1, cw, dtype=torch.int32, device=meta.device).scatter(0, key.T, 1).cumsum(1, dtype=torch.int32)
+    slab_index = torch.add(seen.gather(0, key.T).T, key, alpha=cw).sub(1).clamp(max=el * cw)
+    masked_m = seen[:el, -1].to(torch.int32)
+    # expand: one row write per pair (fixed shape). A pair that is not here rewrites the same
+    # data into its slot's first row here; a slot with no pair here writes its own scratch row
+    # past the slab. (All of them into ONE scratch row serialized ~32k writes of 14 KB on one
+    # address range: 3.1 ms for 4096 tokens/rank on 2x H200.)
+    first_here = slab_index.gather(1, mine.to(torch.int8).argmax(1, keepdim=True))
+    scratch = torch.arange(el * cw, el * cw + cw, device=meta.device).unsqueeze(1)
+    write_index = torch.where(mine, slab_index, torch.where(mine.any(1, keepdim=True), first_here, scratch))
+    return (None if scale is None else scale.contiguous()), weights, bad, tokens, mine, slab_index, masked_m, write_index
+
+
+def _masked_pairs(slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+                  last_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine's read index and weights per received (slot, k) pair. Pairs not here read their
+    slot's first pair here with weight 0, so they never touch a row past masked_m (garbage, maybe
+    NaN); slots with no pair here read garbage, and their sender never reads those rows back."""
+    first = slab_index.gather(1, valid.to(torch.int8).argmax(1, keepdim=True))
+    return torch.where(valid, slab_index, first).clamp(max=last_row), torch.where(valid, weights, 0.0)
 
 
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
@@ -293,68 +486,6 @@ class TorchA2ADispatcher(Dispatcher):
         if topk.ids.device != x.device:
             raise ValueError(f"topk on {topk.ids.device} but hidden_states on {x.device}")
 
-    def _tables(self, x: torch.Tensor, topk: TopK, num_tokens: int,
-                bad_ids: Optional[torch.Tensor] = None) -> tuple[QuantizedActivations, torch.Tensor, torch.Tensor]:
-        """Per-token wire rows, quantized once: (quantized, data ``uint8 [T, B]``, side block
-        ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots.
-        Every row, padding included, carries the sender's token count and ``bad_ids`` (its count of
-        ids outside ``[-1, E)``, when given): the in-band checks of masked mode."""
-        from moe_core.quant import quantize_activations
-
-        t, ns, k = x.shape[0], self.n_scale, self.top_k
-        qa = quantize_activations(x, self.wire)
-        meta = topk.ids.new_full((t + 1, self.meta_words), num_tokens)
-        if bad_ids is not None:  # masked mode's in-band check (normal mode checks its histogram on the host)
-            meta[:, -2] = bad_ids
-        if ns:
-            meta[:t, :ns] = qa.scale.float().reshape(t, ns).view(torch.int32)
-        meta[:t, ns:ns + k] = topk.ids
-        meta[:t, ns + k:ns + 2 * k] = topk.weights.view(torch.int32)
-        meta[t, :ns + 2 * k] = -1  # padding row: ids -1, never read as data
-        return qa, _bytes(qa.data), meta
-
-    def _send_rows(self, ids: torch.Tensor, capacity: Optional[int], unused: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where each (token, rank) pair goes in a destination-major send buffer.
-
-        A token goes to rank ``r`` when one of its ids is an expert of ``r`` (ids outside ``[0, E)``
-        go nowhere). Returns ``count`` (int64 ``[W]``: tokens per rank) and ``row`` (int64
-        ``[T, W]``: the pair's row, ``unused`` where the token does not go to ``r``). Rows are
-        packed by rank, or with ``capacity`` every rank owns ``capacity`` rows.
-        """
-        ranks = torch.arange(self.world, device=ids.device, dtype=ids.dtype)
-        hit = (ids.div(self.num_local, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-        # inclusive rank of the token among those sent to r. Scanned along the contiguous dim of a
-        # [W, T] copy: an outer-dim scan over T runs serially per column (0.37 ms per dispatch at
-        # 4096 tokens/rank on H200, profiled)
-        pos = hit.T.contiguous().cumsum(1).T
-        count = pos[-1] if ids.shape[0] else hit.sum(0)
-        base = ranks * capacity if capacity is not None else count.cumsum(0) - count
-        row = torch.where(hit, pos + (base - 1), unused)
-        return count, row
-
-    @staticmethod
-    def _sources(row: torch.Tensor, size: int, fill: Optional[int]) -> torch.Tensor:
-        """Inverse of ``row``: int64 ``[size + 1]``, the source token of each send-buffer row
-        (``fill`` where no token lands; the last entry collects the unused pairs)."""
-        t, w = row.shape
-        src = (torch.full((size + 1,), fill, dtype=torch.int64, device=row.device) if fill is not None
-               else torch.empty(size + 1, dtype=torch.int64, device=row.device))
-        tokens = torch.arange(t * w, device=row.device).div_(w, rounding_mode="floor")
-        return src.scatter_(0, row.reshape(-1), tokens)
-
-    def _split_meta(self, meta: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor,
-                                                      torch.Tensor, torch.Tensor]:
-        """Received side block -> (scales or None, global ids int32, weights fp32, sender's bad-id
-        count, sender's token count)."""
-        ns, k = self.n_scale, self.top_k
-        scale = meta[:, :ns].view(torch.float32) if ns else None
-        return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -2], meta[:, -1]
-
-    def _local(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global ids -> (bool: the expert is on this rank, local id)."""
-        mine = ids.div(self.num_local, rounding_mode="floor") == self.rank
-        return mine, ids - self.rank * self.num_local
-
     def _wire_torch_dtype(self, x: torch.Tensor) -> torch.dtype:
         if self.wire is WireDtype.BF16:
             return x.dtype
@@ -379,19 +510,12 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         dev, t, w, el, e = x.device, x.shape[0], self.world, self.num_local, self.num_experts
-        ids = topk.ids
-        count, row = self._send_rows(ids, None, w * t)
-        src = self._sources(row, w * t, None)
-        # counts message, row r goes to rank r: [bad ids here, rows for r, (token, expert) pairs per expert of r]
-        # one histogram of the ids: bin 0 below -1, 1 for -1, 2..E+1 the experts, E+2 from E up
-        key = ids.long().clamp(-2, e).add_(2).reshape(-1)
-        bins = torch.zeros(e + 3, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
-        bad = bins[0] + bins[e + 2]
-        msg = torch.cat([bad.view(1, 1).expand(w, 1), count.view(w, 1), bins[2:e + 2].view(w, el)], dim=1)
+        row, msg = _normal_layout(topk.ids, w, el)
+        src = _sources(row, w * t, None)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
         counts = recv_msg[:, 2:].sum(0).to(torch.int32)
-        qa, data, meta = self._tables(x, topk, t)
+        q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t, None)
         # the one host sync of normal mode: everything the host needs, in one read
         host = torch.cat([msg[:, 1], recv_msg.reshape(-1)]).tolist()
         send_counts, recv_msg_host = host[:w], [host[w + r * (2 + el):w + (r + 1) * (2 + el)] for r in range(w)]
@@ -404,17 +528,14 @@ class TorchA2ADispatcher(Dispatcher):
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
 
         n_send, n_recv = sum(send_counts), sum(recv_counts)
+        data = _bytes(q)
         recv_data = torch.empty(n_recv, data.shape[1], dtype=torch.uint8, device=dev)
         recv_meta = torch.empty(n_recv, self.meta_words, dtype=torch.int32, device=dev)
         _a2a(recv_data, _gather_rows(data, src[:n_send]), recv_counts, send_counts, self.group)
         _a2a(recv_meta, meta.index_select(0, src[:n_send]), recv_counts, send_counts, self.group)
 
-        scale, rids, rweights, _, _ = self._split_meta(recv_meta)
-        mine, local = self._local(rids)
-        lids = torch.where(mine, local, -1)
-        weights = torch.where(mine, rweights, 0.0)
-        scale = scale.contiguous() if scale is not None else None
-        hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale, ue8m0=qa.ue8m0)
+        scale, lids, weights = _fast(_normal_received, dev)(recv_meta, self.n_scale, self.top_k, self.rank, el)
+        hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
@@ -448,9 +569,10 @@ class TorchA2ADispatcher(Dispatcher):
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        _, slot = self._send_rows(topk.ids, c, cw)
-        src = self._sources(slot, cw, t)[:cw]
-        qa, data, meta = self._tables(x, topk, t_in, bad_ids=self._bad_ids(ids_in))
+        slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
+        src = _sources(slot, cw, t)[:cw]
+        q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
+        data = _bytes(q)
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
         recv_data = torch.empty_like(send_data)
         recv_meta = torch.empty(cw, self.meta_words, dtype=torch.int32, device=dev)
@@ -458,25 +580,9 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
-        scale, rids, rweights, rbad, rtokens = self._split_meta(recv_meta)
+        received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
+        scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
         self._check_senders(rtokens, rbad)
-
-        # slab row of each received (slot, k) pair: expert * C*W + its rank among the pairs of that
-        # expert in (source rank, token, k) order; pairs not here go to one scratch row past the slab
-        mine, local = self._local(rids)
-        key = torch.where(mine, local, el).long()  # [CW, K]; el: not here
-        # [el + 1, CW], scanned along its contiguous dim (the [CW, el + 1] outer-dim scan took 1.9 ms
-        # per dispatch at 4096 tokens/rank on H200, profiled)
-        seen = torch.zeros(el + 1, cw, dtype=torch.int32, device=dev).scatter_(0, key.T, 1).cumsum(1, dtype=torch.int32)
-        slab_index = torch.add(seen.gather(0, key.T).T, key, alpha=cw).sub_(1).clamp_(max=el * cw)
-        masked_m = seen[:el, -1].to(torch.int32)
-        # expand: one row write per pair (fixed shape). A pair that is not here rewrites the same
-        # data into its slot's first row here; a slot with no pair here writes its own scratch row
-        # past the slab. (All of them into ONE scratch row serialized ~32k writes of 14 KB on one
-        # address range: 3.1 ms for 4096 tokens/rank on 2x H200.)
-        first_here = slab_index.gather(1, mine.to(torch.int8).argmax(1, keepdim=True))
-        scratch = torch.arange(el * cw, el * cw + cw, device=dev).unsqueeze(1)
-        write_index = torch.where(mine, slab_index, torch.where(mine.any(1, keepdim=True), first_here, scratch))
         db = recv_data.shape[1]
         slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)
         word = _word(slab, recv_data)
@@ -487,17 +593,13 @@ class TorchA2ADispatcher(Dispatcher):
             expand_pairs(slab_scale, scale, write_index)
             slab_scale = slab_scale[:el * cw].view(el, cw, self.n_scale)
         data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
-        hidden = QuantizedActivations(data_slab, self.wire, slab_scale, ue8m0=qa.ue8m0)
+        hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
         handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
         return EPMaskedDispatch(hidden, masked_m, topk, handle)
 
     def _overflow_message(self, what: str) -> str:
         return (f"masked dispatch: {what} max_tokens_per_rank={self.capacity} (the fixed capacity of the "
                 "masked slab); raise max_tokens_per_rank or split the batch")
-
-    def _bad_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """Count of ids outside ``[-1, E)`` (int32 scalar on the device, no host read)."""
-        return ((ids < -1) | (ids >= self.num_experts)).sum(dtype=torch.int32)
 
     def _check_senders(self, tokens: torch.Tensor, bad_ids: torch.Tensor) -> None:
         """Every rank learns of an overflow or of out-of-range ids on any rank (its own included:
@@ -528,12 +630,7 @@ class TorchA2ADispatcher(Dispatcher):
             weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
             _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
-        # weighted sum of each received token's rows on this rank (fp32 accumulation). Pairs not
-        # here read their slot's first pair here with weight 0, so they never touch a row past
-        # masked_m (garbage, maybe NaN); slots with no pair here read garbage, and their sender
-        # never reads those rows back.
-        first = h.slab_index.gather(1, h.valid.to(torch.int8).argmax(1, keepdim=True))
-        index = torch.where(h.valid, h.slab_index, first).clamp_(max=el * cw - 1)
-        pair_w = torch.where(h.valid, weights, 0.0)
-        send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w)
+        # weighted sum of each received token's rows on this rank (fp32 accumulation)
+        index, pair_w = _fast(_masked_pairs, y.device, static=True)(h.slab_index, h.valid, weights, el * cw - 1)
+        send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w, static=True)
         return self._return_rows(send, None, None, cw, h.slot, h.dtype)
