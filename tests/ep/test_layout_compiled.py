@@ -117,18 +117,18 @@ def test_compiled_layout_matches_eager_cuda(hidden, x_dtype, wire, world):
     _check_all("cuda", hidden, x_dtype, wire, world)
 
 
-def test_recompile_limit_falls_back_to_eager(monkeypatch):
+def test_recompile_limit_falls_back_to_eager():
     """Past dynamo's recompile limit a compiled helper warns once and runs eagerly (no exception)."""
     torch._dynamo.reset()
     a2a._compiled.cache_clear()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
 
     def twice(x: torch.Tensor) -> torch.Tensor:  # a fresh function: its own cache entry
         return x * 2
 
     fn = a2a._compiled(twice)
-    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
-    with pytest.warns(RuntimeWarning, match="runs eagerly"):
-        out = fn(torch.ones(3, dtype=torch.float64))  # another dtype: a recompile past the limit
-    assert torch.equal(out, torch.full((3,), 2.0, dtype=torch.float64))
-    assert torch.equal(fn(torch.ones(2, dtype=torch.int32)), torch.full((2,), 2, dtype=torch.int32))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
+        with pytest.warns(RuntimeWarning, match="runs eagerly"):
+            out = fn(torch.ones(3, dtype=torch.float64))  # another dtype: a recompile past the limit
+        assert torch.equal(out, torch.full((3,), 2.0, dtype=torch.float64))
+        assert torch.equal(fn(torch.ones(2, dtype=torch.int32)), torch.full((2,), 2, dtype=torch.int32))

@@ -2,52 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import pytest
 
-WORKER = pathlib.Path(__file__).parent / "emulation" / "ep_worker.py"
-TIMEOUT_S = 150
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(case: str, arch: str, world: int, tmp_path) -> list[dict]:
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    outs = [tmp_path / f"rank{r}.json" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), case, arch, str(r), str(world), str(port), str(outs[r])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{case} world={world} timed out after {TIMEOUT_S}s")
-    results = []
-    for r, out in enumerate(outs):
-        assert out.exists(), f"rank {r} wrote no result:\n{logs[r][-3000:]}"
-        res = json.loads(out.read_text())
-        assert res["ok"], f"rank {r} failed:\n{res.get('error')}"
-        results.append(res)
-    return results
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "emulation"))
+from ep_worker import run_world  # noqa: E402
 
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
-def test_emulated_mori_op(world, tmp_path):
-    for r, res in enumerate(run_ranks("op", "gfx942", world, tmp_path)):
+def test_emulated_mori_op(world):
+    for r, res in enumerate(run_world("op", "gfx942", world)):
         for quant in ("none", "fp8_direct_cast"):
             assert res[f"{quant}_recv_ok"], f"rank {r}: received rows are not each token once per PE"
             out_shape, w_shape, no_scales, total_shape, total_dtype = res[f"{quant}_shapes"]
@@ -68,8 +35,8 @@ CROSS_FLAVOUR_TOL = 5e-2
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world,arch", [(2, "gfx942"), (2, "gfx950"), (4, "gfx942")])
-def test_mori_layer_matches_reference(world, arch, tmp_path):
-    for r, res in enumerate(run_ranks("layer", arch, world, tmp_path)):
+def test_mori_layer_matches_reference(world, arch):
+    for r, res in enumerate(run_world("layer", arch, world)):
         assert res["overflow_rejected"]
         for key, v in res.items():
             if not isinstance(v, dict):

@@ -1,8 +1,7 @@
-"""One rank of a multi-process test on gloo (TEST SUPPORT ONLY).
-
-Run as ``python ep_worker.py CASE ARCH RANK WORLD PORT OUT_JSON``; installs the emulated vendor
-ops, joins the process group on 127.0.0.1 and writes its findings (errors, counts) as JSON. The
-pytest side (``test_mori_ep.py``) starts the ranks, enforces a timeout and asserts.
+"""Multi-process tests of MoRI on gloo (TEST SUPPORT ONLY): ``run_world(case, arch, world)`` runs
+one case on ``world`` spawned ranks (``moe_core.testing.run_gloo_world``: 127.0.0.1, bounded by a
+timeout, any rank's error raised with its traceback) and returns each rank's findings (errors,
+counts); ``test_mori_ep.py`` asserts on them. Each rank installs the emulated vendor ops first.
 
 Cases:
 - ``op``: the emulated MoRI op alone (dispatch once per unique destination PE, global ids,
@@ -15,14 +14,13 @@ Cases:
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
+
+from moe_core.testing.world import run_gloo_world
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -156,23 +154,11 @@ def case_layer(arch: str, rank: int, world: int) -> dict:
     return results
 
 
-def main() -> None:
-    case, arch, rank, world, port, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
-        sys.argv[5], sys.argv[6]
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, case: str, arch: str) -> dict:
     install(arch)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        result = {"ok": True, **{"op": case_op, "layer": case_layer}[case](arch, rank, world)}
-    except Exception:
-        result = {"ok": False, "error": traceback.format_exc()}
-    pathlib.Path(out).write_text(json.dumps(result))
-    try:
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)
+    return {"op": case_op, "layer": case_layer}[case](arch, rank, world)
 
 
-if __name__ == "__main__":
-    main()
+def run_world(case: str, arch: str, world: int, timeout: float = 150.0) -> list[dict]:
+    """``case`` on ``world`` ranks: each rank's findings, in rank order."""
+    return run_gloo_world(_rank, world, case, arch, timeout=timeout)
