@@ -258,6 +258,7 @@ def main() -> None:
                    help="after timing, profile --profile-iters calls and print rank 0's kernel and host tables")
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--modes", nargs="+", default=["normal", "masked", "masked-graph"],
+                   choices=["normal", "masked", "masked-graph"],
                    help="which of normal (eager), masked (eager), masked-graph to run")
     args = p.parse_args()
     with socket.socket() as s:
