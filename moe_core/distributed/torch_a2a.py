@@ -192,8 +192,8 @@ def _compiled(fn, dynamic: Optional[bool] = None):
     """``fn`` under ``torch.compile`` (built once per process, traced per shape by dynamo).
 
     If compiling fails - dynamo's recompile limit (8 graphs per function: many layer shapes or
-    dtypes in one process), or an inductor codegen error (inductor 2.11 on CUDA failed on
-    ``_normal_layout`` with a dynamic token count, seen on H200) - ``fn`` runs eagerly from that
+    dtypes in one process), or an inductor codegen error (inductor 2.11 on CUDA failed on this
+    module's send-side layout at 4096 tokens, seen on H200) - ``fn`` runs eagerly from that
     call on, with one warning: same results, more launches. A compile failure happens before
     anything runs, and every function here is pure or rewrites the same values, so re-running is safe."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
@@ -229,6 +229,15 @@ def _fused_layout(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _fast(fn, device: torch.device, static: bool = False):
+    """``fn`` compiled on CUDA devices, ``fn`` itself elsewhere (decision 16). ``static``: one
+    graph per shape (masked mode's shapes are fixed per layer); else dynamo goes dynamic after
+    the first change (normal mode's token counts change every call)."""
+    if not _fused_layout(device):
+        return fn
+    return _compiled(fn, False) if static else _compiled(fn)
+
+
 def expand_pairs(slab: torch.Tensor, rows: torch.Tensor, write_index: torch.Tensor) -> None:
     """Write row ``i`` of ``rows [N, D]`` into the ``K`` rows ``write_index[i] [N, K]`` of ``slab``
     (in place; pairs may repeat a row with the same data)."""
@@ -257,15 +266,6 @@ def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[tor
 # they run eagerly. The send side (``_normal_layout``, ``_masked_layout``) stays eager everywhere:
 # inductor 2.11 failed to generate CUDA code for it at 4096 tokens with W = 2 (``InductorError``,
 # "list indices must be integers or slices, not NoneType"; at 128 and 1000 tokens it compiled; H200).
-
-
-def _fast(fn, device: torch.device, static: bool = False):
-    """``fn`` compiled on CUDA devices, ``fn`` itself elsewhere (decision 16). ``static``: one
-    graph per shape (masked mode's shapes are fixed per layer); else dynamo goes dynamic after
-    the first change (normal mode's token counts change every call)."""
-    if not _fused_layout(device):
-        return fn
-    return _compiled(fn, False) if static else _compiled(fn)
 
 
 def _send_rows(ids: torch.Tensor, world: int, num_local: int, capacity: Optional[int],
