@@ -353,10 +353,10 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
 
 def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[torch.Tensor], torch.Tensor,
                                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Received side block -> (scales or None, global ids int32, weights fp32, sender's bad-id
-    count, sender's token count)."""
+    """Received side block -> (scales or None (contiguous, as the experts read them), global ids
+    int32, weights fp32, sender's bad-id count, sender's token count)."""
     ns, k = n_scale, top_k
-    scale = meta[:, :ns].view(torch.float32) if ns else None
+    scale = meta[:, :ns].view(torch.float32).contiguous() if ns else None
     return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -2], meta[:, -1]
 
 
@@ -367,7 +367,7 @@ def _normal_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
     scale, ids, weights, _, _ = _split_meta(meta, n_scale, top_k)
     mine = ids.div(num_local, rounding_mode="floor") == rank
     local = torch.where(mine, ids - rank * num_local, -1)
-    return (None if scale is None else scale.contiguous()), local, torch.where(mine, weights, 0.0)
+    return scale, local, torch.where(mine, weights, 0.0)
 
 
 def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
@@ -394,7 +394,7 @@ def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, nu
     first_here = slab_index.gather(1, mine.to(torch.int8).argmax(1, keepdim=True))
     scratch = torch.arange(el * cw, el * cw + cw, device=meta.device).unsqueeze(1)
     write_index = torch.where(mine, slab_index, torch.where(mine.any(1, keepdim=True), first_here, scratch))
-    return (None if scale is None else scale.contiguous()), weights, bad, tokens, mine, slab_index, masked_m, write_index
+    return scale, weights, bad, tokens, mine, slab_index, masked_m, write_index
 
 
 def _masked_pairs(slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
