@@ -5,8 +5,7 @@
 DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random routing (distinct
 experts per token), 128 and 4096 tokens per rank, both modes, bf16 and fp8 wire. One GPU per rank.
 Masked mode is timed twice: eager, and as it is meant to run, captured in CUDA graphs (one graph
-for dispatch, one for combine, each replayed); ``--max-pieces 1 4`` times it with its transfers
-whole and in up to 4 pieces (slab work overlapping the transfer) in the same run. A case that fails is recorded with its error and
+for dispatch, one for combine, each replayed). A case that fails is recorded with its error and
 the run goes on.
 
 Bandwidth = bytes this rank actually hands to the collectives of the stage (all destinations,
@@ -36,7 +35,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from moe_core import MoEConfig, TopK  # noqa: E402
 from moe_core.backends import BackendSpec, Role  # noqa: E402
 from moe_core.contracts import EPMaskedCombine, EPNormalCombine, Format, WireDtype  # noqa: E402
-from moe_core.distributed import TorchA2ADispatcher, torch_a2a  # noqa: E402
+from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" with --cpu (a gloo smoke test of the script itself)
@@ -76,10 +75,8 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
     return statistics.median(_timed(lambda: dist.all_to_all_single(out, inp, *splits), iters, warmup))
 
 
-def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph: bool, max_pieces: int,
-               args) -> dict:
+def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph: bool, args) -> dict:
     e, k, h = args.experts, args.top_k, args.hidden
-    torch_a2a._MAX_PIECES = max_pieces
     el = e // world
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
                     max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire)
@@ -91,8 +88,8 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
     ids = torch.rand(tokens, e, device=DEVICE, generator=gen).topk(k, dim=1).indices.int()
     weights = torch.softmax(torch.randn(tokens, k, device=DEVICE, generator=gen), dim=1)
     topk = TopK(weights, ids)
-    # wire row: data + int32 side block [scales | K ids | K weights | bad-id count | token count]
-    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 2)
+    # wire row: data + int32 side block [scales | K ids | K weights | token count]
+    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 1)
     hb = h * 2  # combine moves bf16
 
     if fmt is Format.EP_NORMAL:
@@ -144,7 +141,7 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
 
     return {
         "tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager", "wire": wire,
-        "world": world, "pieces": d.pieces, "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
+        "world": world, "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
         "dispatch_bytes": d_bytes, "dispatch_ms": ms_dispatch, "dispatch_GBps": gbps(d_bytes, ms_dispatch),
         "raw_dispatch_ms": raw_dispatch, "raw_dispatch_GBps": gbps(d_bytes, raw_dispatch),
         "dispatch_ratio": raw_dispatch / ms_dispatch,
@@ -203,26 +200,26 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     modes = {"normal": (Format.EP_NORMAL, False), "masked": (Format.EP_MASKED, False),
              "masked-graph": (Format.EP_MASKED, True)}
     execs = [modes[m] for m in args.modes if not (args.cpu and m == "masked-graph")]
-    cases = [(tokens, fmt, graph, wire, pieces) for tokens in args.tokens for fmt, graph in execs
-             for pieces in (args.max_pieces if fmt is Format.EP_MASKED else [1]) for wire in args.wires]
-    for tokens, fmt, graph, wire, pieces in cases:
-        case = {"tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager",
-                "wire": wire, "world": world, "max_pieces": pieces}
-        try:
-            r = bench_case(rank, world, tokens, fmt, wire, graph, pieces, args)
-            failed = 0
-        except Exception:  # record it and go on (every rank runs the same cases)
-            r = dict(case, error=traceback.format_exc()[-2000:])
-            failed = 1
-        _empty_cache()
-        # ranks agree on the outcome, so one rank's failure does not desynchronize the rest
-        flag = torch.tensor([failed], device=DEVICE)
-        dist.all_reduce(flag)
-        if int(flag) and "error" not in r:
-            r = dict(case, error="failed on another rank")
-        rows.append(r)
-        if rank == 0:
-            print(json.dumps(r), flush=True)
+    for tokens in args.tokens:
+        for fmt, graph in execs:
+            for wire in args.wires:
+                case = {"tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager",
+                        "wire": wire, "world": world}
+                try:
+                    r = bench_case(rank, world, tokens, fmt, wire, graph, args)
+                    failed = 0
+                except Exception:  # record it and go on (every rank runs the same cases)
+                    r = dict(case, error=traceback.format_exc()[-2000:])
+                    failed = 1
+                _empty_cache()
+                # ranks agree on the outcome, so one rank's failure does not desynchronize the rest
+                flag = torch.tensor([failed], device=DEVICE)
+                dist.all_reduce(flag)
+                if int(flag) and "error" not in r:
+                    r = dict(case, error="failed on another rank")
+                rows.append(r)
+                if rank == 0:
+                    print(json.dumps(r), flush=True)
     if rank == 0:
         queue.put(rows)
     dist.barrier()
@@ -230,11 +227,11 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| tokens/rank | mode | exec | pieces | wire | dispatch ms | dispatch GB/s | raw a2a GB/s | ratio | "
+    lines = ["| tokens/rank | mode | exec | wire | dispatch ms | dispatch GB/s | raw a2a GB/s | ratio | "
              "combine ms | combine GB/s | raw a2a GB/s | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        head = f"| {r['tokens_per_rank']} | {r['mode']} | {r['exec']} | {r.get('pieces', '-')} | {r['wire']} |"
+        head = f"| {r['tokens_per_rank']} | {r['mode']} | {r['exec']} | {r['wire']} |"
         if "error" in r:
             lines.append(f"{head} failed: {r['error'].strip().splitlines()[-1][:120]} |||||||")
             continue
@@ -260,8 +257,6 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile --profile-iters calls and print rank 0's kernel and host tables")
     p.add_argument("--profile-iters", type=int, default=5)
-    p.add_argument("--max-pieces", type=int, nargs="+", default=[torch_a2a._MAX_PIECES],
-                   help="masked mode: time with these piece limits (1: transfers whole)")
     p.add_argument("--modes", nargs="+", default=["normal", "masked", "masked-graph"],
                    choices=["normal", "masked", "masked-graph"],
                    help="which of normal (eager), masked (eager), masked-graph to run")

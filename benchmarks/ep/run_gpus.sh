@@ -4,8 +4,7 @@
 #   tests    the compiled layout functions vs eager on one GPU, then the NCCL scenarios (worlds 2
 #            and 4, as many as the GPUs allow) and the slab ops           -> OUT/gpu_tests.log
 #   bench    dispatch / combine vs raw all_to_all_single, 128 and 4096 tokens/rank, DeepSeek-V3
-#            sizes, every mode and wire, masked mode whole (1 piece) and in pieces (A/B in one run),
-#            world = the GPU count                                       -> OUT/bench/results.{json,md}
+#            sizes, every mode and wire, world = the GPU count           -> OUT/bench/results.{json,md}
 #   profile  4096 tokens/rank, normal (eager) and masked (CUDA graph): rank 0's kernel and host
 #            tables after the timed runs                                 -> OUT/profile.log
 #
@@ -31,8 +30,8 @@ phase_tests() {
 }
 
 phase_bench() {
-  python3 benchmarks/ep/bench_torch_a2a.py --world "$WORLD" --iters "$ITERS" --max-pieces 1 4 --out "$OUT/bench" 2>&1 \
-    | grep -v '^{' | tee "$OUT/bench.log" | grep -E '^\||Warning' | tail -24
+  python3 benchmarks/ep/bench_torch_a2a.py --world "$WORLD" --iters "$ITERS" --out "$OUT/bench" 2>&1 \
+    | grep -v '^{' | tee "$OUT/bench.log" | grep -E '^\||Warning' | tail -16
 }
 
 phase_profile() {

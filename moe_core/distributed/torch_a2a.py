@@ -151,40 +151,12 @@ def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], in_splits: Optional[list[int]],
-         group, async_op: bool = False):
-    """``all_to_all_single`` on byte views of ``out`` and ``inp`` (same row size, dim 0 split);
-    with ``async_op`` the work handle (``wait()`` before reading ``out``; keep ``inp`` alive until then)."""
+         group) -> None:
+    """``all_to_all_single`` on byte views of ``out`` and ``inp`` (same row size, dim 0 split)."""
     if not out.is_contiguous():
         raise ValueError("internal: all-to-all output must be contiguous")
     out_b = out.view(out.shape[0], math.prod(out.shape[1:])).view(torch.uint8)
-    return dist.all_to_all_single(out_b, _bytes(inp), out_splits, in_splits, group=group, async_op=async_op)
-
-
-# Masked mode moves its fixed-size buffers in pieces: while piece p is on the wire, the rows of
-# piece p - 1 are expanded into the slab (dispatch), or piece p + 1 is reduced (combine), so the
-# slab work overlaps the transfer instead of following it. Piece p holds slots
-# [p * C / P, (p + 1) * C / P) of every rank (contiguous: the wire buffers are piece-major; the
-# slab and the handle keep the (rank, slot) order). Pieces smaller than this are not worth a
-# collective's fixed cost; at 4096 tokens/rank with DeepSeek-V3 sizes a bf16 piece is ~29 MB.
-_MAX_PIECES = 4
-_MIN_PIECE_BYTES = 4 << 20
-
-
-def _pieces(capacity: int, world: int, row_bytes: int) -> int:
-    """Pieces of masked mode's transfers: the most (up to ``_MAX_PIECES``) that divide the
-    capacity into pieces of at least ``_MIN_PIECE_BYTES`` (``row_bytes``: a bf16 row)."""
-    for p in range(_MAX_PIECES, 1, -1):
-        if capacity % p == 0 and world * (capacity // p) * row_bytes >= _MIN_PIECE_BYTES:
-            return p
-    return 1
-
-
-def _piece_major(t: torch.Tensor, world: int, pieces: int) -> torch.Tensor:
-    """Rows of ``t`` (``[W * C, ...]`` in (rank, slot) order) in the wire's piece-major order
-    (piece, rank, slot in piece)."""
-    if pieces == 1:
-        return t
-    return t.reshape(world, pieces, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+    dist.all_to_all_single(out_b, _bytes(inp), out_splits, in_splits, group=group)
 
 
 # --------------------------------------------------------------------------- masked slab kernels
@@ -434,17 +406,6 @@ def _masked_pairs(slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.
     return torch.where(valid, slab_index, first).clamp(max=last_row), torch.where(valid, weights, 0.0)
 
 
-def _wire_slots(slot: torch.Tensor, world: int, capacity: int, pieces: int) -> torch.Tensor:
-    """Masked mode's ``slot [T, W]`` ((rank, slot) order; ``W * C`` where not sent) -> the row in
-    the piece-major wire buffer, where combine's returned rows land."""
-    if pieces == 1:
-        return slot
-    n = capacity // pieces
-    rank, s = slot.div(capacity, rounding_mode="floor"), slot.remainder(capacity)
-    wire = s.div(n, rounding_mode="floor") * (world * n) + rank * n + s.remainder(n)
-    return torch.where(slot < world * capacity, wire, slot)
-
-
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
     """fp32 scale words per row on the wire."""
     if dtype is WireDtype.FP8:
@@ -465,8 +426,8 @@ class _NormalHandle:
 
 @dataclass(frozen=True)
 class _MaskedHandle:
-    slot: torch.Tensor  # int64 [T, W]: row of (token, rank) in the piece-major wire buffer, W*C where not sent
-    src: torch.Tensor  # int64 [W*C]: source token of each slot in (rank, slot) order, T if unused (sender side)
+    slot: torch.Tensor  # int64 [T, W]: slot of (token, rank) in the send buffer, W*C where not sent
+    src: torch.Tensor  # int64 [W*C]: source token of each sent slot, T for unused slots (sender side)
     slab_index: torch.Tensor  # int64 [W*C, K]: slab row of each received (slot, k) pair, E_local*W*C if none
     valid: torch.Tensor  # bool [W*C, K]: (slot, k) pair is an expert of this rank
     weights: torch.Tensor  # fp32 [W*C, K]: the sender's weights of the received pairs
@@ -508,7 +469,6 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
-        self.pieces = _pieces(self.capacity, self.world, 2 * self.hidden) if self.masked else 1
         # int32 side block of each row: [scales | K global ids | K weights | bad-id count | token count]
         self.n_scale = _scale_words(self.wire, self.hidden)
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
@@ -612,20 +572,13 @@ class TorchA2ADispatcher(Dispatcher):
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
         src = _sources(slot, cw, t)[:cw]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
-        # the side block first (the receive-side index math needs all of it), then the data in pieces
-        send_meta = meta.index_select(0, src)
-        recv_meta = torch.empty(cw, self.meta_words, dtype=torch.int32, device=dev)
-        meta_sent = _a2a(recv_meta, send_meta, None, None, self.group, async_op=True)
         data = _bytes(q)
-        wire_src = _piece_major(src, w, self.pieces)
-        send_data = _gather_rows(data, wire_src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
+        send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
         recv_data = torch.empty_like(send_data)
-        piece = [slice(p * cw // self.pieces, (p + 1) * cw // self.pieces) for p in range(self.pieces)]
-        data_sent = [_a2a(recv_data[s], send_data[s], None, None, self.group, async_op=True) for s in piece]
-        meta_sent.wait()
+        recv_meta = torch.empty(cw, self.meta_words, dtype=torch.int32, device=dev)
+        _a2a(recv_data, send_data, None, None, self.group)
+        _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
-            for work in data_sent:
-                work.wait()
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
@@ -633,10 +586,7 @@ class TorchA2ADispatcher(Dispatcher):
         db = recv_data.shape[1]
         slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)
         word = _word(slab, recv_data)
-        wire_write = _piece_major(write_index, w, self.pieces)
-        for s, work in zip(piece, data_sent):  # expand piece p while piece p + 1 is on the wire
-            work.wait()
-            expand_pairs(slab.view(word), recv_data[s].view(word), wire_write[s])
+        expand_pairs(slab.view(word), recv_data.view(word), write_index)
         slab_scale = None
         if scale is not None:
             slab_scale = torch.empty(el * cw + cw, self.n_scale, dtype=torch.float32, device=dev)
@@ -644,8 +594,7 @@ class TorchA2ADispatcher(Dispatcher):
             slab_scale = slab_scale[:el * cw].view(el, cw, self.n_scale)
         data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
         hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
-        handle = _MaskedHandle(_wire_slots(slot, w, c, self.pieces), src, slab_index, mine, rweights, topk.weights, t,
-                               x.dtype)
+        handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
         return EPMaskedDispatch(hidden, masked_m, topk, handle)
 
     def _overflow_message(self, what: str) -> str:
@@ -681,18 +630,7 @@ class TorchA2ADispatcher(Dispatcher):
             weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
             _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
-        # weighted sum of each received token's rows on this rank (fp32 accumulation), in the wire's
-        # pieces: piece p + 1 is reduced while piece p is on the wire
+        # weighted sum of each received token's rows on this rank (fp32 accumulation)
         index, pair_w = _fast(_masked_pairs, y.device, static=True)(h.slab_index, h.valid, weights, el * cw - 1)
-        index, pair_w = _piece_major(index, w, self.pieces), _piece_major(pair_w, w, self.pieces)
-        table = y.reshape(el * cw, self.hidden)
-        back = torch.empty(cw + 1, self.hidden, dtype=y.dtype, device=y.device)
-        back[cw].zero_()  # the row of ranks a token was not sent to
-        sent = []  # (work, send buffer): each buffer stays alive until its transfer is waited for
-        for p in range(self.pieces):
-            s = slice(p * cw // self.pieces, (p + 1) * cw // self.pieces)
-            send = reduce_pairs(table, index[s], pair_w[s], static=True)
-            sent.append((_a2a(back[s], send, None, None, self.group, async_op=True), send))
-        for work, _ in sent:
-            work.wait()
-        return reduce_pairs(back, h.slot, None).to(h.dtype)
+        send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w, static=True)
+        return self._return_rows(send, None, None, cw, h.slot, h.dtype)

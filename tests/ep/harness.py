@@ -22,12 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world: int, timeout: float, backend: str = "gloo", seed: int | None = None,
-              pieces: bool = False) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; return each rank's result dict (raises on hang/crash).
-    ``pieces``: masked mode moves its buffers in pieces even at these small test sizes."""
+def run_ranks(scenario: str, world: int, timeout: float, backend: str = "gloo", seed: int | None = None) -> list[dict]:
+    """Run ``scenario`` on ``world`` ranks; return each rank's result dict (raises on hang/crash)."""
     seed = seed if seed is not None else int.from_bytes(os.urandom(3), "little") + 1
-    env = dict(os.environ, MOE_EP_TEST_SEED=str(seed), OMP_NUM_THREADS="1", MOE_EP_TEST_PIECES=str(int(pieces)))
+    env = dict(os.environ, MOE_EP_TEST_SEED=str(seed), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(world), str(r), str(port), out, backend],

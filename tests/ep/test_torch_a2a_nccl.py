@@ -24,20 +24,18 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiproc,
 TIMEOUT = 240
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_layer_nccl(world, pieces):
-    for where, name, case in _cases(run_ranks("layer", world, TIMEOUT, backend="nccl", pieces=pieces)):
+def test_layer_nccl(world):
+    for where, name, case in _cases(run_ranks("layer", world, TIMEOUT, backend="nccl")):
         wire = name.split("/")[1]
         assert case["shape_ok"] and case["finite"], where
         assert case["err"] <= TOL[wire], f"{where}: rel err {case['err']:.3g}"
         assert case["err_vs_bf16"] <= TOL_VS_BF16[wire], f"{where}: rel err vs bf16 {case['err_vs_bf16']:.3g}"
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_dispatch_layout_nccl(world, pieces):
-    for where, name, case in _cases(run_ranks("comm", world, TIMEOUT, backend="nccl", pieces=pieces)):
+def test_dispatch_layout_nccl(world):
+    for where, name, case in _cases(run_ranks("comm", world, TIMEOUT, backend="nccl")):
         assert case["shape_ok"] and all(case["checks"].values()), f"{where}: {case['checks']}"
         assert case["data_err"] <= 1e-6 and case["err"] <= 1e-2, f"{where}: {case}"
 
@@ -62,12 +60,9 @@ def test_overflow_on_one_rank_nccl(world):
             assert "device-side assert" in c["message"] or "max_tokens_per_rank" in c["message"], c
 
 
-@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "pieces"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_masked_graph_safe_nccl(world, pieces):
-    """No host sync and CUDA-graph capture/replay; in pieces, the async transfers and their waits
-    are captured too."""
-    for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl", pieces=pieces)):
+def test_masked_graph_safe_nccl(world):
+    for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
         assert case["host_sync"] is None, f"{where}: masked mode synced with the host: {case['host_sync']}"
         assert case["no_sync_err"] == 0.0, f"{where}: {case}"
         assert case["expected_norm"] > 0 and case["replay_err"] <= 1e-6, f"{where}: CUDA graph replay differs: {case}"
@@ -75,13 +70,12 @@ def test_masked_graph_safe_nccl(world, pieces):
 
 if __name__ == "__main__":
     failed = 0
-    both = [(w, p) for w in WORLDS for p in (False, True)]
-    for fn, cases in [(test_layer_nccl, both), (test_dispatch_layout_nccl, both), (test_errors_nccl, [()]),
-                      (test_masked_graph_safe_nccl, both), (test_overflow_on_one_rank_nccl, [(w,) for w in WORLDS])]:
-        for args in cases:
-            name = f"{fn.__name__}{list(args)}"
+    for fn, args in [(test_layer_nccl, WORLDS), (test_dispatch_layout_nccl, WORLDS), (test_errors_nccl, [None]),
+                     (test_masked_graph_safe_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS)]:
+        for a in args:
+            name = f"{fn.__name__}[{a}]" if a is not None else fn.__name__
             try:
-                fn(*args)
+                fn(a) if a is not None else fn()
                 print("PASSED", name, flush=True)
             except Exception as exc:  # report every test, like pytest would
                 failed += 1

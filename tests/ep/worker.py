@@ -215,7 +215,7 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                     ok = ids[:, j] >= 0
                     ref += torch.where(ok.unsqueeze(1), _expert_fn(xq, ids[:, j].clamp(min=0))
                                        * topk.weights[:, j:j + 1].double(), 0.0)
-                results[key] = {"checks": checks, "data_err": data_err, "err": rel_error(out, ref), "pieces": d.pieces,
+                results[key] = {"checks": checks, "data_err": data_err, "err": rel_error(out, ref),
                                 "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
                                 "tokens": x.shape[0]}
     return results
@@ -375,10 +375,6 @@ def main() -> None:
     backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
     seed = int(os.environ.get("MOE_EP_TEST_SEED", "0")) or int.from_bytes(os.urandom(3), "little")
     torch.set_num_threads(1)
-    if os.environ.get("MOE_EP_TEST_PIECES") == "1":  # pieces at test sizes (CAPACITY 40: 4 pieces of 10 slots)
-        from moe_core.distributed import torch_a2a
-
-        torch_a2a._MIN_PIECE_BYTES = 0
     result: dict = {"seed": seed}
     try:
         if backend == "nccl":
