@@ -88,8 +88,8 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
     ids = torch.rand(tokens, e, device=DEVICE, generator=gen).topk(k, dim=1).indices.int()
     weights = torch.softmax(torch.randn(tokens, k, device=DEVICE, generator=gen), dim=1)
     topk = TopK(weights, ids)
-    # wire row: data + int32 side block [scales | K ids | K weights | token count]
-    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 1)
+    # wire row: data + int32 side block [scales | K ids | K weights | bad-id count | token count]
+    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 2)
     hb = h * 2  # combine moves bf16
 
     if fmt is Format.EP_NORMAL:
