@@ -47,7 +47,7 @@ def _timer(name, fn):
 
 
 def _instrument() -> None:
-    for name in ("_gather_rows", "_a2a"):  # (not helpers that run compiled: a timer would break their graph)
+    for name in ("_normal_layout", "_sources", "_gather_rows", "_a2a"):
         setattr(torch_a2a, name, _timer(name, getattr(torch_a2a, name)))
     fast = torch_a2a._fast
     torch_a2a._fast = lambda fn, *a, **k: _timer(f"_fast({fn.__name__})", fast(fn, *a, **k))

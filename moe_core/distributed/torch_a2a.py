@@ -260,13 +260,12 @@ def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[tor
 
 
 # --------------------------------------------------------------------------- layout math
-# Each stage's index math is one pure function of tensors and layer constants. On CUDA every stage
-# (the send-side layout, the wire quantization, the index math after each transfer) runs
-# inductor-compiled: a few fused kernels instead of ~10-20 small launches each (FP8 quantization was
-# ~6 passes over the activations; the normal send side's host time 450-620 -> 280-440 us per call on
-# an H100 host, session 6). Elsewhere they run eagerly. (Inductor 2.11 failed to generate CUDA code
-# for an earlier send side that scanned the outer dim of ``[T, W]``; this one compiled at every size
-# tried, 128 to 16384 tokens, static and dynamic; a failure would fall back to eager, see ``_compiled``.)
+# Each stage's index math is one pure function of tensors and layer constants. On CUDA the
+# stages after a transfer and the wire quantization run inductor-compiled (a few fused kernels
+# instead of ~10 small launches each; FP8 quantization was ~6 passes over the activations); elsewhere
+# they run eagerly. The send side (``_normal_layout``, ``_masked_layout``) stays eager everywhere:
+# inductor 2.11 failed to generate CUDA code for it at 4096 tokens with W = 2 (``InductorError``,
+# "list indices must be integers or slices, not NoneType"; at 128 and 1000 tokens it compiled; H200).
 
 
 def _send_rows(ids: torch.Tensor, world: int, num_local: int, capacity: Optional[int],
@@ -300,9 +299,8 @@ def _sources(row: torch.Tensor, size: int, fill: Optional[int]) -> torch.Tensor:
     return src.scatter_(0, row.reshape(-1), tokens)
 
 
-def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Normal dispatch, before the host read: ``row [T, W]`` (see ``_send_rows``), its inverse
-    ``src`` (see ``_sources``; only the first sum(counts) entries are meaningful) and the counts
+def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normal dispatch, before the host read: ``row [T, W]`` (see ``_send_rows``) and the counts
     message ``[W, 2 + E_local]``, row r for rank r: [ids outside [-1, E) here, rows for r,
     (token, expert) pairs per expert of r]."""
     t, e = ids.shape[0], world * num_local
@@ -312,18 +310,17 @@ def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch
     bins = torch.zeros(e + 3, dtype=torch.int64, device=ids.device).scatter_add(0, key, torch.ones_like(key))
     bad = bins[0] + bins[e + 2]
     msg = torch.cat([bad.view(1, 1).expand(world, 1), count.view(world, 1), bins[2:e + 2].view(world, num_local)], dim=1)
-    return row, _sources(row, world * t, None), msg
+    return row, msg
 
 
 def _masked_layout(ids: torch.Tensor, world: int, num_local: int, capacity: int,
-                   num_experts: int, overflow: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Masked dispatch's send side: ``slot [T, W]`` (see ``_send_rows``; every rank owns C slots),
-    ``src [W * C]`` (the source token of each slot, T where unused) and the count of ids outside
-    ``[-1, E)`` (int32 scalar). An overflowing rank sends no tokens (and still counts its ids)."""
+                   num_experts: int, overflow: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked dispatch's send side: ``slot [T, W]`` (see ``_send_rows``; every rank owns C slots)
+    and the count of ids outside ``[-1, E)`` (int32 scalar). An overflowing rank sends no tokens
+    (and still counts its ids)."""
     bad = ((ids < -1) | (ids >= num_experts)).sum(dtype=torch.int32)
-    sent = ids[:0] if overflow else ids
-    _, slot = _send_rows(sent, world, num_local, capacity, world * capacity)
-    return slot, _sources(slot, world * capacity, sent.shape[0])[:world * capacity], bad
+    _, slot = _send_rows(ids[:0] if overflow else ids, world, num_local, capacity, world * capacity)
+    return slot, bad
 
 
 def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: WireDtype, meta_words: int,
@@ -513,7 +510,8 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         dev, t, w, el, e = x.device, x.shape[0], self.world, self.num_local, self.num_experts
-        row, src, msg = _fast(_normal_layout, dev)(topk.ids, w, el)
+        row, msg = _normal_layout(topk.ids, w, el)
+        src = _sources(row, w * t, None)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
         counts = recv_msg[:, 2:].sum(0).to(torch.int32)
@@ -571,7 +569,8 @@ class TorchA2ADispatcher(Dispatcher):
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        slot, src, bad = _fast(_masked_layout, dev)(ids_in, w, el, c, self.num_experts, overflow)
+        slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
+        src = _sources(slot, cw, t)[:cw]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
         data = _bytes(q)
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
