@@ -51,6 +51,16 @@ def floor_model(cfg, T: int, touched: int, bw: float, peak: float) -> dict[str, 
     return {"bytes": nbytes, "flops": flops, "floor_s": max(nbytes / bw, flops / peak)}
 
 
+def balanced_correction_bias(num_experts: int, generator: torch.Generator, device) -> torch.Tensor:
+    """A routing correction bias (DeepSeek-V3's ``e_score_correction_bias``) for benchmarks.
+
+    A trained model's bias is what keeps its experts' load balanced; for random logits the
+    balanced bias is flat, so this is noise of 1e-3 that only breaks ties. N(0, 1) outweighs
+    the sigmoid scores and sends every token to the same 8 of DeepSeek-V3's 256 experts.
+    """
+    return 1e-3 * torch.randn(num_experts, generator=generator, device=device)
+
+
 def _fill_weights(layer, cfg, seed: int) -> None:
     """Random weights straight into the layer's parameters, a few experts at a time (the fp32
     staging of a whole DeepSeek-V3 layer would not fit next to it)."""
@@ -71,7 +81,7 @@ def _fill_weights(layer, cfg, seed: int) -> None:
         for name, t in part.items():
             tensors[name].data[e0:e1].copy_(t)
     if layer.correction_bias is not None:
-        layer.correction_bias.data.normal_(generator=g)
+        layer.correction_bias.data.copy_(balanced_correction_bias(layer.correction_bias.numel(), g, layer.device))
     layer.load_weights(**{**tensors, **({"correction_bias": layer.correction_bias}
                                         if layer.correction_bias is not None else {})})
     layer.process_weights()
@@ -127,7 +137,8 @@ def bench_cell(cfg, backend: str, T: int, args, device: torch.device, layer=None
 
     topk = route(logits, cfg.top_k, cfg.router, layer.correction_bias)
     topk = TopK(topk.weights.contiguous(), topk.ids.contiguous())
-    touched = int(torch.unique(topk.ids[topk.ids >= 0]).numel())
+    load = torch.bincount(topk.ids[topk.ids >= 0].flatten(), minlength=cfg.num_experts)
+    touched = int((load > 0).sum())
     iters = args.iters if T < 4096 else max(5, args.iters // 2)
     eager = statistics.median(_time(lambda: layer(x, topk), device, iters, args.warmup))
     graph = None
@@ -143,6 +154,8 @@ def bench_cell(cfg, backend: str, T: int, args, device: torch.device, layer=None
         "backend": backend, "T": T, "eager_us": eager * 1e6, "graph_us": None if graph is None else graph * 1e6,
         "best_us": best * 1e6, "tflops": model["flops"] / best / 1e12, "floor_us": model["floor_s"] * 1e6,
         "frac_floor": model["floor_s"] / best, "experts_touched": touched, "bytes": model["bytes"],
+        # SGLang's figures assume load spread over the experts; this shows how even ours was
+        "max_expert_rows": int(load.max()) if T else 0,
         "flops": model["flops"],
     }
 

@@ -52,6 +52,7 @@ def main() -> None:
     from moe_plugin_cuda.triton_experts import config_dtype
     from moe_plugin_cuda.tune import _make_weights
 
+    from moe_core.bench import balanced_correction_bias
     from moe_core.config import preset
     from moe_core.router import route
 
@@ -63,7 +64,7 @@ def main() -> None:
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
     M = args.tokens
     x = torch.randn((M, H), generator=g, device=dev).to(torch.bfloat16)
-    bias = torch.randn(E, generator=g, device=dev) if cfg.router.use_correction_bias else None
+    bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     topk = route(torch.randn((M, E), generator=g, device=dev), K, cfg.router, bias)
     launch, source = tuning_configs.get_config(M, E, K, inter, H, config_dtype(cfg.quant, torch.bfloat16),
                                                torch.cuda.get_device_name(), args.config_dir)

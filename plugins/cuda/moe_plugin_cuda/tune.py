@@ -133,6 +133,7 @@ def _make_weights(E, H, inter, fp8, g, dev):
 def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) -> Path:
     import triton.testing
 
+    from moe_core.bench import balanced_correction_bias
     from moe_core.config import preset
     from moe_core.router import route
     from moe_plugin_cuda import triton_ops, tuning_configs
@@ -144,7 +145,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log) 
     g = torch.Generator(device=dev).manual_seed(0)
     fp8 = quant == "fp8_block"
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
-    bias = torch.randn(E, generator=g, device=dev) if cfg.router.use_correction_bias else None
+    bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     path = out_dir / tuning_configs.config_file_name(E, inter, H, torch.cuda.get_device_name(),
                                                      config_dtype(cfg.quant, torch.bfloat16))
     # re-tuning some T keeps the entries of the others
