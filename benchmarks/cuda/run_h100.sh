@@ -3,10 +3,10 @@
 # phase does not stop the others):
 #   install  pip install -e moe-core + the plugin, versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
-#   tune     moe-cuda-tune for TUNE_PRESETS, bf16 + fp8_block, 7 T   -> CFG_DIR, OUT/tune.log
+#   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
 #   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
 #            (best of eager and CUDA-graph replay at every T, as the issue's SGLang bar is measured)
-#   profile  qwen3-30b-a3b fp8_block T=4096: ncu (SOL, launch stats, occupancy) or torch.profiler,
+#   profile  PROFILE_CELL (default qwen3-30b-a3b fp8_block 4096): ncu (SOL, launch stats, occupancy) or torch.profiler,
 #            registers/spills of the compiled GEMMs                  -> OUT/profile*.log
 # The tuned JSON is saved to OUT/configs.tar at the end of every call (commit it into
 # plugins/cuda/moe_plugin_cuda/configs/). CFG_DIR lives outside OUT so that a later call on the
@@ -29,6 +29,9 @@ TUNE_PRESETS=${TUNE_PRESETS:-qwen3-30b-a3b mixtral-8x7b qwen3-235b-a22b deepseek
 BENCH_PRESETS=${BENCH_PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3 qwen3-235b-a22b}
 TOKENS="1 16 64 256 1024 4096 16384"
 TUNE_TOKENS=${TUNE_TOKENS:-$TOKENS}      # e.g. "4096 16384": re-tune those T, keep the committed entries of the others
+TUNE_QUANTS=${TUNE_QUANTS:-unquantized fp8_block}
+TUNE_ARGS=${TUNE_ARGS:-}                 # e.g. --verbose: every candidate's time in the log
+PROFILE_CELL=${PROFILE_CELL:-qwen3-30b-a3b fp8_block 4096}   # preset quant T (PROFILE_NCU=0: torch.profiler only)
 BENCH_QUANTS=${BENCH_QUANTS:-unquantized fp8_block fp8_per_token}
 BENCH_TOKENS=${BENCH_TOKENS:-$TOKENS}
 mkdir -p "$CFG_DIR"
@@ -50,8 +53,8 @@ phase_tests() {
 phase_tune() {
   cp -n plugins/cuda/moe_plugin_cuda/configs/*.json "$CFG_DIR"/  # the committed tables: tuning some T merges into them
   # shellcheck disable=SC2086
-  moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant unquantized fp8_block --tokens $TUNE_TOKENS \
-    --rep-ms "${TUNE_REP_MS:-20}" 2>&1 | tee -a "$OUT/tune.log"
+  moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant $TUNE_QUANTS --tokens $TUNE_TOKENS \
+    --rep-ms "${TUNE_REP_MS:-20}" $TUNE_ARGS 2>&1 | tee -a "$OUT/tune.log"
 }
 
 phase_bench() {
@@ -64,15 +67,16 @@ phase_bench() {
 }
 
 phase_profile() {
-  local args=(benchmarks/cuda/profile_triton.py --preset qwen3-30b-a3b --quant fp8_block --tokens 4096 --config-dir "$CFG_DIR")
+  local cell; read -r -a cell <<< "$PROFILE_CELL"
+  local args=(benchmarks/cuda/profile_triton.py --preset "${cell[0]}" --quant "${cell[1]}" --tokens "${cell[2]}" --config-dir "$CFG_DIR")
   python3 "${args[@]}" 2>&1 | tee "$OUT/profile_torch.log"
-  if command -v ncu >/dev/null 2>&1; then
+  if [ "${PROFILE_NCU:-1}" = 1 ] && command -v ncu >/dev/null 2>&1; then
     # 2 warm-up calls x 2 GEMMs skipped, then GEMM1 and GEMM2 of one call
     timeout 300 ncu --kernel-name regex:_moe_gemm_kernel --launch-skip 4 --launch-count 2 \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
       python3 "${args[@]}" --iters 1 --no-torch-profiler 2>&1 | tee "$OUT/profile_ncu.log" | tail -120
   else
-    echo "ncu not found: torch.profiler times and Triton's register/spill counts above are the profile"
+    echo "ncu skipped or not found: torch.profiler times and Triton's register/spill counts above are the profile"
   fi
 }
 

@@ -291,15 +291,16 @@ def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, K: tl.constexpr, BL
 
 
 @triton.jit
-def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, n_groups, stride_x, stride_q, stride_s,
-                            BLOCK: tl.constexpr):
-    """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale))."""
+def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s, GROUPS: tl.constexpr):
+    """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale)).
+    GROUPS groups of one row per program (one group per program was 140 us, ~4x HBM time, for
+    DeepSeek-V3's 4096 x 7168 input on the H100)."""
     row = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    offs = g * BLOCK + tl.arange(0, BLOCK)
-    m = offs < H
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = offs < H  # also masks the groups past the last one
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 448.0
-    q = tl.clamp(x / s, -448.0, 448.0)
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
+    q = tl.clamp(x / s[:, None], -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + row * stride_s + g, s)
+    tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < H)

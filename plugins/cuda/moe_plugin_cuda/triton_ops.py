@@ -72,7 +72,9 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, H), dtype=FP8, device=x.device)
     s = torch.empty((M, g), dtype=torch.float32, device=x.device)
     if M:
-        K._quant_fp8_group_kernel[(M, g)](x, q, s, H, g, x.stride(0), q.stride(0), s.stride(0), BLOCK=128)
+        groups = min(8, _pow2(g))
+        K._quant_fp8_group_kernel[(M, triton.cdiv(g, groups))](x, q, s, H, x.stride(0), q.stride(0), s.stride(0),
+                                                               GROUPS=groups)
     return q, s
 
 

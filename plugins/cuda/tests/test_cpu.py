@@ -145,6 +145,21 @@ def test_masked_experts_interpreter(layout):
             assert relative_error(out[e, :m], ref) < 1e-4
 
 
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("M,H", [(0, 256), (1, 1000), (37, 200), (9, 1152)])
+def test_activation_quant_scales_interpreter(M, H):
+    """Indexing and masking of the Triton FP8 group quantizer (several groups per program, a
+    partial last group, groups past the row's end): its scales are the core's. (The codes are
+    fp8 casts, unreliable in the interpreter: the GPU test compares them.)"""
+    from moe_core.quant import quantize_fp8_per_token_group
+    from moe_plugin_cuda import triton_ops
+
+    x = torch.randn(M, H) * (1 + 4 * torch.rand(M, 1))
+    _, s = triton_ops.quantize_fp8_groups(x)
+    assert s.shape == (M, -(-H // 128))
+    assert torch.allclose(s, quantize_fp8_per_token_group(x)[1], rtol=1e-6, atol=0)
+
+
 def _block_scaled(E, n, k):
     """fp32 stand-ins of an FP8 block-scaled weight: values and one scale per 128x128 block."""
     w = torch.randn(E, n, k) / k ** 0.5
