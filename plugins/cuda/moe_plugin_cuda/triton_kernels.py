@@ -142,6 +142,7 @@ def _moe_gemm_kernel(
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """C = A[rows] @ B[e].T per M-block of one expert. ``N`` is the number of B rows the grid spans.
 
@@ -151,6 +152,7 @@ def _moe_gemm_kernel(
     FP8 weight scales are in the checkpoint layout: gate j in scale row j // 128, up j in (inter + j) // 128.
     B_TMA (GATE 0/1): B tiles come through ``b_desc``, a TMA descriptor over B viewed as [E*N, K]
     (out-of-range K reads as zero; rows past this expert's N only feed masked-off output columns).
+    EVEN_K: K is a multiple of BLOCK_K, so the loads need no K mask.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -207,8 +209,10 @@ def _moe_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        k_mask = offs_k < k_left
+        if EVEN_K:  # a K mask only for the last, partial K step
+            k_mask = tl.full((BLOCK_K,), 1, tl.int1)
+        else:
+            k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if B_TMA:
             b = b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k * BLOCK_K]).T
@@ -301,6 +305,7 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
     m = offs < H  # also masks the groups past the last one
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
-    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    # IEEE division (Triton's `/` is approximate): the codes then equal the core quantizer's
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < H)

@@ -100,7 +100,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_K=Kdim % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
