@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device pass for moe-plugin-cuda on one H100, in phases (each logs under OUT; one failing
 # phase does not stop the others):
-#   install  pip install -e moe-core + the plugin, versions, nvidia-smi, `moe-core backends`
+#   install  pip install -e moe-core + the plugin + nvidia-cutlass (headers), build the cutlass library,
+#            versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
 #   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
 #   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
@@ -41,13 +42,21 @@ FAILED=""
 
 phase_install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cuda 2>&1 | grep -v -i warning | tail -3
+  # CUTLASS headers for the cutlass experts (WHEELHOUSE: a folder holding the wheel, where pip has no index)
+  python3 -m pip install -q --no-deps ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} nvidia-cutlass==4.2.0.0 \
+    2>&1 | grep -v -i warning | tail -3
+  # the cutlass experts compile their library at first use: do it here, timed, not inside a benchmark
+  python3 -c "import time; t = time.time(); from moe_plugin_cuda import cutlass_lib; cutlass_lib.library(); \
+print(f'cutlass library ready in {time.time() - t:.0f} s: {cutlass_lib.where()}')" 2>&1 | tail -5
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
   moe-core backends 2>&1 | tee "$OUT/backends.txt"
 }
 
 phase_tests() {
-  python3 -m pytest plugins/cuda/tests -m gpu -q -p no:cacheprovider --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  # TESTS_K: a pytest -k expression (e.g. cutlass) to run part of the suite
+  python3 -m pytest plugins/cuda/tests -m gpu -q -p no:cacheprovider --timeout 600 ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -30
 }
 
 phase_tune() {

@@ -277,8 +277,12 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = scale * sum_k [0 <= id(t,k) < E] * y[t*K + k]; invalid slots were never written."""
+def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, row_map_ptr, topk_w_ptr, K: tl.constexpr,
+                       BLOCK_H: tl.constexpr, MAPPED: tl.constexpr):
+    """out[t] = scale * sum_k [0 <= id(t,k) < E] * y[row(t,k)]; invalid slots were never written.
+
+    row(t,k) = t*K + k, or with MAPPED the slot's row in expert-sorted ``y`` (``row_map``), each
+    times its top-k weight (the GEMM did not apply it)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
@@ -286,8 +290,14 @@ def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, K: tl.constexpr, BL
     for k in tl.static_range(K):
         e = tl.load(ids_ptr + t * K + k) + tl.zeros((BLOCK_H,), dtype=tl.int32)  # broadcast the id
         ok = (e >= 0) & (e < E)
-        y = tl.load(y_ptr + (t * K + k) * H + offs, mask=hmask & ok, other=0.0)
-        acc += tl.where(ok, y.to(tl.float32), 0.0)
+        if MAPPED:
+            row = tl.load(row_map_ptr + t * K + k).to(tl.int64)
+            w = tl.load(topk_w_ptr + t * K + k).to(tl.float32)
+        else:
+            row = t * K + k
+            w = 1.0
+        y = tl.load(y_ptr + row * H + offs, mask=hmask & ok, other=0.0)
+        acc += tl.where(ok, y.to(tl.float32) * w, 0.0)
     tl.store(out_ptr + t * H + offs, (acc * scale).to(out_ptr.dtype.element_ty), mask=hmask)
 
 
@@ -309,3 +319,20 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
     q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), -448.0, 448.0)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < H)
+
+
+@triton.jit
+def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, stride_s, GROUPS: tl.constexpr):
+    """h = silu(gate) * up from GEMM1's output row [gate (inter) | up (inter)], quantized per (row,
+    128-column group) exactly like ``_quant_fp8_group_kernel``."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = offs < inter
+    gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
+    h = gate * tl.sigmoid(gate) * up
+    s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0
+    q = tl.clamp(tl.math.div_rn(h, tl.broadcast_to(s[:, None], h.shape)), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < inter)

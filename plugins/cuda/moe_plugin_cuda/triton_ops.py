@@ -209,8 +209,8 @@ def fused_experts(
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8, cfg2=cfg2)
     block_h = min(1024, triton.next_power_of_2(H))
-    K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E,
-                                                       K=top_k, BLOCK_H=block_h)
+    K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E, ids, ids,
+                                                       K=top_k, BLOCK_H=block_h, MAPPED=False)
     return out
 
 

@@ -21,7 +21,7 @@ def test_entry_point_and_specs():
     rec = {r.name: r for r in pm.records}
     assert rec["cuda"].status.ok
     names = {s.name for s in pm.specs if s.plugin == "cuda"}
-    assert names == {"triton", "grouped_mm", "deepep", "cutedsl"}
+    assert names == {"triton", "grouped_mm", "deepep", "cutedsl", "cutlass"}
     for s in pm.specs:
         if s.plugin == "cuda":
             r = pm.availability(s)  # probes never raise

@@ -1,0 +1,411 @@
+// fp8_blockwise_grouped.cu -- CUTLASS 3.x-API (CUTLASS 4.2.0 headers) Hopper sm_90a grouped GEMM
+// with DeepSeek-style FP8 block scaling, behind a plain C ABI (no torch headers).
+//
+//   D[g] (bf16 or fp32, row-major M_g x N_g) = sum_k  A[g][m,k] * SFA[g](m, k/128) * B[g][n,k] * SFB[g](n/128, k/128)
+//
+// Operands, per group g (all pointers are DEVICE pointers, read from device pointer arrays):
+//   A[g]   e4m3 (float8_e4m3fn), row-major [M_g, K]   (K contiguous, "T")
+//   B[g]   e4m3, each expert's weight row-major [N, K] (K contiguous, "N" in BLAS terms => "TN")
+//   D[g]   bf16 (fp32: variant 1), row-major [M_g, N] (N contiguous); no C operand (beta = 0, C is never read)
+//   SFA[g] fp32 activation scales, one per (token, 128-wide K group)
+//   SFB[g] fp32 weight scales, one per 128x128 (N, K) block
+//
+// Scale layouts (verified against include/cutlass/detail/blockwise_scale_layout.hpp,
+// Sm1xxBlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB, CUTLASS 4.2.0):
+//   SFB, every variant (K-major): row-major [ceil(N/128), ceil(K/128)] per expert, i.e. exactly the
+//        DeepSeek-V3 `weight_scale_inv` layout; a stacked [E, N/128, K/128] tensor works with
+//        sfb_ptrs[g] = base + g * ceil(N/128) * ceil(K/128).
+//   SFA (K-major): row-major [M_g, ceil(K/128)] per group, i.e. the natural output of a per-token-group
+//        quantizer; with a stacked [M_total, K/128] tensor and groups contiguous in rows,
+//        sfa_ptrs[g] = base + row_offset_g * ceil(K/128). (SGLang's sgl-kernel uses this layout on sm90:
+//        Sm90BlockwiseScaleConfig<1,128,128,GMMA::Major::K,GMMA::Major::K>.)
+//
+// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, session 7):
+//   0: tile 128x128x128, KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, cluster 1x1x1, bf16 D
+//   1: as 0 with an fp32 D
+//   2: tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
+//   3: tile 128x128x128, cooperative, cluster 1x2x1 (TMA multicast of A; SGLang's H100 config), bf16 D
+//
+// Per-group CUTLASS stride/layout arrays are built ON DEVICE by a tiny kernel (one thread per group) from
+// problem_sizes_dev, inside the caller-provided workspace, on the caller's stream: nothing syncs to the host.
+// Pass flags bit 0 (MOE_FP8BW_FLAG_REUSE_META) to skip that kernel when the SAME workspace was used by the
+// previous call with the same num_groups, same variant and the same N,K per group (strides depend on N,K
+// only; M is read by CUTLASS from problem_sizes_dev directly).
+//
+// Requirements / limitations:
+//   * K % 16 == 0 and N % 8 == 0 (16-byte TMA row alignment for e4m3 A/B and bf16 D);
+//     K and N need NOT be multiples of 128 (scale tensors use ceil_div; partial tiles are predicated).
+//   * every A/B/D pointer 16-byte aligned; scale pointers 4-byte aligned.
+//   * M_g may be 0 (group is skipped; its pointers are never dereferenced).
+//   * problem_sizes_dev: int32 [G, 3] = (M, N, K) per group, device memory, must stay valid until the
+//     kernel has run (stream order).  Pointer arrays: device arrays of G 64-bit pointers.
+//   * Output is bf16; accumulation fp32, scales applied per 128-K block in fp32 ("software" promotion).
+//
+// Build (one TU, ~1m40s on 2 cores with nvcc 13.0):
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC -cudart static -DNDEBUG
+//        -I<cutlass>/include -I<cutlass>/tools/util/include -L<cuda>/lib -o libmoe_cutlass_fp8.so fp8_blockwise_grouped.cu
+// The shipped .so files come from build.sh instead: one object per variant (-DMOE_VARIANT_MASK=<bit>
+// -DMOE_NO_API) + one API object (-DMOE_VARIANT_MASK=0), -fvisibility=hidden, and for the static-cudart
+// build -Xlinker --exclude-libs,ALL -Bsymbolic, so only moe_* is exported and this library's cudart
+// calls can never bind to another copy of cudart loaded in the process (e.g. torch's).
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <cuda_runtime.h>
+#include "cutlass/version.h"
+
+#ifndef MOE_VARIANT_MASK
+#define MOE_VARIANT_MASK 0xF
+#endif
+
+#define MOE_NUM_VARIANTS 4
+#define MOE_API __attribute__((visibility("default")))
+#define MOE_FP8BW_FLAG_REUSE_META 1
+
+// Internal per-variant entry points (C linkage so separately-compiled objects link without name issues).
+extern "C" {
+typedef int (*moe_fp8bw_run_fn)(int, const int*, const int*, const void* const*, const void* const*,
+                                void* const*, const float* const*, const float* const*, void*, size_t,
+                                cudaStream_t, int, char*, size_t);
+typedef size_t (*moe_fp8bw_ws_fn)(int, int);
+int moe_fp8bw_run_v0(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v1(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v2(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v3(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+size_t moe_fp8bw_ws_v0(int, int);
+size_t moe_fp8bw_ws_v1(int, int);
+size_t moe_fp8bw_ws_v2(int, int);
+size_t moe_fp8bw_ws_v3(int, int);
+}
+
+#if MOE_VARIANT_MASK != 0
+
+#include "cutlass/cutlass.h"
+#include "cutlass/numeric_types.h"
+#include "cute/tensor.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/dispatch_policy.hpp"
+#include "cutlass/epilogue/thread/activation.h"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_params.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+
+using namespace cute;
+
+namespace moe_fp8bw {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // <M,N,K> per group
+
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
+          cute::GMMA::Major SFAMajor_, class ElementD_>
+struct Config {
+  using ElementA = cutlass::float_e4m3_t;
+  using ElementB = cutlass::float_e4m3_t;
+  using ElementC = void;                    // no C operand
+  using ElementD = ElementD_;
+  using ElementAccumulator = float;
+  using LayoutA = cutlass::layout::RowMajor;     // A [M,K], K contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;  // B as (N,K) with K contiguous == weight row-major [N,K]
+  using LayoutD = cutlass::layout::RowMajor;     // D [M,N]
+  static constexpr int AlignmentA = 128 / cutlass::sizeof_bits<ElementA>::value;
+  static constexpr int AlignmentB = 128 / cutlass::sizeof_bits<ElementB>::value;
+  static constexpr int AlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using ArchTag = cutlass::arch::Sm90;
+  using OperatorClass = cutlass::arch::OpClassTensorOp;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, SFAMajor_, cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  static constexpr auto RoundStyle = cutlass::FloatRoundStyle::round_to_nearest;
+  // D = acc (converted to bf16); C never loaded.
+  using FusionOp = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElementD, ElementAccumulator,
+                                             RoundStyle>,
+      cutlass::epilogue::fusion::Sm90AccFetch>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      ArchTag, OperatorClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, AlignmentD, ElementD, LayoutD*, AlignmentD,
+      EpilogueSchedule_, FusionOp>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      ArchTag, OperatorClass, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, AlignmentA, ElementB,
+      cute::tuple<LayoutB*, LayoutSFB*>, AlignmentB, ElementAccumulator, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule_>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideD = typename GemmKernel::InternalStrideD;
+};
+
+static inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+template <class Cfg>
+struct Meta {
+  // layout of the metadata region at the start of the workspace
+  static size_t off_sa(int) { return 0; }
+  static size_t off_sb(int G) { return align_up(off_sa(G) + sizeof(typename Cfg::StrideA) * G, 256); }
+  static size_t off_sd(int G) { return align_up(off_sb(G) + sizeof(typename Cfg::StrideB) * G, 256); }
+  static size_t off_lsfa(int G) { return align_up(off_sd(G) + sizeof(typename Cfg::StrideD) * G, 256); }
+  static size_t off_lsfb(int G) { return align_up(off_lsfa(G) + sizeof(typename Cfg::LayoutSFA) * G, 256); }
+  static size_t bytes(int G) { return align_up(off_lsfb(G) + sizeof(typename Cfg::LayoutSFB) * G, 256); }
+};
+
+template <class Cfg>
+__global__ void build_meta_kernel(int G, const int* __restrict__ ps, typename Cfg::StrideA* sa,
+                                  typename Cfg::StrideB* sb, typename Cfg::StrideD* sd,
+                                  typename Cfg::LayoutSFA* lsfa, typename Cfg::LayoutSFB* lsfb) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= G) return;
+  int M = ps[3 * i + 0], N = ps[3 * i + 1], K = ps[3 * i + 2];
+  typename Cfg::StrideA a{};
+  typename Cfg::StrideB b{};
+  typename Cfg::StrideD d{};
+  cute::get<0>(a) = static_cast<int64_t>(K);  // A (M,K,L): stride (K, 1, 0)
+  cute::get<0>(b) = static_cast<int64_t>(K);  // B (N,K,L): stride (K, 1, 0)
+  cute::get<0>(d) = static_cast<int64_t>(N);  // D (M,N,L): stride (N, 1, 0)
+  sa[i] = a;
+  sb[i] = b;
+  sd[i] = d;
+  // Not read by the CUTLASS 4.2 sm90 ptr-array blockwise mainloop (it rebuilds the layouts from the
+  // problem shape), but filled for completeness / newer CUTLASS versions.
+  lsfa[i] = Cfg::ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(M, N, K, 1));
+  lsfb[i] = Cfg::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(M, N, K, 1));
+}
+
+static int sm_count_cached() {
+  static int cached[64] = {0};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (cached[dev] == 0) {
+    int n = 0;
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+template <class Cfg>
+typename Cfg::Gemm::Arguments make_args(int G, const int* ps_dev, const int* ps_host, const void* const* a,
+                                        const void* const* b, void* const* d, const float* const* sfa,
+                                        const float* const* sfb, uint8_t* meta) {
+  using Gemm = typename Cfg::Gemm;
+  using UPS = typename ProblemShape::UnderlyingProblemShape;
+  using M = Meta<Cfg>;
+  auto* sa = reinterpret_cast<typename Cfg::StrideA*>(meta + M::off_sa(G));
+  auto* sb = reinterpret_cast<typename Cfg::StrideB*>(meta + M::off_sb(G));
+  auto* sd = reinterpret_cast<typename Cfg::StrideD*>(meta + M::off_sd(G));
+  auto* lsfa = reinterpret_cast<typename Cfg::LayoutSFA*>(meta + M::off_lsfa(G));
+  auto* lsfb = reinterpret_cast<typename Cfg::LayoutSFB*>(meta + M::off_lsfb(G));
+
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = sm_count_cached();
+
+  typename Gemm::GemmKernel::MainloopArguments mainloop{
+      reinterpret_cast<const typename Cfg::ElementA**>(const_cast<const void**>(a)), sa,
+      reinterpret_cast<const typename Cfg::ElementB**>(const_cast<const void**>(b)), sb,
+      const_cast<const float**>(sfa), lsfa, const_cast<const float**>(sfb), lsfb};
+  typename Gemm::GemmKernel::EpilogueArguments epilogue{
+      {}, nullptr, sd, reinterpret_cast<typename Cfg::ElementD**>(const_cast<void**>(d)), sd};
+
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                {G, reinterpret_cast<UPS*>(const_cast<int*>(ps_dev)),
+                                 reinterpret_cast<UPS const*>(ps_host)},
+                                mainloop,
+                                epilogue,
+                                hw};
+  return args;
+}
+
+template <class Cfg>
+size_t workspace_size(int G) {
+  using Gemm = typename Cfg::Gemm;
+  auto args = make_args<Cfg>(G, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr);
+  size_t cutlass_ws = Gemm::get_workspace_size(args);
+  return Meta<Cfg>::bytes(G) + align_up(cutlass_ws, 256) + 256;
+}
+
+static void set_err(char* err, size_t n, const char* what, const char* detail) {
+  if (err && n) snprintf(err, n, "%s%s%s", what, detail ? ": " : "", detail ? detail : "");
+}
+
+template <class Cfg>
+int run(int G, const int* ps_dev, const int* ps_host, const void* const* a, const void* const* b, void* const* d,
+        const float* const* sfa, const float* const* sfb, void* workspace, size_t ws_bytes, cudaStream_t stream,
+        int flags, char* err, size_t errn) {
+  using Gemm = typename Cfg::Gemm;
+  if (G <= 0) return 0;
+  size_t need = workspace_size<Cfg>(G);
+  if (ws_bytes < need || workspace == nullptr) {
+    char buf[128];
+    snprintf(buf, sizeof(buf), "need %zu bytes, got %zu", need, ws_bytes);
+    set_err(err, errn, "workspace too small", buf);
+    return 2;
+  }
+  uint8_t* base = reinterpret_cast<uint8_t*>(align_up(reinterpret_cast<uintptr_t>(workspace), 256));
+  uint8_t* meta = base;
+  uint8_t* cutlass_ws = base + Meta<Cfg>::bytes(G);
+
+  if (!(flags & MOE_FP8BW_FLAG_REUSE_META)) {
+    using M = Meta<Cfg>;
+    int threads = 128, blocks = (G + threads - 1) / threads;
+    build_meta_kernel<Cfg><<<blocks, threads, 0, stream>>>(
+        G, ps_dev, reinterpret_cast<typename Cfg::StrideA*>(meta + M::off_sa(G)),
+        reinterpret_cast<typename Cfg::StrideB*>(meta + M::off_sb(G)),
+        reinterpret_cast<typename Cfg::StrideD*>(meta + M::off_sd(G)),
+        reinterpret_cast<typename Cfg::LayoutSFA*>(meta + M::off_lsfa(G)),
+        reinterpret_cast<typename Cfg::LayoutSFB*>(meta + M::off_lsfb(G)));
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+      set_err(err, errn, "build_meta_kernel launch failed", cudaGetErrorString(e));
+      return 3;
+    }
+  }
+
+  auto args = make_args<Cfg>(G, ps_dev, ps_host, a, b, d, sfa, sfb, meta);
+  Gemm gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) {
+    set_err(err, errn, "can_implement failed", cutlassGetStatusString(st));
+    return 4;
+  }
+  st = gemm.initialize(args, cutlass_ws, stream);
+  if (st != cutlass::Status::kSuccess) {
+    set_err(err, errn, "initialize failed", cutlassGetStatusString(st));
+    return 5;
+  }
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    cudaError_t e = cudaGetLastError();
+    set_err(err, errn, "run failed", e != cudaSuccess ? cudaGetErrorString(e) : cutlassGetStatusString(st));
+    return 6;
+  }
+  return 0;
+}
+
+using Coop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+using Ping = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+using EpiCoop = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+using EpiPing = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+
+// moe-plugin-cuda uses 0 for GEMM2 and 1 for GEMM1 (its fp32 output is quantized again after the activation,
+// as the reference does: a bf16 rounding first could flip FP8 codes)
+using Cfg0 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+using Cfg1 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
+using Cfg2 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+using Cfg3 = Config<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+
+}  // namespace moe_fp8bw
+
+#define MOE_DEFINE_VARIANT(k)                                                                                  \
+  extern "C" int moe_fp8bw_run_v##k(int G, const int* ps_dev, const int* ps_host, const void* const* a,       \
+                                    const void* const* b, void* const* d, const float* const* sfa,            \
+                                    const float* const* sfb, void* ws, size_t wsb, cudaStream_t s, int flags, \
+                                    char* err, size_t errn) {                                                 \
+    return moe_fp8bw::run<moe_fp8bw::Cfg##k>(G, ps_dev, ps_host, a, b, d, sfa, sfb, ws, wsb, s, flags, err,   \
+                                             errn);                                                           \
+  }                                                                                                           \
+  extern "C" size_t moe_fp8bw_ws_v##k(int G, int) { return moe_fp8bw::workspace_size<moe_fp8bw::Cfg##k>(G); }
+
+#if (MOE_VARIANT_MASK & 1)
+MOE_DEFINE_VARIANT(0)
+#endif
+#if (MOE_VARIANT_MASK & 2)
+MOE_DEFINE_VARIANT(1)
+#endif
+#if (MOE_VARIANT_MASK & 4)
+MOE_DEFINE_VARIANT(2)
+#endif
+#if (MOE_VARIANT_MASK & 8)
+MOE_DEFINE_VARIANT(3)
+#endif
+
+#endif  // MOE_VARIANT_MASK != 0
+
+// ------------------------------------------------------------------------------------------------
+// Public C ABI
+// ------------------------------------------------------------------------------------------------
+#ifndef MOE_NO_API
+
+static thread_local char g_last_error[512] = "";
+
+static const char* kVariantNames[MOE_NUM_VARIANTS] = {
+    "v0_coop_128x128x128_c1x1_bf16out",
+    "v1_coop_128x128x128_c1x1_fp32out",
+    "v2_ping_64x128x128_c1x1_bf16out",
+    "v3_coop_128x128x128_c1x2_bf16out",
+};
+
+static moe_fp8bw_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_run_v0, moe_fp8bw_run_v1, moe_fp8bw_run_v2,
+                                                     moe_fp8bw_run_v3};
+static moe_fp8bw_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_ws_v0, moe_fp8bw_ws_v1, moe_fp8bw_ws_v2,
+                                                   moe_fp8bw_ws_v3};
+
+extern "C" {
+
+MOE_API int moe_fp8_blockwise_num_variants() { return MOE_NUM_VARIANTS; }
+
+MOE_API const char* moe_fp8_blockwise_variant_name(int variant) {
+  return (variant >= 0 && variant < MOE_NUM_VARIANTS) ? kVariantNames[variant] : "invalid";
+}
+
+// 1 if SFA is expected K-major ([M_g, K/128] row-major per group), 0 if MN-major ([K/128, M_g]).
+MOE_API int moe_fp8_blockwise_variant_sfa_kmajor(int variant) { return 1; }
+
+MOE_API const char* moe_fp8_blockwise_last_error() { return g_last_error; }
+
+// Workspace bytes for `num_groups` groups on the CURRENT device (depends on its SM count); 0 on error.
+MOE_API size_t moe_fp8_blockwise_workspace_size(int num_groups, int variant) {
+  if (variant < 0 || variant >= MOE_NUM_VARIANTS) {
+    snprintf(g_last_error, sizeof(g_last_error), "invalid variant %d", variant);
+    return 0;
+  }
+  return ws_fns[variant](num_groups < 1 ? 1 : num_groups, 0);
+}
+
+// Returns 0 on success, non-zero on error (message via moe_fp8_blockwise_last_error()).
+// The launch is asynchronous on `stream`; errors inside the kernel surface at the next sync.
+MOE_API int moe_fp8_blockwise_grouped_gemm(int num_groups, const int* problem_sizes_dev,
+                                   const int* problem_sizes_host_or_null, const void* const* a_ptrs_dev,
+                                   const void* const* b_ptrs_dev, void* const* d_ptrs_dev,
+                                   const float* const* sfa_ptrs_dev, const float* const* sfb_ptrs_dev,
+                                   void* workspace, size_t workspace_bytes, void* stream, int variant, int flags) {
+  g_last_error[0] = 0;
+  if (variant < 0 || variant >= MOE_NUM_VARIANTS) {
+    snprintf(g_last_error, sizeof(g_last_error), "invalid variant %d", variant);
+    return 1;
+  }
+  return run_fns[variant](num_groups, problem_sizes_dev, problem_sizes_host_or_null, a_ptrs_dev, b_ptrs_dev,
+                          d_ptrs_dev, sfa_ptrs_dev, sfb_ptrs_dev, workspace, workspace_bytes,
+                          reinterpret_cast<cudaStream_t>(stream), flags, g_last_error, sizeof(g_last_error));
+}
+
+MOE_API const char* moe_fp8_blockwise_build_info() {
+  static char buf[256];
+  snprintf(buf, sizeof(buf), "nvcc %d.%d, CUTLASS %d.%d.%d, sm_90a", __CUDACC_VER_MAJOR__, __CUDACC_VER_MINOR__,
+           CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH);
+  return buf;
+}
+
+}  // extern "C"
+#endif  // MOE_NO_API
