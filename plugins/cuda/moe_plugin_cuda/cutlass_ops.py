@@ -95,10 +95,11 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[tor
     return q, s
 
 
-def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype):
+def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype,
+             gemm1_dtype=torch.float32):
     """GEMM1 -> activation + FP8 -> GEMM2 over rows grouped by expert: ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
-    d1 = torch.empty((R, w13.shape[1]), dtype=torch.float32, device=a.device)
+    d1 = torch.empty((R, w13.shape[1]), dtype=gemm1_dtype, device=a.device)
     gemm(a, a_scale, w13, w13_scale, d1, m_sizes, row_start)
     h, h_scale = silu_mul_quant(d1, code_dtype)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
@@ -109,7 +110,8 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
-                  gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8) -> torch.Tensor:
+                  gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8,
+                  gemm1_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
     ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
@@ -129,7 +131,8 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
     row_start = torch.cumsum(counts, 0) - counts
     token = order // top_k
     a = hidden.view(torch.uint8)[token].view(hidden.dtype) if hidden.dtype == FP8 else hidden[token]
-    y = _experts(a, a_scale[token], w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype)
+    y = _experts(a, a_scale[token], w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype,
+                 gemm1_dtype)
     row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](

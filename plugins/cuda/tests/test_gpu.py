@@ -252,7 +252,8 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
         cutlass_ops.cutlass_gemm(a, a_s, w["w13"], w["w13_scale"], d, counts, start)
         cutlass_ops.reference_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start)
         if T:
-            assert relative_error(d, d_ref) < (1e-2 if dtype is torch.bfloat16 else 1e-5)
+            # fp32 out: Hopper's FP8 MMA accumulates each 128-K step in reduced precision (measured 1.3e-4)
+            assert relative_error(d, d_ref) < (1e-2 if dtype is torch.bfloat16 else 1e-3)
     x = torch.randn(T, H, device="cuda")
     cfg = _cfg("cutlass", "fp8_block", E=E, K=K, H=H, inter=inter)
     topk = _topk(T, cfg)

@@ -1,0 +1,69 @@
+"""Where the time of the cutlass experts' FP8 pipeline goes, on one preset x T (torch.profiler).
+
+    python3 benchmarks/cuda/profile_cutlass.py --preset qwen3-235b-a22b --tokens 16384 [--gemm1-bf16]
+
+Uniform routing (softmax over random logits, as the bench's presets without a correction bias);
+prints the per-call pipeline time (CUDA events, median of --iters) and the kernel table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="qwen3-235b-a22b")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--gemm1-bf16", action="store_true", help="GEMM1 writes bf16 (default fp32)")
+    args = p.parse_args()
+
+    from moe_core.config import preset
+    from moe_core.quant import quantize_weights
+    from moe_plugin_cuda import cutlass_ops
+
+    cfg = preset(args.preset, quant="fp8_block", device="cuda")
+    E, K, H, inter, T = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, args.tokens
+    w = {}
+    for e0 in range(0, E, 16):  # quantize a few experts at a time (fp32 staging of all would not fit)
+        part = quantize_weights(torch.randn(min(16, E - e0), 2 * inter, H, device="cuda") / H ** 0.5,
+                                torch.randn(min(16, E - e0), H, inter, device="cuda") / inter ** 0.5, "fp8_block")
+        for k, v in part.items():
+            w.setdefault(k, []).append(v)
+    w = {k: torch.cat(v) for k, v in w.items()}
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    topk_w, ids = torch.softmax(torch.randn(T, E, device="cuda"), -1).topk(K, -1)
+    ids = ids.to(torch.int32)
+    gemm1 = torch.bfloat16 if args.gemm1_bf16 else torch.float32
+
+    def run():
+        return cutlass_ops.fused_experts(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
+                                         routed_scaling_factor=1.0, out_dtype=torch.bfloat16, gemm1_dtype=gemm1)
+
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(args.iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    print(f"{args.preset} fp8_block T={T} gemm1 {gemm1}: pipeline {statistics.median(times):.1f} us per call "
+          f"(eager, median of {args.iters})", flush=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
