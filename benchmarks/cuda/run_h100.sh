@@ -68,11 +68,14 @@ phase_tune() {
 
 phase_bench() {
   # BENCH_TWO_ACC=1: GEMM1 on the two-accumulator fallback (if the one-accumulator epilogue fails on the device)
+  # BENCH_TRITON_OPTS: more triton options, e.g. '"cutlass": false' (the Triton GEMMs at every T); BENCH_NAME: file stem
   local two=""; [ -n "$BENCH_TWO_ACC" ] && two=', "gemm1_two_acc": true'
+  local extra=""; [ -n "$BENCH_TRITON_OPTS" ] && extra=", $BENCH_TRITON_OPTS"
+  local name=${BENCH_NAME:-bench}
   # shellcheck disable=SC2086
-  moe-core bench -- --json "$OUT/bench.json" --presets $BENCH_PRESETS --tokens $BENCH_TOKENS --quant $BENCH_QUANTS \
+  moe-core bench -- --json "$OUT/$name.json" --presets $BENCH_PRESETS --tokens $BENCH_TOKENS --quant $BENCH_QUANTS \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
-    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two}}" 2>&1 | tee "$OUT/bench.log" | grep -v "^  \["
+    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two$extra}}" 2>&1 | tee "$OUT/$name.log" | grep -v "^  \["
 }
 
 phase_profile() {

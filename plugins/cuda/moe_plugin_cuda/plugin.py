@@ -14,7 +14,6 @@ _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
 # standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
 # (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
 PRIORITY_TRITON = 30
-PRIORITY_CUTLASS = 35  # FP8 block only; measured faster than triton there (benchmarks/cuda/RESULTS.md, session 7)
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
 PRIORITY_DEEPEP = 20
@@ -33,16 +32,6 @@ class CudaPlugin(BackendPlugin):
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
                 priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
-            ),
-            BackendSpec(
-                name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass_experts:CutlassExperts",
-                formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
-                wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
-                quant_schemes=frozenset({QuantScheme.FP8_BLOCK}), activations=frozenset({Activation.SILU}),
-                # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
-                graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
-                description="CUTLASS grouped GEMMs with FP8 128x128 block scales (SM90), Triton activation",
             ),
             BackendSpec(
                 name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",
