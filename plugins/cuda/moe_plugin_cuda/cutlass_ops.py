@@ -1,18 +1,14 @@
-"""FP8 block-scaled MoE on CUTLASS grouped GEMMs (Hopper): the triton backend's large-T path.
+"""FP8 block-scaled MoE on CUTLASS grouped GEMMs (Hopper): the pipeline around ``cutlass_lib``.
 
-Token list (STANDARD / EP_NORMAL): quantize -> sort the (token, slot) pairs by expert -> gather
-their FP8 rows -> GEMM1 (fp32 out) -> SiLU(gate) * up, FP8 re-quantization -> GEMM2 -> weighted
-sum of each token's slots. The Triton GEMMs gather rows and apply the FP8 scales outside the
-tensor cores' accumulator chain; CUTLASS's warp-specialized kernels (TMA producer, two consumer
-warpgroups promoting the partial sums) measured 1.4-1.8x faster on the H100 at >= 128 rows per
-expert (benchmarks/cuda/RESULTS.md, session 7), enough to pay for the sort and the gather.
+Token list (STANDARD / EP_NORMAL): quantize -> sort the (token, slot) pairs by expert ->
+gather their FP8 rows -> GEMM1 (fp32 out) -> SiLU(gate) * up, FP8 re-quantization -> GEMM2 ->
+weighted sum of each token's slots. Masked slab (EP_MASKED): the slab already holds each expert's
+rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in place of the sort.
 
-w13 is the triton backend's gate/up-interleaved layout; its 128-row blocks mix gate and up rows of
-different checkpoint scale blocks, so GEMM1 takes one scale per row and 128-K block
-(``row_scales``). Everything is shape-driven: the sort (``argsort``), the counts
-(``scatter_add_``) and the GEMMs' per-expert rows and pointers stay on the device, so nothing
-syncs with the host and the pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM
-(``cutlass_gemm`` on the GPU; ``reference_gemm``, its torch emulation, for CI).
+Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) and the GEMMs'
+per-expert row counts and pointers stay on the device, so no call syncs with the host and the
+pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM itself (``cutlass_gemm``
+on the GPU; ``reference_gemm``, its torch emulation, for CI without one).
 """
 
 from __future__ import annotations
@@ -40,22 +36,18 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
     """``d[rows of g] = (a * a_scale)[rows of g] @ (b[g] * b_scale[g]).T`` for every expert g, where
     the rows of g are ``row_start[g] .. row_start[g] + m_sizes[g]`` (device int tensors).
 
-    a: e4m3 [R, K], a_scale: fp32 [R, K/128]; b: e4m3 [G, N, K], b_scale: fp32 [G, N/128, K/128]
-    (128x128 blocks) or [G, N, K/128] (rows; d must be fp32 then); d: bf16 or fp32 [R, N]. Rows of
-    ``d`` outside every group are not written.
+    a: e4m3 [R, K], a_scale: fp32 [R, K/128]; b: e4m3 [G, N, K], b_scale: fp32 [G, N/128, K/128];
+    d: bf16 or fp32 [R, N]. Rows of ``d`` outside every group are not written.
     """
     from moe_plugin_cuda import cutlass_lib
 
     lib = cutlass_lib.library()
     G, N, Kd = b.shape
     dev = a.device
-    row_scaled = b_scale.shape[1] == N and N != _cdiv(N, BLOCK)
-    if row_scaled and d.dtype != torch.float32:
-        raise ValueError("the row-scaled CUTLASS GEMM writes fp32")
-    variant = 4 if row_scaled else (1 if d.dtype == torch.float32 else 0)
+    variant = 1 if d.dtype == torch.float32 else 0
     start = row_start.to(torch.int64)
     experts = torch.arange(G, device=dev, dtype=torch.int64)
-    kb = _cdiv(Kd, BLOCK)
+    nb, kb = _cdiv(N, BLOCK), _cdiv(Kd, BLOCK)
     problems = torch.stack([m_sizes.to(torch.int32), torch.full_like(m_sizes, N, dtype=torch.int32),
                             torch.full_like(m_sizes, Kd, dtype=torch.int32)], 1).contiguous()
     ptrs = torch.stack([
@@ -63,7 +55,7 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
         b.data_ptr() + experts * N * Kd * b.element_size(),
         d.data_ptr() + start * N * d.element_size(),
         a_scale.data_ptr() + start * kb * 4,
-        b_scale.data_ptr() + experts * b_scale.shape[1] * kb * 4,
+        b_scale.data_ptr() + experts * nb * kb * 4,
     ]).contiguous()
     key = (G, variant, dev.index)
     if key not in _WORKSPACE:  # host-side size query (depends on the SM count), once per shape
@@ -84,23 +76,13 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
         if m == 0:
             continue
         x = a[s:s + m].float() * a_scale[s:s + m].float().repeat_interleave(BLOCK, 1)[:, :Kd]
-        rows = b_scale[g].float() if b_scale.shape[1] == N else b_scale[g].float().repeat_interleave(BLOCK, 0)[:N]
-        w = b[g].float() * rows.repeat_interleave(BLOCK, 1)[:, :Kd]
+        w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
         d[s:s + m] = (x @ w.T).to(d.dtype)
 
 
-def row_scales(w13_scale: torch.Tensor, inter: int) -> torch.Tensor:
-    """Checkpoint block scales [E, 2I/128, H/128] -> one per interleaved w13 row [E, 2I, H/128]
-    (row 2j is gate j, row 2j+1 up j: ``weights.interleave_gate_up``)."""
-    r = torch.arange(2 * inter, device=w13_scale.device)
-    checkpoint_row = (r % 2) * inter + r // 2
-    return w13_scale[:, checkpoint_row // BLOCK].contiguous()
-
-
 def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """GEMM1's ``[R, 2I]`` output on interleaved w13 (gate j, up j in columns 2j, 2j+1) ->
-    (``silu(gate) * up`` as codes [R, I], fp32 scales [R, I/128]), per row and 128-column group
-    (``code_dtype`` fp32 keeps the unrounded values: CI)."""
+    """GEMM1's ``[R, 2I]`` output (gate | up) -> (``silu(gate) * up`` as codes [R, I], fp32 scales
+    [R, I/128]), per row and 128-column group (``code_dtype`` fp32 keeps the unrounded values: CI)."""
     R, two_i = d1.shape
     inter = two_i // 2
     g = _cdiv(inter, BLOCK)
@@ -113,11 +95,11 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[tor
     return q, s
 
 
-def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype):
+def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype,
+             gemm1_dtype=torch.float32):
     """GEMM1 -> activation + FP8 -> GEMM2 over rows grouped by expert: ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
-    # fp32: quantizing silu(gate) * up from bf16 gate/up would round twice and flip FP8 codes
-    d1 = torch.empty((R, w13.shape[1]), dtype=torch.float32, device=a.device)
+    d1 = torch.empty((R, w13.shape[1]), dtype=gemm1_dtype, device=a.device)
     gemm(a, a_scale, w13, w13_scale, d1, m_sizes, row_start)
     h, h_scale = silu_mul_quant(d1, code_dtype)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
@@ -128,12 +110,12 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
-                  gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8) -> torch.Tensor:
+                  gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8,
+                  gemm1_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
     ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
-    gate/up interleaved with ``w13_scale`` per row (``row_scales``), w2 [E, H, I] with 128x128
-    block scales, all e4m3.
+    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales.
     """
     T, H = hidden.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
@@ -149,10 +131,31 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
     row_start = torch.cumsum(counts, 0) - counts
     token = order // top_k
     a = hidden.view(torch.uint8)[token].view(hidden.dtype) if hidden.dtype == FP8 else hidden[token]
-    y = _experts(a, a_scale[token], w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype)
+    y = _experts(a, a_scale[token], w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype,
+                 gemm1_dtype)
     row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,
         topk_weights.to(torch.float32).contiguous(), K=top_k, BLOCK_H=block_h, MAPPED=True)
     return out
+
+
+def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor,
+                   w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, *,
+                   routed_scaling_factor: float, out_dtype: torch.dtype, gemm: GemmFn = cutlass_gemm,
+                   code_dtype: torch.dtype = FP8) -> torch.Tensor:
+    """EP_MASKED slab ``[E, C, H]`` (rows ``< masked_m[e]`` valid) -> unweighted expert outputs
+    ``[E, C, H]`` times ``routed_scaling_factor``; rows past ``masked_m`` are left undefined."""
+    E, C, H = hidden.shape
+    flat = hidden.reshape(E * C, H).contiguous()
+    if a_scale is None:
+        flat, a_scale = quantize_fp8_groups(flat)
+    else:
+        a_scale = a_scale.reshape(E * C, -1)
+    rows = masked_m.to(torch.int64)
+    start = torch.arange(E, device=hidden.device, dtype=torch.int64) * C
+    y = _experts(flat, a_scale.contiguous(), w13, w13_scale, w2, w2_scale, rows, start, gemm, out_dtype, code_dtype)
+    if routed_scaling_factor != 1.0:
+        y.mul_(routed_scaling_factor)
+    return y.view(E, C, H)

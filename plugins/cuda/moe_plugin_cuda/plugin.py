@@ -14,6 +14,10 @@ _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
 # standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
 # (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
 PRIORITY_TRITON = 30
+# cutlass (FP8 block only) ranks below triton: its GEMMs are faster, but the sort, gather and fp32 round
+# trip around them made the whole layer slower than triton at T <= 4096 on every preset and at 16384
+# on two of four (H100, benchmarks/cuda/RESULTS.md, session 7); ask for it with experts="cutlass"
+PRIORITY_CUTLASS = 25
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
 PRIORITY_DEEPEP = 20
@@ -32,6 +36,16 @@ class CudaPlugin(BackendPlugin):
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
                 priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
+            ),
+            BackendSpec(
+                name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass_experts:CutlassExperts",
+                formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
+                wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
+                quant_schemes=frozenset({QuantScheme.FP8_BLOCK}), activations=frozenset({Activation.SILU}),
+                # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
+                graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
+                priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
+                description="CUTLASS grouped GEMMs with FP8 128x128 block scales (SM90), Triton activation",
             ),
             BackendSpec(
                 name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",
@@ -72,14 +86,14 @@ class CudaPlugin(BackendPlugin):
     @hookimpl
     def select_dispatch_dtype(self, request):
         """Platform step of the dtype chain: with the ``standard`` dispatcher nothing crosses a wire,
-        and the Triton experts quantize FP8 activations in one kernel of their own, cheaper than
-        quantizing in the dispatcher; so keep BF16 there. Every other pair: no opinion."""
+        and the triton / cutlass experts quantize FP8 activations in one Triton kernel of their own,
+        cheaper than quantizing in the dispatcher; so keep BF16 there. Every other pair: no opinion."""
         cfg = request.config
-        if (request.experts.name == "triton" and request.experts.plugin in ("", "cuda")
+        if (request.experts.name in ("triton", "cutlass") and request.experts.plugin in ("", "cuda")
                 and request.dispatcher is not None and request.dispatcher.name == "standard"
                 and cfg.dispatch_dtype == "auto" and WireDtype.BF16 in request.common):
-            return request.decide(WireDtype.BF16, "cuda: no wire with the standard dispatcher; triton quantizes "
-                                  "activations in its own kernel", source="cuda")
+            return request.decide(WireDtype.BF16, f"cuda: no wire with the standard dispatcher; {request.experts.name} "
+                                  "quantizes activations in its own kernel", source="cuda")
         return None
 
     @hookimpl(wrapper=True, specname="select_dispatch_dtype")

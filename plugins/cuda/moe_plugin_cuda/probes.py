@@ -64,9 +64,7 @@ def probe_triton() -> Reason:
     triton, why = _import("triton", "pip install triton (a version matching your torch)")
     if why:
         return why
-    cutlass = cutlass_problem()
-    return available(f"triton {getattr(triton, '__version__', '?')} on SM{cap[0]}{cap[1]}; FP8 at >= 128 rows per "
-                     f"expert on CUTLASS GEMMs: " + (f"no ({cutlass})" if cutlass else "yes"))
+    return available(f"triton {getattr(triton, '__version__', '?')} on SM{cap[0]}{cap[1]}")
 
 
 def probe_grouped_mm() -> Reason:
@@ -86,16 +84,23 @@ def probe_grouped_mm() -> Reason:
     return available(f"torch {torch.__version__} on SM{cap[0]}{cap[1]}")
 
 
-def cutlass_problem() -> Optional[str]:
-    """Why the triton backend's CUTLASS FP8 GEMMs (its large-T path) cannot run here (None: they can)."""
+def probe_cutlass() -> Reason:
     cap, why = _cuda_capability()
     if why:
-        return why.message
+        return why
     if cap != (9, 0):
-        return f"the CUTLASS FP8 grouped GEMM is built for SM90a only (this GPU: SM{cap[0]}{cap[1]})"
+        return unavailable(Code.UNSUPPORTED_ARCH, f"compute capability {cap[0]}.{cap[1]}: the CUTLASS FP8 grouped GEMM "
+                           "is built for SM90a (Hopper wgmma/TMA) only", "use the triton experts on this GPU")
+    triton, why = _import("triton", "pip install triton (a version matching your torch)")
+    if why:
+        return why
     from moe_plugin_cuda import cutlass_lib
 
-    return cutlass_lib.missing()
+    missing = cutlass_lib.missing()
+    if missing:
+        return unavailable(Code.NOT_INSTALLED, missing, "pip install 'moe-plugin-cuda[cutlass]' with the CUDA "
+                           "toolkit's nvcc on PATH (the kernels compile at first use, ~1-2 minutes)")
+    return available(f"CUTLASS FP8 grouped GEMM on SM90 (library: {cutlass_lib.where()})")
 
 
 def probe_deepep() -> Reason:
@@ -149,6 +154,15 @@ def check_triton(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     if config.apply_router_weight_on_input:
         out.append(unavailable(Code.UNSUPPORTED_SHAPE, "triton experts weight the expert outputs; "
                                "apply_router_weight_on_input is not implemented", "use the reference experts"))
+    return out
+
+
+def check_cutlass(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
+    out = check_triton(config, spec)  # its activation and re-quantization kernels are Triton's
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(config, name) % 128:
+            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"{name}={getattr(config, name)} is not a multiple of 128 "
+                                   "(whole 128x128 scale blocks in the CUTLASS FP8 GEMMs)", "use the triton experts"))
     return out
 
 

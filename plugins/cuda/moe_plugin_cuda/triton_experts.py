@@ -74,9 +74,7 @@ class TritonExperts(Experts):
     Options (``backend_options["triton"]``): ``config_dir`` (extra directory of tuned JSON
     configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T),
     ``gemm1_two_acc`` (True: run GEMM1 on the two-accumulator fallback kernel whatever the
-    config says, e.g. where the one-accumulator epilogue does not compile); ``cutlass`` ("auto":
-    FP8 token lists with at least ``cutlass_min_rows`` (128) rows per expert run on CUTLASS grouped
-    GEMMs where they can (``cutlass_ops``: Hopper, headers and nvcc present); True: must; False: never).
+    config says, e.g. where the one-accumulator epilogue does not compile).
     """
 
     def __init__(self, ctx) -> None:
@@ -96,19 +94,6 @@ class TritonExperts(Experts):
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
         self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
         _BACKENDS[self.op_key] = self
-        self.use_cutlass = False
-        self.cutlass_min_rows = int(ctx.options.get("cutlass_min_rows", 128))
-        want = ctx.options.get("cutlass", "auto")
-        if self.fp8 and want:
-            from moe_plugin_cuda.probes import cutlass_problem
-
-            why = cutlass_problem()
-            if not why and (c.hidden_size % 128 or c.intermediate_size % 128):
-                why = "hidden and intermediate sizes must be multiples of 128 (whole scale blocks)"
-            if why and want is True:
-                raise ValueError(f"triton option cutlass=True, but {why}")
-            self.use_cutlass = why is None
-        self._w13_row_scale: Optional[torch.Tensor] = None  # w13's block scales per interleaved row
 
     # ------------------------------------------------------------------ configs
     def launch_config(self, m: int, device: torch.device) -> dict:
@@ -140,12 +125,6 @@ class TritonExperts(Experts):
         if not self.w13_layout.is_interleaved(layer.w13):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
-        if self.use_cutlass:
-            from moe_plugin_cuda import cutlass_lib, cutlass_ops
-
-            w = expert_weights(layer, True)
-            self._w13_row_scale = cutlass_ops.row_scales(w.w13_scale, self.config.intermediate_size)
-            cutlass_lib.library()  # build or load now, not in the first forward (or inside a graph capture)
 
     # ------------------------------------------------------------------ apply
     def _activations(self, qa: QuantizedActivations, flat: bool = True):
@@ -160,12 +139,6 @@ class TritonExperts(Experts):
     def run_fused(self, hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
         """STANDARD / EP_NORMAL token list through the pipeline -> ``[T, H]`` in the params dtype."""
         c = self.config
-        if self.use_cutlass and hidden.shape[0] * c.top_k >= self.cutlass_min_rows * c.num_local_experts:
-            from moe_plugin_cuda import cutlass_ops
-
-            return cutlass_ops.fused_experts(hidden, scale, w13, w2, self._w13_row_scale, w2_scale, topk_weights,
-                                             topk_ids, routed_scaling_factor=c.routed_scaling_factor,
-                                             out_dtype=c.params_dtype)
         return self._ops.fused_experts(
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
             activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,

@@ -323,14 +323,14 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
 
 @triton.jit
 def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, stride_s, GROUPS: tl.constexpr):
-    """h = silu(gate) * up from a GEMM1 output row over interleaved w13 (gate j, up j in columns 2j,
-    2j+1), quantized per (row, 128-column group) exactly like ``_quant_fp8_group_kernel``."""
+    """h = silu(gate) * up from GEMM1's output row [gate (inter) | up (inter)], quantized per (row,
+    128-column group) exactly like ``_quant_fp8_group_kernel``."""
     row = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = offs < inter
-    gate = tl.load(d_ptr + row * stride_d + 2 * offs, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(d_ptr + row * stride_d + 2 * offs + 1, mask=m, other=0.0).to(tl.float32)
+    gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
     h = gate * tl.sigmoid(gate) * up
     s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0
     q = tl.clamp(tl.math.div_rn(h, tl.broadcast_to(s[:, None], h.shape)), -448.0, 448.0)

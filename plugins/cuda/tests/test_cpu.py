@@ -21,7 +21,7 @@ def test_entry_point_and_specs():
     rec = {r.name: r for r in pm.records}
     assert rec["cuda"].status.ok
     names = {s.name for s in pm.specs if s.plugin == "cuda"}
-    assert names == {"triton", "grouped_mm", "deepep", "cutedsl"}
+    assert names == {"triton", "grouped_mm", "deepep", "cutedsl", "cutlass"}
     for s in pm.specs:
         if s.plugin == "cuda":
             r = pm.availability(s)  # probes never raise
@@ -284,7 +284,7 @@ def test_process_weights_interleaves_once():
     layer = torch.nn.Module()
     layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)
     layer.w2 = torch.nn.Parameter(torch.randn(E, H, inter), requires_grad=False)
-    backend = types.SimpleNamespace(w13_layout=InterleavedW13(), use_cutlass=False)  # what process_weights uses
+    backend = types.SimpleNamespace(w13_layout=InterleavedW13())  # process_weights only uses this
     process = TritonExperts.process_weights
     want = interleave_gate_up(ckpt)
     process(backend, layer)

@@ -1,8 +1,7 @@
-"""CI without a GPU for the triton backend's CUTLASS path (``cutlass_ops``): the pipeline around the
-grouped GEMMs (sort, gather, activation + re-quantization, weighted reduce) runs in Triton's
-interpreter with the GEMM emulated in torch (``cutlass_ops.reference_gemm``, same contract), on
-fp32 stand-ins of the FP8 codes (the interpreter's fp8 casts are unreliable; the GPU tests run the
-real thing)."""
+"""CI without a GPU for the ``cutlass`` experts: the pipeline around the CUTLASS grouped GEMM (sort,
+gather, activation + re-quantization, weighted reduce) runs in Triton's interpreter with the GEMM
+emulated in torch (``cutlass_ops.reference_gemm``, same contract), on fp32 stand-ins of the FP8
+codes (the interpreter's fp8 casts are unreliable; the GPU tests run the real thing)."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ def _acts(T, H):
                                            (130, 5, 4, 128, 384)])
 def test_fused_pipeline_interpreter(T, E, K, H, inter):
     from moe_plugin_cuda import cutlass_ops
-    from moe_plugin_cuda.weights import interleave_gate_up
 
     a, a_s, x = _acts(T, H)
     w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
@@ -50,23 +48,32 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter):
         ids[torch.rand(T, K) < 0.2] = -1
         ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
     w = torch.rand(T, K)
-    out = cutlass_ops.fused_experts(a, a_s, interleave_gate_up(w13), w2, cutlass_ops.row_scales(s13, inter), s2, w,
-                                    ids, routed_scaling_factor=1.5, out_dtype=torch.float32,
-                                    gemm=cutlass_ops.reference_gemm, code_dtype=torch.float32)
+    out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.5,
+                                    out_dtype=torch.float32, gemm=cutlass_ops.reference_gemm, code_dtype=torch.float32)
     assert out.shape == (T, H)
     ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
     assert relative_error(out, ref) < 1e-4
 
 
-def test_row_scales_follow_interleaved_rows():
+@pytest.mark.skipif(cuda, reason="interpreter path")
+def test_masked_pipeline_interpreter():
     from moe_plugin_cuda import cutlass_ops
-    from moe_plugin_cuda.weights import interleave_gate_up
 
-    E, inter, H = 2, 200, 256  # I not a multiple of 128: up rows straddle scale blocks
-    w, s13, full = _block_scaled(E, 2 * inter, H)
-    rows = cutlass_ops.row_scales(s13, inter)
-    assert rows.shape == (E, 2 * inter, H // 128)
-    assert torch.allclose(interleave_gate_up(w) * rows.repeat_interleave(128, 2)[:, :, :H], interleave_gate_up(full))
+    E, C, H, inter = 4, 10, 256, 128
+    a, a_s, x = _acts(E * C, H)
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
+    out = cutlass_ops.masked_experts(a.view(E, C, H), a_s.view(E, C, -1), mm, w13, w2, s13, s2,
+                                     routed_scaling_factor=2.0, out_dtype=torch.float32,
+                                     gemm=cutlass_ops.reference_gemm, code_dtype=torch.float32)
+    x = x.view(E, C, H)
+    for e in range(E):
+        m = int(mm[e])
+        if m:
+            ref = moe_float64(x[e, :m], torch.ones(m, 1), torch.full((m, 1), e, dtype=torch.int32), w13_full, w2_full,
+                              routed_scaling_factor=2.0)
+            assert relative_error(out[e, :m], ref) < 1e-4
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
@@ -75,25 +82,26 @@ def test_silu_mul_quant_scales_interpreter():
     from moe_core.quant import quantize_fp8_per_token_group
     from moe_plugin_cuda import cutlass_ops
 
-    d1 = torch.randn(9, 2 * 200) * 3  # interleaved: gate j, up j in columns 2j, 2j+1
-    h = torch.nn.functional.silu(d1[:, 0::2]) * d1[:, 1::2]
+    d1 = torch.randn(9, 2 * 200) * 3
+    h = torch.nn.functional.silu(d1[:, :200]) * d1[:, 200:]
     q, s = cutlass_ops.silu_mul_quant(d1, torch.float32)
     assert torch.allclose(s, quantize_fp8_per_token_group(h)[1], rtol=1e-6, atol=0)
     assert relative_error(q * s.repeat_interleave(128, 1)[:, :200], h) < 1e-6
 
 
-def test_cutlass_problem_reasons(monkeypatch, tmp_path):
+def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     from moe_plugin_cuda import cutlass_lib, probes
 
     monkeypatch.setattr(probes, "_cuda_capability", lambda: ((8, 0), None))
-    assert "SM90a only" in probes.cutlass_problem()
+    assert probes.probe_cutlass().code is Code.UNSUPPORTED_ARCH
     monkeypatch.setattr(probes, "_cuda_capability", lambda: ((9, 0), None))
     monkeypatch.delenv("MOE_CUDA_CUTLASS_LIB", raising=False)
     monkeypatch.setenv("CUTLASS_DIR", str(tmp_path))
     monkeypatch.setattr(cutlass_lib, "nvcc", lambda: None)
-    assert "no nvcc" in probes.cutlass_problem()
-    monkeypatch.delenv("CUTLASS_DIR")
-    monkeypatch.setattr(cutlass_lib, "cutlass_dir", lambda: None)
-    assert "nvidia-cutlass" in probes.cutlass_problem() or "CUTLASS" in probes.cutlass_problem()
+    r = probes.probe_cutlass()
+    assert r.code is Code.NOT_INSTALLED and "nvcc" in r.message and "cutlass" in r.hint
     monkeypatch.setenv("MOE_CUDA_CUTLASS_LIB", str(tmp_path / "missing.so"))
-    assert "does not exist" in probes.cutlass_problem()
+    assert "does not exist" in cutlass_lib.missing()
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=200, intermediate_size=256, quant="fp8_block", device="cuda")
+    reasons = probes.check_cutlass(cfg, None)
+    assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "hidden_size=200" in reasons[0].message

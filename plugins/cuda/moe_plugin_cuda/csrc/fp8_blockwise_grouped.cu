@@ -25,7 +25,6 @@
 //   1: as 0 with an fp32 D
 //   2: tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
 //   3: tile 128x128x128, cooperative, cluster 1x2x1 (TMA multicast of A; SGLang's H100 config), bf16 D
-//   4: as 1 (fp32 D) with one B scale per row and 128-K block: SFB row-major [N, ceil(K/128)] per expert
 //
 // Per-group CUTLASS stride/layout arrays are built ON DEVICE by a tiny kernel (one thread per group) from
 // problem_sizes_dev, inside the caller-provided workspace, on the caller's stream: nothing syncs to the host.
@@ -58,10 +57,10 @@
 #include "cutlass/version.h"
 
 #ifndef MOE_VARIANT_MASK
-#define MOE_VARIANT_MASK 0x1F
+#define MOE_VARIANT_MASK 0xF
 #endif
 
-#define MOE_NUM_VARIANTS 5
+#define MOE_NUM_VARIANTS 4
 #define MOE_API __attribute__((visibility("default")))
 #define MOE_FP8BW_FLAG_REUSE_META 1
 
@@ -83,9 +82,6 @@ size_t moe_fp8bw_ws_v0(int, int);
 size_t moe_fp8bw_ws_v1(int, int);
 size_t moe_fp8bw_ws_v2(int, int);
 size_t moe_fp8bw_ws_v3(int, int);
-int moe_fp8bw_run_v4(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-size_t moe_fp8bw_ws_v4(int, int);
 }
 
 #if MOE_VARIANT_MASK != 0
@@ -111,7 +107,7 @@ namespace moe_fp8bw {
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // <M,N,K> per group
 
 template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
-          cute::GMMA::Major SFAMajor_, class ElementD_, int ScaleRowsB = 128>
+          cute::GMMA::Major SFAMajor_, class ElementD_>
 struct Config {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
@@ -130,7 +126,7 @@ struct Config {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
 
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, ScaleRowsB, 128, SFAMajor_, cute::GMMA::Major::K>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, SFAMajor_, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -318,9 +314,6 @@ using Cfg0 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, c
 using Cfg1 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
 using Cfg2 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
 using Cfg3 = Config<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
-// one B scale per row and 128-K block (SFB row-major [N, ceil(K/128)]): gate/up-interleaved w13, whose
-// 128-row blocks mix gate and up rows of different checkpoint scale blocks; fp32 D
-using Cfg4 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float, 1>;
 
 }  // namespace moe_fp8bw
 
@@ -346,9 +339,6 @@ MOE_DEFINE_VARIANT(2)
 #if (MOE_VARIANT_MASK & 8)
 MOE_DEFINE_VARIANT(3)
 #endif
-#if (MOE_VARIANT_MASK & 16)
-MOE_DEFINE_VARIANT(4)
-#endif
 
 #endif  // MOE_VARIANT_MASK != 0
 
@@ -364,13 +354,12 @@ static const char* kVariantNames[MOE_NUM_VARIANTS] = {
     "v1_coop_128x128x128_c1x1_fp32out",
     "v2_ping_64x128x128_c1x1_bf16out",
     "v3_coop_128x128x128_c1x2_bf16out",
-    "v4_coop_128x128x128_c1x1_fp32out_rowscaleB",
 };
 
 static moe_fp8bw_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_run_v0, moe_fp8bw_run_v1, moe_fp8bw_run_v2,
-                                                     moe_fp8bw_run_v3, moe_fp8bw_run_v4};
+                                                     moe_fp8bw_run_v3};
 static moe_fp8bw_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_ws_v0, moe_fp8bw_ws_v1, moe_fp8bw_ws_v2,
-                                                   moe_fp8bw_ws_v3, moe_fp8bw_ws_v4};
+                                                   moe_fp8bw_ws_v3};
 
 extern "C" {
 
