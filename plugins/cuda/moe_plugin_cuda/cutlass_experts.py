@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -23,34 +24,73 @@ if TYPE_CHECKING:
     from moe_core.layer import MoELayer
 
 
+MIN_ROWS = 128  # rows per expert from which the CUTLASS GEMMs pay for the sort and gather (H100, session 7)
+
+
+@functools.cache
+def _triton_config(T: int, E: int, K: int, inter: int, H: int, device_index: int) -> dict:
+    """The tuned Triton launch for T, on the two-accumulator GEMM1 that reads the checkpoint layout."""
+    from moe_plugin_cuda import tuning_configs
+
+    cfg, _ = tuning_configs.get_config(T, E, K, inter, H, "fp8_block", torch.cuda.get_device_name(device_index))
+    return tuning_configs.as_two_acc(cfg, keep_tma=True)
+
+
+def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
+              out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+    """Token list: CUTLASS grouped GEMMs from ``min_rows`` rows per expert, the Triton kernels below."""
+    from moe_plugin_cuda import cutlass_ops, triton_ops
+
+    T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
+    if T * K >= min_rows * E:
+        return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+                                         routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
+    cfg = _triton_config(max(T, 1), E, K, w2.shape[2], w2.shape[1], hidden.device.index or 0)
+    return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+                                    activation="silu", routed_scaling_factor=routed_scaling_factor,
+                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=False)
+
+
+def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
+               out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+    """EP_MASKED slab: CUTLASS when its capacity per expert reaches ``min_rows``, else Triton."""
+    from moe_plugin_cuda import cutlass_ops, triton_ops
+
+    E, C, _ = hidden.shape
+    if C >= min_rows:
+        return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
+                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
+    cfg = _triton_config(max(1, E * C // 8), E, 8, w2.shape[2], w2.shape[1], hidden.device.index or 0)
+    return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
+                                     routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
+                                     w13_interleaved=False)
+
+
 # Under torch.compile each call is one opaque custom op (dynamo cannot trace the ctypes call).
 @torch.library.custom_op("moe_cuda::cutlass_fused_experts", mutates_args=())
 def _fused_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
               w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              routed_scaling_factor: float, out_dtype: torch.dtype) -> torch.Tensor:
-    from moe_plugin_cuda import cutlass_ops
-
-    return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                     routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
+              routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+    return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor,
+                     out_dtype, min_rows)
 
 
 @_fused_op.register_fake
-def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor, out_dtype):
+def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor, out_dtype,
+      min_rows):
     return hidden.new_empty((hidden.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("moe_cuda::cutlass_masked_experts", mutates_args=())
 def _masked_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, routed_scaling_factor: float,
-               out_dtype: torch.dtype) -> torch.Tensor:
-    from moe_plugin_cuda import cutlass_ops
-
-    return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
-                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
+               out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+    return run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype,
+                      min_rows)
 
 
 @_masked_op.register_fake
-def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype):
+def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype, min_rows):
     return hidden.new_empty((hidden.shape[0], hidden.shape[1], w2.shape[1]), dtype=out_dtype)
 
 
@@ -58,8 +98,14 @@ class CutlassExperts(Experts):
     """FP8 block 128x128 W8A8 SiLU experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
 
     Weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
-    what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use.
+    what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use. Below
+    ``min_rows`` (option; 128) rows per expert the sort and gather do not pay: the Triton kernels
+    run instead, with their tuned configs on the two-accumulator GEMM1 that reads this layout.
     """
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.min_rows = int(ctx.options.get("min_rows", MIN_ROWS))
 
     def process_weights(self, layer: "MoELayer") -> None:
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
@@ -84,13 +130,13 @@ class CutlassExperts(Experts):
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
             out = _fused_op(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
-                            dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype)
+                            dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             data, scale = self._activations(dispatched.hidden)
             out = _masked_op(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                             float(c.routed_scaling_factor), c.params_dtype)
+                             float(c.routed_scaling_factor), c.params_dtype, self.min_rows)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"cutlass experts do not accept {type(dispatched).__name__}")

@@ -136,7 +136,7 @@ def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexp
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
     sorted_ptr, expert_ids_ptr, post_pad_ptr, masked_m_ptr,
-    N, K, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, out_scale,
+    N, b_rows, K, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
@@ -150,8 +150,9 @@ def _moe_gemm_kernel(
     ``inter`` = act(gate j) * up j, BLOCK_N/2 output columns per program. GATE == 2: gate row
     j*ROW_MUL and up row j*ROW_MUL + up_row (checkpoint: 1, I; interleaved: 2, 1), two accumulators.
     FP8 weight scales are in the checkpoint layout: gate j in scale row j // 128, up j in (inter + j) // 128.
-    B_TMA (GATE 0/1): B tiles come through ``b_desc``, a TMA descriptor over B viewed as [E*N, K]
-    (out-of-range K reads as zero; rows past this expert's N only feed masked-off output columns).
+    B_TMA: B tiles come through ``b_desc``, a TMA descriptor over B viewed as [E*b_rows, K] (GATE 2:
+    checkpoint rows only, ROW_MUL 1, the up tile ``up_row`` rows further); out-of-range K reads as
+    zero, rows past this expert's gate or up rows only feed masked-off output columns.
     EVEN_K: K is a multiple of BLOCK_K, so the loads need no K mask.
     """
     pid = tl.program_id(0)
@@ -215,7 +216,7 @@ def _moe_gemm_kernel(
             k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if B_TMA:
-            b = b_desc.load([(expert * N).to(tl.int32) + pid_n * BLOCK_N, k * BLOCK_K]).T
+            b = b_desc.load([(expert * b_rows).to(tl.int32) + pid_n * BLOCK_N, k * BLOCK_K]).T
         else:
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
@@ -226,7 +227,10 @@ def _moe_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc)
         if GATE == 2:
-            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if B_TMA:
+                u = b_desc.load([(expert * b_rows).to(tl.int32) + up_row + pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if FP8:
                 u_s = tl.load(us_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
                 acc_u += tl.dot(a, u) * a_s[:, None] * u_s[None, :]

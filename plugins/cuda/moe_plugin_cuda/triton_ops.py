@@ -85,14 +85,14 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
     b_tma = bool(cfg.get("B_TMA", 0))
-    b_desc = _b_descriptor(b, N, cfg) if b_tma else None
-    if b_tma and gate == 2:
-        raise ValueError("B_TMA needs GEMM1's one-accumulator kernel (not TWO_ACC)")
+    if b_tma and gate == 2 and row_mul != 1:
+        raise ValueError("B_TMA with two GEMM1 accumulators needs the checkpoint w13 layout (gate rows contiguous)")
+    b_desc = _b_descriptor(b, cfg) if b_tma else None
     return K._moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
-        N, Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
+        N, b.shape[1], Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
         b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
@@ -104,14 +104,14 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     )
 
 
-def _b_descriptor(b: torch.Tensor, N: int, cfg: dict):
+def _b_descriptor(b: torch.Tensor, cfg: dict):
     """Host-side TMA descriptor over the weights viewed as [E*N, K] (Hopper+; configs ask for it
     with ``B_TMA: 1``). Built per call: a few microseconds, and a CUDA graph keeps it by value."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     E, n, k = b.shape
-    if n != N or b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
-        raise ValueError(f"B_TMA needs contiguous weights [E, N={N}, K], got {tuple(b.shape)} strides {b.stride()}")
+    if b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
+        raise ValueError(f"B_TMA needs contiguous weights [E, N, K], got {tuple(b.shape)} strides {b.stride()}")
     if k * b.element_size() % 16:
         raise ValueError(f"B_TMA needs rows of a multiple of 16 bytes (TMA), got K={k} x {b.element_size()} bytes")
     return TensorDescriptor.from_tensor(b.view(E * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])

@@ -98,13 +98,15 @@ def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool,
     return {"gemm1": _fit_smem(g1, 1 if fp8 else elem_bytes), "gemm2": _fit_smem(g2, 1 if fp8 else elem_bytes)}
 
 
-def as_two_acc(cfg: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+def as_two_acc(cfg: dict[str, dict[str, int]], keep_tma: bool = False) -> dict[str, dict[str, int]]:
     """The same launch with GEMM1 on the two-accumulator fallback kernel: BLOCK_N halved, so each
-    program still writes the same output columns and holds the same accumulator registers."""
+    program still writes the same output columns and holds the same accumulator registers.
+    ``keep_tma``: w13 is in the checkpoint layout, whose gate and up tiles TMA can load."""
     g1 = cfg["gemm1"]
     if g1.get("TWO_ACC", 0):
         return cfg
-    return {**cfg, "gemm1": {**g1, "BLOCK_N": max(16, g1["BLOCK_N"] // 2), "TWO_ACC": 1, "B_TMA": 0}}
+    return {**cfg, "gemm1": {**g1, "BLOCK_N": max(16, g1["BLOCK_N"] // 2), "TWO_ACC": 1,
+                             "B_TMA": g1.get("B_TMA", 0) if keep_tma else 0}}
 
 
 def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],

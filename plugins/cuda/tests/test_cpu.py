@@ -96,8 +96,9 @@ def _cfg(bn1=16, two_acc=0, bm=16, b_tma=0):
 
 # GEMM1 variants: one accumulator over interleaved w13 (the backend's default), the same with weight
 # tiles through TMA descriptors, the two-accumulator fallback over interleaved and over checkpoint rows
+# (the cutlass backend's small-T path; there TMA can load the gate and up tiles too)
 LAYOUTS = {"one_acc": (True, 0, 0), "one_acc_b_tma": (True, 0, 1), "two_acc_interleaved": (True, 1, 0),
-           "two_acc_checkpoint": (False, 1, 0)}
+           "two_acc_checkpoint": (False, 1, 0), "two_acc_checkpoint_b_tma": (False, 1, 1)}
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")

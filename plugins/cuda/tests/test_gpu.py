@@ -296,12 +296,16 @@ def test_cutlass_masked_matches_triton():
 
 # every backend x scheme, plus triton on a config with TMA weight loads (tuned tables pick B_TMA at
 # large T; its descriptors are built on the host per call and must replay / compile like the rest)
-VARIANTS = [(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
+# cutlass: at the tests' T (< 128 rows per expert) its Triton path; "gemms": its CUTLASS GEMMs at every T
+VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
+            + [("cutlass", "fp8_block", "gemms")])
 
 
 def _variant_options(quant, variant):
     if variant == "b_tma":
         return {"backend_options": {"triton": {"config": _fixed(64, 256, 0, 1, quant == "fp8_block")}}}
+    if variant == "gemms":
+        return {"backend_options": {"cutlass": {"min_rows": 0}}}
     return {}
 
 
@@ -355,11 +359,14 @@ def test_torch_compile_fullgraph_triton(quant):
         assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
 
 
-def test_planner_picks_triton_on_this_gpu():
+def test_planner_picks_on_this_gpu():
+    from moe_plugin_cuda.probes import probe_cutlass
+
     for quant in ("unquantized", "fp8_block"):
         p = plan(MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, quant=quant,
                            device="cuda"))
-        assert p.experts.name == "triton", p.explain()
+        want = "cutlass" if quant == "fp8_block" and probe_cutlass().ok else "triton"
+        assert p.experts.name == want, p.explain()
 
 
 def test_backends_listing_on_hopper():
