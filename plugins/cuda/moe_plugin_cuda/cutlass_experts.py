@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from moe_core.layer import MoELayer
 
 
-MIN_ROWS = 128  # rows per expert from which the CUTLASS GEMMs pay for the sort and gather (H100, session 7)
+# rows per expert from which the CUTLASS GEMMs paid for the sort and gather in every measured cell (H100,
+# session 7: at 512+ all four presets were 10-18% faster than the Triton kernels; at 128-256 it varied)
+MIN_ROWS = 512
 
 
 @functools.cache
@@ -99,7 +101,7 @@ class CutlassExperts(Experts):
 
     Weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
     what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use. Below
-    ``min_rows`` (option; 128) rows per expert the sort and gather do not pay: the Triton kernels
+    ``min_rows`` (option; 512) rows per expert the sort and gather do not pay: the Triton kernels
     run instead, with their tuned configs on the two-accumulator GEMM1 that reads this layout.
     """
 
