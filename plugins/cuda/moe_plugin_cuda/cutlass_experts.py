@@ -24,9 +24,10 @@ if TYPE_CHECKING:
     from moe_core.layer import MoELayer
 
 
-# rows per expert from which the CUTLASS GEMMs paid for the sort and gather in every measured cell (H100,
-# session 7: at 512+ all four presets were 10-18% faster than the Triton kernels; at 128-256 it varied)
-MIN_ROWS = 512
+# rows per expert from which the CUTLASS GEMMs run (H100, session 7): at 512+ they beat the Triton kernels
+# on every preset, at 128-256 on most; and below them this backend's Triton path (two accumulators on the
+# checkpoint layout) measured 4-8% slower than the triton backend's at T = 1024-4096, so 128, not 512
+MIN_ROWS = 128
 
 
 @functools.cache
@@ -101,7 +102,7 @@ class CutlassExperts(Experts):
 
     Weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
     what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use. Below
-    ``min_rows`` (option; 512) rows per expert the sort and gather do not pay: the Triton kernels
+    ``min_rows`` (option; 128) rows per expert the sort and gather do not pay: the Triton kernels
     run instead, with their tuned configs on the two-accumulator GEMM1 that reads this layout.
     """
 

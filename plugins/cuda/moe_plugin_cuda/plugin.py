@@ -14,9 +14,9 @@ _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
 # standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
 # (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
 PRIORITY_TRITON = 30
-# cutlass (FP8 block, SM90) outranks triton: from 512 rows per expert its CUTLASS GEMMs made the layer
-# 10-18% faster than the Triton kernels on every preset; below that it runs the tuned Triton kernels on
-# the checkpoint layout (measured 0-1% slower than triton's own) (H100, benchmarks/cuda/RESULTS.md, session 7)
+# cutlass (FP8 block, SM90) outranks triton: from 128 rows per expert its CUTLASS GEMMs made the layer up
+# to 18% faster than the Triton kernels (7 of 8 cells at T >= 4096); below that it runs the tuned Triton
+# kernels on the checkpoint layout, 0-1% slower than triton's own at T <= 256 (H100, benchmarks/cuda/RESULTS.md)
 PRIORITY_CUTLASS = 35
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
