@@ -55,7 +55,7 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
-               out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+               out_dtype: torch.dtype, min_rows: int, top_k: int) -> torch.Tensor:
     """EP_MASKED slab: CUTLASS when its capacity per expert reaches ``min_rows``, else Triton."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
@@ -63,7 +63,8 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
     if C >= min_rows:
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
-    cfg = _triton_config(max(1, E * C // 8), E, 8, w2.shape[2], w2.shape[1], hidden.device.index or 0)
+    # mean rows per expert is unknown without a sync: tiles for a full slab, as the triton backend does
+    cfg = _triton_config(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1], hidden.device.index or 0)
     return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
                                      w13_interleaved=False)
@@ -87,13 +88,13 @@ def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, route
 @torch.library.custom_op("moe_cuda::cutlass_masked_experts", mutates_args=())
 def _masked_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, routed_scaling_factor: float,
-               out_dtype: torch.dtype, min_rows: int) -> torch.Tensor:
+               out_dtype: torch.dtype, min_rows: int, top_k: int) -> torch.Tensor:
     return run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype,
-                      min_rows)
+                      min_rows, top_k)
 
 
 @_masked_op.register_fake
-def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype, min_rows):
+def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype, min_rows, top_k):
     return hidden.new_empty((hidden.shape[0], hidden.shape[1], w2.shape[1]), dtype=out_dtype)
 
 
@@ -140,6 +141,6 @@ class CutlassExperts(Experts):
         if isinstance(dispatched, EPMaskedDispatch):
             data, scale = self._activations(dispatched.hidden)
             out = _masked_op(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                             float(c.routed_scaling_factor), c.params_dtype, self.min_rows)
+                             float(c.routed_scaling_factor), c.params_dtype, self.min_rows, c.top_k)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"cutlass experts do not accept {type(dispatched).__name__}")

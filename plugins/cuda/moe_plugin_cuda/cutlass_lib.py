@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 SOURCE = Path(__file__).parent / "csrc" / "fp8_blockwise_grouped.cu"
-VARIANTS = 4  # the kernels the source instantiates; each compiles as its own object, in parallel
-DEFAULT_VARIANT = 0  # 128x128x128 cooperative, cluster 1x1: best or within 6% at every measured shape
+VARIANTS = 4  # the kernels the source instantiates (cutlass_ops uses 0 and 1); each compiles as its own object, in parallel
 
 
 def cutlass_dir() -> Optional[Path]:

@@ -126,7 +126,7 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved"])
+@pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved", "two_acc_checkpoint_b_tma"])
 def test_masked_experts_interpreter(layout):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
@@ -135,9 +135,11 @@ def test_masked_experts_interpreter(layout):
     x = torch.randn(E, C, H)
     w13, w2 = torch.randn(E, 2 * inter, H) / 7, torch.randn(E, H, inter) / 6
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
-    out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13), w2, None, None, activation="silu",
-                                    routed_scaling_factor=2.0, out_dtype=torch.float32,
-                                    cfg=_cfg(32, LAYOUTS[layout][1], b_tma=LAYOUTS[layout][2]), w13_interleaved=True)
+    interleaved = LAYOUTS[layout][0]
+    out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
+                                    activation="silu", routed_scaling_factor=2.0, out_dtype=torch.float32,
+                                    cfg=_cfg(32, LAYOUTS[layout][1], b_tma=LAYOUTS[layout][2]),
+                                    w13_interleaved=interleaved)
     for e in range(E):
         m = int(mm[e])
         if m:

@@ -141,6 +141,33 @@ def test_triton_masked(quant, bm, bn, two_acc, b_tma):
     assert relative_error(out[valid], exp[valid]) < TOL[quant]
 
 
+def _need_cutlass():
+    from moe_plugin_cuda.probes import probe_cutlass
+
+    if not probe_cutlass().ok:
+        pytest.skip(probe_cutlass().message)
+
+
+@pytest.mark.parametrize("min_rows", [0, 10**6])
+def test_cutlass_masked_layer(min_rows):
+    """EP_MASKED through the cutlass backend, on its CUTLASS GEMMs (min_rows 0) and on its Triton path."""
+    _need_cutlass()
+    cfg = _cfg("cutlass", "fp8_block", max_tokens_per_rank=64, backend_options={"cutlass": {"min_rows": min_rows}})
+    w = _weights(cfg, torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31))
+    layer, ref = MoELayer(cfg, device=_dev()), MoELayer(cfg.replace(experts="reference"), device=_dev())
+    for lay in (layer, ref):
+        lay.load_weights(**w)
+        lay.process_weights()
+    E, C, H = cfg.num_local_experts, 40, cfg.hidden_size
+    qa = quantize_activations(torch.randn(E, C, H, device="cuda").to(cfg.params_dtype), "fp8")
+    masked_m = torch.randint(0, C + 1, (E,), device="cuda", dtype=torch.int32)
+    masked_m[0], masked_m[1] = 0, C
+    d = EPMaskedDispatch(qa, masked_m, _topk(5, cfg))
+    out, exp = layer.experts.apply(layer, d).hidden, ref.experts.apply(ref, d).hidden
+    valid = torch.arange(C, device="cuda")[None, :] < masked_m[:, None]
+    assert relative_error(out[valid], exp[valid]) < TOL["fp8_block"]
+
+
 # I=320: up rows straddle the 128-row FP8 scale blocks and the last output group is partial
 @pytest.mark.parametrize("quant,inter", [("unquantized", 320), ("fp8_block", 384), ("fp8_block", 320)])
 @pytest.mark.parametrize("bm,bn,two_acc,b_tma", GEMM1_VARIANTS)
@@ -236,10 +263,7 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
     core's float64 MoE on the same FP8 codes (GEMM2's bf16 output is the only rounding besides FP8)."""
     from moe_core.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
     from moe_plugin_cuda import cutlass_ops
-    from moe_plugin_cuda.probes import probe_cutlass
-
-    if not probe_cutlass().ok:
-        pytest.skip(probe_cutlass().message)
+    _need_cutlass()
     w = quantize_weights(torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5,
                          torch.randn(E, H, inter, device="cuda") / inter ** 0.5, "fp8_block")
     a, a_s = quantize_fp8_per_token_group(torch.randn(T * K, H, device="cuda"))
@@ -272,11 +296,9 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
 
 def test_cutlass_masked_matches_triton():
     from moe_plugin_cuda import cutlass_ops, triton_ops
-    from moe_plugin_cuda.probes import probe_cutlass
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    if not probe_cutlass().ok:
-        pytest.skip(probe_cutlass().message)
+    _need_cutlass()
     E, C, H, inter = 8, 64, 256, 256
     w = quantize_weights(torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5,
                          torch.randn(E, H, inter, device="cuda") / inter ** 0.5, "fp8_block")
