@@ -133,14 +133,17 @@ class CutlassExperts(Experts):
         c = self.config
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
-            out = _fused_op(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
-                            dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows)
+            # eager calls skip the custom op's dispatch (host time), as the triton backend's do
+            run = _fused_op if torch.compiler.is_compiling() else run_fused
+            out = run(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
+                      dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             data, scale = self._activations(dispatched.hidden)
-            out = _masked_op(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                             float(c.routed_scaling_factor), c.params_dtype, self.min_rows, c.top_k)
+            run = _masked_op if torch.compiler.is_compiling() else run_masked
+            out = run(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
+                      float(c.routed_scaling_factor), c.params_dtype, self.min_rows, c.top_k)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"cutlass experts do not accept {type(dispatched).__name__}")
