@@ -37,11 +37,11 @@ def cutlass_dir() -> Optional[Path]:
 
 
 def nvcc() -> Optional[str]:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc") or (str(Path("/usr/local/cuda/bin/nvcc")) if Path("/usr/local/cuda/bin/nvcc").exists()
-                                    else None)
+    """The toolkit's nvcc: torch's own CUDA_HOME lookup (CUDA_HOME/CUDA_PATH, nvcc on PATH, /usr/local/cuda)."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    path = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+    return str(path) if path.exists() else shutil.which("nvcc")
 
 
 def missing() -> Optional[str]:

@@ -71,13 +71,14 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
 def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
     """``cutlass_gemm`` in torch (float32 math on the dequantized operands; reads the row counts on
     the host, which the real one never does): what CI runs the pipeline against."""
+    from moe_core.quant import dequantize_fp8_per_token_group
+
     G, N, Kd = b.shape
     for g, (m, s) in enumerate(zip(m_sizes.tolist(), row_start.tolist())):
-        if m == 0:
-            continue
-        x = a[s:s + m].float() * a_scale[s:s + m].float().repeat_interleave(BLOCK, 1)[:, :Kd]
-        w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
-        d[s:s + m] = (x @ w.T).to(d.dtype)
+        if m:
+            x = dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
+            w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
+            d[s:s + m] = (x @ w.T).to(d.dtype)
 
 
 def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:

@@ -285,9 +285,10 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
                                     topk.weights, topk.ids, routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     from moe_core.reference.oracle import moe_float64
 
-    deq = {n: w[n].double() * w[n + "_scale"].double().repeat_interleave(128, 1).repeat_interleave(128, 2)
-           [:, :w[n].shape[1], :w[n].shape[2]] for n in ("w13", "w2")}
-    ref = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, deq["w13"], deq["w2"], routed_scaling_factor=1.7,
+    from moe_core.quant import dequantize_weights
+
+    w13_full, w2_full = dequantize_weights(w, "fp8_block")
+    ref = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7,
                       quantize_activation=lambda h, *_: dequantize_fp8_per_token_group(
                           *quantize_fp8_per_token_group(h.float())).double())
     if T:
