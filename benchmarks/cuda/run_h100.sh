@@ -5,6 +5,7 @@
 #            versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
 #   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
+#            (TUNE_BACKEND=cutlass: the cutlass experts' table, FP8 block only)
 #   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
 #            (best of eager and CUDA-graph replay at every T, as the issue's SGLang bar is measured)
 #   profile  PROFILE_CELL (default qwen3-30b-a3b fp8_block 4096): ncu (SOL, launch stats, occupancy) or torch.profiler,
@@ -63,7 +64,7 @@ phase_tune() {
   cp -n plugins/cuda/moe_plugin_cuda/configs/*.json "$CFG_DIR"/  # the committed tables: tuning some T merges into them
   # shellcheck disable=SC2086
   moe-cuda-tune --out-dir "$CFG_DIR" --presets $TUNE_PRESETS --quant $TUNE_QUANTS --tokens $TUNE_TOKENS \
-    --rep-ms "${TUNE_REP_MS:-20}" $TUNE_ARGS 2>&1 | tee -a "$OUT/tune.log"
+    --rep-ms "${TUNE_REP_MS:-20}" --backend "${TUNE_BACKEND:-triton}" $TUNE_ARGS 2>&1 | tee -a "$OUT/tune.log"
 }
 
 phase_bench() {
@@ -75,7 +76,7 @@ phase_bench() {
   # shellcheck disable=SC2086
   moe-core bench -- --json "$OUT/$name.json" --presets $BENCH_PRESETS --tokens $BENCH_TOKENS --quant $BENCH_QUANTS \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
-    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two$extra}}" 2>&1 | tee "$OUT/$name.log" | grep -v "^  \["
+    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two$extra}, \"cutlass\": {\"config_dir\": \"$CFG_DIR\"}}" 2>&1 | tee "$OUT/$name.log" | grep -v "^  \["
 }
 
 phase_profile() {

@@ -22,6 +22,11 @@ candidate is also tried with TMA weight loads (``B_TMA``). An existing table in 
 keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 ``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
 two-accumulator kernel still yields a table.
+
+``--backend cutlass`` tunes the ``cutlass`` experts (FP8 block) instead: the same search for its
+Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1), then its CUTLASS pipeline is
+timed too and the table entry says which path ran faster at that T (``"path": "cutlass"``); the
+file is ``kernel=cutlass-v1`` (see ``tuning_configs``). The CUTLASS library must build on this machine.
 """
 
 from __future__ import annotations
@@ -71,16 +76,27 @@ _G2 = {
 }
 
 
-def candidates(bm: int, fp8: bool, tma: bool = False) -> tuple[list[dict], list[dict]]:
+def candidates(bm: int, fp8: bool, tma: bool = False,
+               checkpoint: bool = False) -> tuple[list[dict], list[dict]]:
     """GEMM1 and GEMM2 candidates for BLOCK_M ``bm``; with ``tma`` (Hopper+) each one-accumulator
     candidate also once with its weight tiles loaded through TMA (``B_TMA``): at large BLOCK_M for
-    compute-bound GEMMs, at small BLOCK_M for weight-streaming (bandwidth-bound) ones."""
+    compute-bound GEMMs, at small BLOCK_M for weight-streaming (bandwidth-bound) ones.
+    ``checkpoint``: w13 in the checkpoint layout (the cutlass backend's Triton path), where GEMM1 runs
+    two accumulators: every GEMM1 candidate as its two-accumulator twin (same output columns), TMA too."""
+    from moe_plugin_cuda.tuning_configs import as_two_acc
+
     key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
     g = 16 if bm >= 64 else 1
     c1 = [_c(bm, *t[:4], g, *t[4:]) for t in _G1[key]]
     c2 = [_c(bm, *t[:4], g) for t in _G2[key]]
-    if tma:
+    if checkpoint:
+        twins = [{k: v for k, v in as_two_acc({"gemm1": c})["gemm1"].items() if k != "B_TMA"} for c in c1]
+        c1 = [c for i, c in enumerate(twins) if c not in twins[:i]]
+        if tma:
+            c1 += [{**c, "B_TMA": 1} for c in c1]
+    elif tma:
         c1 += [{**c, "B_TMA": 1} for c in c1 if not c.get("TWO_ACC")]
+    if tma:
         c2 += [{**c, "B_TMA": 1} for c in c2]
     return c1, c2
 
@@ -108,7 +124,7 @@ def block_ms(M: int, E: int, K: int) -> list[int]:
     return [64, 128]
 
 
-def _make_weights(E, H, inter, fp8, g, dev):
+def _make_weights(E, H, inter, fp8, g, dev, interleave):
     from moe_core import quant as q
     from moe_plugin_cuda.weights import interleave_gate_up_
 
@@ -128,28 +144,35 @@ def _make_weights(E, H, inter, fp8, g, dev):
             s13[e0:e0 + step], s2[e0:e0 + step] = t["w13_scale"], t["w2_scale"]
         else:
             w13[e0:e0 + step], w2[e0:e0 + step] = a, b
-    interleave_gate_up_(w13)  # the backend's layout (scales stay in the checkpoint layout)
+    if interleave:
+        interleave_gate_up_(w13)  # the triton backend's layout (scales stay in the checkpoint layout)
     return w13, w2, s13, s2
 
 
-def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, verbose: bool = False) -> Path:
+def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, verbose: bool = False,
+                backend: str = "triton") -> Optional[Path]:
     import triton.testing
 
     from moe_core.bench import balanced_correction_bias
     from moe_core.config import preset
     from moe_core.router import route
-    from moe_plugin_cuda import triton_ops, tuning_configs
+    from moe_plugin_cuda import cutlass_ops, triton_ops, tuning_configs
     from moe_plugin_cuda.triton_experts import config_dtype
 
+    fp8 = quant == "fp8_block"
+    interleaved = backend == "triton"  # the cutlass backend keeps the checkpoint layout
+    if not (interleaved or fp8):
+        log(f"  {name} {quant}: the cutlass backend runs fp8_block only, skipped")
+        return None
     cfg = preset(name, quant=quant, device="cuda")
     E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
-    fp8 = quant == "fp8_block"
-    w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
+    w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleaved)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
-    path = out_dir / tuning_configs.config_file_name(E, inter, H, torch.cuda.get_device_name(),
-                                                     config_dtype(cfg.quant, torch.bfloat16))
+    dtype_name, device_name = config_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
+    path = out_dir / tuning_configs.config_file_name(
+        E, inter, H, device_name, dtype_name, tuning_configs.TRITON_TABLE if interleaved else tuning_configs.CUTLASS_TABLE)
     # re-tuning some T keeps the entries of the others
     table: dict[int, dict] = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
     tma = torch.cuda.get_device_capability(dev)[0] >= 9
@@ -201,8 +224,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             align = (sorted_ids, expert_ids, post_pad)
             kw = dict(align=align, masked_m=None, num_rows=M * K, capacity=0, num_m_blocks=n_blocks)
             g1 = partial(triton_ops.gemm1, a, a_s, w13, s13, a_row_div=K, activation="silu", fp8=fp8,
-                         w13_interleaved=True, out_dtype=torch.bfloat16, **kw)
-            c1s, c2s = candidates(bm, fp8, tma)
+                         w13_interleaved=interleaved, out_dtype=torch.bfloat16, **kw)
+            c1s, c2s = candidates(bm, fp8, tma, checkpoint=not interleaved)
             ms1, c1 = search(partial(g1, cfg1=None), "cfg1", c1s, "gemm1")
             if ms1 == float("inf"):
                 continue
@@ -214,17 +237,28 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
 
         pipeline = partial(triton_ops.fused_experts, x, None, w13, w2, s13, s2, topk.weights, topk.ids,
                            activation="silu", routed_scaling_factor=1.0, out_dtype=torch.bfloat16,
-                           w13_interleaved=True)
-        heur = tuning_configs.heuristic(M, E, K, inter, H, fp8)
+                           w13_interleaved=interleaved)
+        if interleaved:
+            heur = tuning_configs.heuristic(M, E, K, inter, H, fp8)
+        else:  # what the cutlass backend runs untuned: triton's table (or heuristic) on two accumulators
+            heur = tuning_configs.as_two_acc(
+                tuning_configs.get_config(M, E, K, inter, H, dtype_name, device_name, str(out_dir))[0], keep_tma=True)
         t_heur = timed(partial(pipeline, cfg=heur), f"heuristic {heur}")
         t_best = timed(partial(pipeline, cfg=best[1]), "best") if best[1] is not None else float("inf")
         chosen, t = (best[1], t_best) if t_best < t_heur else (heur, t_heur)
         if chosen is None or t == float("inf"):
             log(f"  {name} {quant} T={M}: nothing ran, no entry")
             continue
+        note = ""
+        if not interleaved:
+            t_cutlass = timed(partial(cutlass_ops.fused_experts, x, None, w13, w2, s13, s2, topk.weights, topk.ids,
+                                      routed_scaling_factor=1.0, out_dtype=torch.bfloat16), "cutlass")
+            note = f", cutlass {t_cutlass * 1e3:.1f}"
+            if t_cutlass < t:
+                chosen, t = {**chosen, "path": "cutlass"}, t_cutlass
         table[M] = chosen
-        log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us (searched {t_best * 1e3:.1f}, heuristic {t_heur * 1e3:.1f}) "
-            f"{chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")
+        log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us (searched {t_best * 1e3:.1f}, heuristic {t_heur * 1e3:.1f}"
+            f"{note}) {chosen.get('path', 'triton')} {chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")
         tuning_configs.save_table(path, table)  # after every T: a cut-off run keeps what it found
     return path
 
@@ -241,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out-dir", default=str(tuning_configs.CONFIG_DIR))
     p.add_argument("--rep-ms", type=int, default=20, help="do_bench repetition time per candidate")
     p.add_argument("--verbose", action="store_true", help="log every candidate's time")
+    p.add_argument("--backend", default="triton", choices=["triton", "cutlass"],
+                   help="whose table: triton's, or the cutlass experts' (its Triton path and where CUTLASS wins)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe-cuda-tune needs a CUDA GPU", file=sys.stderr)
@@ -253,9 +289,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.time()
     for name in args.presets:
         for quant in args.quant:
-            path = tune_preset(name, quant, args.tokens, Path(args.out_dir), args.rep_ms, log, args.verbose)
+            path = tune_preset(name, quant, args.tokens, Path(args.out_dir), args.rep_ms, log, args.verbose,
+                               args.backend)
             torch.cuda.empty_cache()  # this preset's weights are gone: room for the next one's
-            log(f"wrote {path} [{time.time() - t0:.0f}s total]")
+            if path is not None:
+                log(f"wrote {path} [{time.time() - t0:.0f}s total]")
     return 0
 
 

@@ -9,6 +9,10 @@ num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback
 share BLOCK_M (the alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
 i.e. BLOCK_N/2 output columns. Lookup takes the nearest M, as SGLang does.
 
+The ``cutlass`` backend keeps its own tables (``kernel=cutlass-v1``, same content on the checkpoint
+w13 layout, i.e. two-accumulator GEMM1 configs) whose entries may add ``"path": "cutlass"``: at
+that M its CUTLASS grouped GEMMs measured faster than its Triton kernels.
+
 ``KERNEL_VERSION`` changes whenever a config's meaning or the best configs change with the
 kernels (v2: one-accumulator GEMM1 over interleaved gate/up rows); files of other versions are
 never read.
@@ -26,11 +30,13 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0}
+TRITON_TABLE = f"v{KERNEL_VERSION}"
+CUTLASS_TABLE = "cutlass-v1"
 
 
-def config_file_name(E: int, I: int, H: int, device_name: str, dtype: str) -> str:
+def config_file_name(E: int, I: int, H: int, device_name: str, dtype: str, kernel: str = TRITON_TABLE) -> str:
     return (f"E={E},N={I},H={H},device_name={device_name.replace(' ', '_')},dtype={dtype},"
-            f"kernel=v{KERNEL_VERSION}.json")
+            f"kernel={kernel}.json")
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,19 +115,30 @@ def as_two_acc(cfg: dict[str, dict[str, int]], keep_tma: bool = False) -> dict[s
                              "B_TMA": g1.get("B_TMA", 0) if keep_tma else 0}}
 
 
-def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],
-               config_dir: Optional[str] = None) -> tuple[dict[str, dict[str, int]], str]:
-    """(config, source) where source is the JSON file used or ``"heuristic"``."""
+def lookup(M: int, E: int, I: int, H: int, dtype: str, device_name: Optional[str],
+           config_dir: Optional[str] = None, kernel: str = TRITON_TABLE) -> tuple[Optional[dict[str, Any]], str]:
+    """(entry of the tuned table nearest to M, file name), or (None, "") when no table exists."""
     if device_name:
-        name = config_file_name(E, I, H, device_name, dtype)
+        name = config_file_name(E, I, H, device_name, dtype, kernel)
         for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
             table = _load(os.path.join(d, name))
             if table:
-                nearest = min(table, key=lambda m: abs(m - M))
-                cfg = table[nearest]
-                return {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
-                            **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
-                        for k in ("gemm1", "gemm2")}, name
+                cfg = table[min(table, key=lambda m: abs(m - M))]
+                entry: dict[str, Any] = {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
+                                             **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
+                                         for k in ("gemm1", "gemm2")}
+                if "path" in cfg:
+                    entry["path"] = str(cfg["path"])
+                return entry, name
+    return None, ""
+
+
+def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],
+               config_dir: Optional[str] = None) -> tuple[dict[str, dict[str, int]], str]:
+    """(config, source) where source is the JSON file used or ``"heuristic"``."""
+    entry, name = lookup(M, E, I, H, dtype, device_name, config_dir)
+    if entry is not None:
+        return entry, name
     return heuristic(M, E, top_k, I, H, dtype == "fp8_block", elem_bytes=4 if dtype == "fp32" else 2), "heuristic"
 
 

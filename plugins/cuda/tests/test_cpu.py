@@ -332,6 +332,14 @@ def test_tuner_candidates_and_heuristic_fit_hopper(fp8):
             fits(c, True)
         for c in c2s:
             fits(c, False)
+        if fp8:  # the cutlass backend's Triton path: two accumulators on the checkpoint layout, TMA allowed
+            k1s, k2s = tune.candidates(bm, fp8, tma=True, checkpoint=True)
+            assert all(c.get("TWO_ACC") for c in k1s) and any(c.get("B_TMA") for c in k1s)
+            assert len(k1s) == len({tuple(sorted(c.items())) for c in k1s}), "duplicate candidates"
+            assert k2s == c2s
+            for c in k1s:
+                assert c["BLOCK_M"] == bm
+                fits(c, True)
     seen_bm = set()
     for E, K, inter, H in [(8, 2, 14336, 4096), (128, 8, 768, 2048), (256, 8, 2048, 7168), (128, 8, 1536, 4096)]:
         for M in (1, 16, 64, 256, 1024, 4096, 16384):

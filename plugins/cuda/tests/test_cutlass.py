@@ -105,3 +105,31 @@ def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=200, intermediate_size=256, quant="fp8_block", device="cuda")
     reasons = probes.check_cutlass(cfg, None)
     assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "hidden_size=200" in reasons[0].message
+
+
+def test_plan_follows_the_tuned_table(tmp_path):
+    """The cutlass table decides per T between CUTLASS and the Triton path (nearest T, with the
+    table's two-accumulator configs); without a table: triton's configs on two accumulators and
+    CUTLASS from MIN_ROWS rows per expert; a ``min_rows`` option overrides the table's path."""
+    from moe_plugin_cuda import cutlass_experts, tuning_configs
+
+    E, K, inter, H, dev = 16, 4, 256, 512, "Some GPU"
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, TWO_ACC=1, B_TMA=1)
+    big = {**c, "BLOCK_M": 64, "GROUP_M": 8}
+    name = tuning_configs.config_file_name(E, inter, H, dev, "fp8_block", tuning_configs.CUTLASS_TABLE)
+    assert "kernel=cutlass-v1" in name
+    tuning_configs.save_table(tmp_path / name, {1: {"gemm1": c, "gemm2": c},
+                                                1024: {"gemm1": big, "gemm2": big, "path": "cutlass"}})
+    cutlass_experts.plan.cache_clear()
+    use, cfg = cutlass_experts.plan(3, E, K, inter, H, dev, str(tmp_path), -1)
+    assert not use and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
+    assert cutlass_experts.plan(900, E, K, inter, H, dev, str(tmp_path), -1)[0]
+    assert not cutlass_experts.plan(900, E, K, inter, H, dev, str(tmp_path), 10**6)[0]  # option wins
+    assert cutlass_experts.plan(3, E, K, inter, H, dev, str(tmp_path), 0)[0]
+    # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
+    rows = cutlass_experts.MIN_ROWS * E // K
+    use, cfg = cutlass_experts.plan(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
+    assert not use and cfg["gemm1"]["TWO_ACC"] == 1
+    heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
+    assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
+    assert cutlass_experts.plan(rows, E, K, inter, H + 128, dev, str(tmp_path), -1)[0]
