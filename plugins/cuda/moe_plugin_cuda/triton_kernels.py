@@ -131,6 +131,15 @@ def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexp
 # --------------------------------------------------------------------------- grouped GEMM
 
 
+@triton.jit
+def _quant_groups(x):
+    """Rows of one 128-column group each, fp32 ``[R, 128]`` (zeros where masked) -> (codes, scales ``[R]``):
+    scale = max(amax, 1e-4) / 448, codes = clamp(x / scale) with IEEE division (Triton's ``/`` is
+    approximate): the same codes as the core quantizer, in every kernel that quantizes."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
+    return tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), -448.0, 448.0), s
+
+
 # row counts change with T: not specialized on them (one compiled kernel per config, not several)
 @triton.jit(do_not_specialize=["num_valid", "a_row_div", "inter", "up_row", "capacity", "num_m_blocks"])
 def _moe_gemm_kernel(
@@ -268,9 +277,7 @@ def _moe_gemm_kernel(
     if QUANT_OUT:
         # this program owns exactly one 128-column output group of each row (checked by the
         # launcher): quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
-        amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
-        scale = tl.maximum(amax, 1e-4) / 448.0
-        q = tl.clamp(acc / scale[:, None], -448.0, 448.0)
+        q, scale = _quant_groups(tl.where(c_mask, acc, 0.0))
         tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
         tl.store(c_scale_ptr + rows * stride_csm + pid_n * stride_csk, scale, mask=row_mask)
     else:
@@ -318,9 +325,7 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
     offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = offs < H  # also masks the groups past the last one
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
-    # IEEE division (Triton's `/` is approximate): the codes then equal the core quantizer's
-    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), -448.0, 448.0)
+    q, s = _quant_groups(x)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < H)
 
@@ -335,8 +340,6 @@ def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, strid
     m = offs < inter
     gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
     up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
-    h = gate * tl.sigmoid(gate) * up
-    s = tl.maximum(tl.max(tl.abs(h), axis=1), 1e-4) / 448.0
-    q = tl.clamp(tl.math.div_rn(h, tl.broadcast_to(s[:, None], h.shape)), -448.0, 448.0)
+    q, s = _quant_groups(gate * tl.sigmoid(gate) * up)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < inter)
