@@ -2,7 +2,8 @@
 
     python3 benchmarks/cuda/profile_cutlass.py --preset qwen3-235b-a22b --tokens 16384 [--gemm1-bf16]
 
-Uniform routing (softmax over random logits, as the bench's presets without a correction bias);
+The backend's own choice at T (its tuned table: CUTLASS GEMMs or its Triton kernels); ``--gemm1-bf16``
+forces the CUTLASS path with a bf16 GEMM1 output. Uniform routing (softmax over random logits, as the bench's presets without a correction bias);
 prints the per-call pipeline time (CUDA events, median of --iters) and the kernel table.
 """
 
@@ -24,7 +25,7 @@ def main() -> None:
 
     from moe_core.config import preset
     from moe_core.quant import quantize_weights
-    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda import cutlass_experts, cutlass_ops
 
     cfg = preset(args.preset, quant="fp8_block", device="cuda")
     E, K, H, inter, T = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, args.tokens
@@ -40,9 +41,16 @@ def main() -> None:
     ids = ids.to(torch.int32)
     gemm1 = torch.bfloat16 if args.gemm1_bf16 else torch.float32
 
+    use_cutlass, cfg1 = cutlass_experts.plan(T, E, K, inter, H, torch.cuda.get_device_name(), "", -1)
+    print(f"{args.preset} fp8_block T={T}: the table runs {'CUTLASS' if use_cutlass else f'Triton {cfg1}'}",
+          flush=True)
+
     def run():
-        return cutlass_ops.fused_experts(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
-                                         routed_scaling_factor=1.0, out_dtype=torch.bfloat16, gemm1_dtype=gemm1)
+        if args.gemm1_bf16:
+            return cutlass_ops.fused_experts(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
+                                             routed_scaling_factor=1.0, out_dtype=torch.bfloat16, gemm1_dtype=gemm1)
+        return cutlass_experts.run_fused(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
+                                         1.0, torch.bfloat16, -1, "")
 
     for _ in range(3):
         run()

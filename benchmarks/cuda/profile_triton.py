@@ -61,7 +61,7 @@ def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     fp8 = args.quant == "fp8_block"
-    w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev)
+    w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleave=True)
     M = args.tokens
     x = torch.randn((M, H), generator=g, device=dev).to(torch.bfloat16)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
