@@ -3,8 +3,8 @@
     python3 benchmarks/cuda/profile_cutlass.py --preset qwen3-235b-a22b --tokens 16384 [--gemm1-bf16]
 
 The backend's own choice at T (its tuned table: CUTLASS GEMMs or its Triton kernels); ``--gemm1-bf16``
-forces the CUTLASS path with a bf16 GEMM1 output. Uniform routing (softmax over random logits, as the bench's presets without a correction bias);
-prints the per-call pipeline time (CUDA events, median of --iters) and the kernel table.
+forces the CUTLASS path with a bf16 GEMM1 output. Uniform routing (softmax over random logits, as the
+bench's presets without a correction bias); prints the per-call pipeline time (CUDA events, median of --iters) and the kernel table.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     ids = ids.to(torch.int32)
     gemm1 = torch.bfloat16 if args.gemm1_bf16 else torch.float32
 
-    use_cutlass, cfg1 = cutlass_experts.plan(T, E, K, inter, H, torch.cuda.get_device_name(), "", -1)
+    use_cutlass, cfg1 = cutlass_experts.choose_path(T, E, K, inter, H, torch.cuda.get_device_name(), "", -1)
     print(f"{args.preset} fp8_block T={T}: the table runs {'CUTLASS' if use_cutlass else f'Triton {cfg1}'}",
           flush=True)
 

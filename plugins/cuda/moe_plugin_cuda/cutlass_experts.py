@@ -36,7 +36,7 @@ def _device_name(index: int) -> str:
 
 
 @functools.cache
-def plan(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
+def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
          min_rows: int) -> tuple[bool, dict]:
     """(run the CUTLASS GEMMs?, the Triton launch otherwise) for T tokens.
 
@@ -58,11 +58,11 @@ def plan(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_di
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
               out_dtype: torch.dtype, min_rows: int, config_dir: str) -> torch.Tensor:
-    """Token list: the CUTLASS grouped GEMMs or the Triton kernels, as ``plan`` says for T."""
+    """Token list: the CUTLASS grouped GEMMs or the Triton kernels, as ``choose_path`` says for T."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
-    use_cutlass, cfg = plan(max(T, 1), E, K, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
+    use_cutlass, cfg = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
                             config_dir, min_rows)
     if use_cutlass:
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
@@ -83,7 +83,7 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
     # mean rows per expert is unknown without a sync: tiles for a full slab, as the triton backend does
-    _, cfg = plan(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
+    _, cfg = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
                   config_dir, min_rows)
     return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
@@ -125,7 +125,7 @@ class CutlassExperts(Experts):
     Weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
     what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use. Where the
     sort and gather do not pay (small T) the Triton kernels run instead, on the two-accumulator
-    GEMM1 that reads this layout: the tuned table says which path at which T (``plan``).
+    GEMM1 that reads this layout: the tuned table says which path at which T (``choose_path``).
 
     Options (``backend_options["cutlass"]``): ``config_dir`` (extra directory of tuned tables),
     ``min_rows`` (run CUTLASS from this many rows per expert, whatever the table says).

@@ -120,16 +120,16 @@ def test_plan_follows_the_tuned_table(tmp_path):
     assert "kernel=cutlass-v1" in name
     tuning_configs.save_table(tmp_path / name, {1: {"gemm1": c, "gemm2": c},
                                                 1024: {"gemm1": big, "gemm2": big, "path": "cutlass"}})
-    cutlass_experts.plan.cache_clear()
-    use, cfg = cutlass_experts.plan(3, E, K, inter, H, dev, str(tmp_path), -1)
+    cutlass_experts.choose_path.cache_clear()
+    use, cfg = cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), -1)
     assert not use and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
-    assert cutlass_experts.plan(900, E, K, inter, H, dev, str(tmp_path), -1)[0]
-    assert not cutlass_experts.plan(900, E, K, inter, H, dev, str(tmp_path), 10**6)[0]  # option wins
-    assert cutlass_experts.plan(3, E, K, inter, H, dev, str(tmp_path), 0)[0]
+    assert cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), -1)[0]
+    assert not cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), 10**6)[0]  # option wins
+    assert cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), 0)[0]
     # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
     rows = cutlass_experts.MIN_ROWS * E // K
-    use, cfg = cutlass_experts.plan(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
+    use, cfg = cutlass_experts.choose_path(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
     assert not use and cfg["gemm1"]["TWO_ACC"] == 1
     heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
     assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
-    assert cutlass_experts.plan(rows, E, K, inter, H + 128, dev, str(tmp_path), -1)[0]
+    assert cutlass_experts.choose_path(rows, E, K, inter, H + 128, dev, str(tmp_path), -1)[0]
