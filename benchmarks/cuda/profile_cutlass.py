@@ -4,7 +4,8 @@
 
 The backend's own choice at T (its tuned table: CUTLASS GEMMs or its Triton kernels); ``--gemm1-bf16``
 forces the CUTLASS path with a bf16 GEMM1 output. Uniform routing (softmax over random logits, as the
-bench's presets without a correction bias); prints the per-call pipeline time (CUDA events, median of --iters) and the kernel table.
+bench's presets without a correction bias); prints the per-call pipeline time (CUDA events, median of
+--iters) and the kernel table.
 """
 
 from __future__ import annotations

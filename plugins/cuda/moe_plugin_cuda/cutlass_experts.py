@@ -63,7 +63,7 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
     use_cutlass, cfg = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
-                            config_dir, min_rows)
+                                   config_dir, min_rows)
     if use_cutlass:
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
@@ -83,8 +83,8 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
     # mean rows per expert is unknown without a sync: tiles for a full slab, as the triton backend does
-    _, cfg = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
-                  config_dir, min_rows)
+    _, cfg = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
+                         _device_name(hidden.device.index or 0), config_dir, min_rows)
     return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
                                      w13_interleaved=False)
@@ -162,7 +162,8 @@ class CutlassExperts(Experts):
             # eager calls skip the custom op's dispatch (host time), as the triton backend's do
             run = _fused_op if torch.compiler.is_compiling() else run_fused
             out = run(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
-                      dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows, self.config_dir)
+                      dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows,
+                      self.config_dir)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

@@ -174,8 +174,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleaved)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     dtype_name, device_name = config_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
-    path = out_dir / tuning_configs.config_file_name(
-        E, inter, H, device_name, dtype_name, tuning_configs.TRITON_TABLE if interleaved else tuning_configs.CUTLASS_TABLE)
+    table_kind = tuning_configs.TRITON_TABLE if interleaved else tuning_configs.CUTLASS_TABLE
+    path = out_dir / tuning_configs.config_file_name(E, inter, H, device_name, dtype_name, table_kind)
     # re-tuning some T keeps the entries of the others
     table: dict[int, dict] = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
     tma = torch.cuda.get_device_capability(dev)[0] >= 9
