@@ -6,7 +6,6 @@ The implementation class and the probe are named as lazy ``"module:attr"`` strin
 
 from __future__ import annotations
 
-import enum
 import importlib
 import traceback
 from dataclasses import dataclass, field

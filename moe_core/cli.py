@@ -51,9 +51,9 @@ def cmd_backends(args: argparse.Namespace) -> int:
             detail += f" (hint: {r['hint']})"
         table.append((r["plugin"], r["plugin_version"], r["backend"] or "-", r["role"] or "-",
                       "available" if r["available"] else r["code"], detail))
-    widths = [max(len(str(row[i])) for row in table) for i in range(5)]
+    widths = [max(len(str(row[i])) for row in table) for i in range(5)]  # the detail (row[5]) is not padded
     for row in table:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[5])
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[5])
     for note in manager.duplicates:
         print(f"note: {note}", file=sys.stderr)
     return 0

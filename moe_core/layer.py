@@ -17,7 +17,8 @@ from torch import nn
 from moe_core import quant
 from moe_core.config import MoEConfig
 from moe_core.contracts import TopK
-from moe_core.planner import Plan, plan as make_plan
+from moe_core.planner import Plan
+from moe_core.planner import plan as make_plan
 from moe_core.router import route
 
 __all__ = ["MoELayer"]

@@ -14,8 +14,8 @@ import statistics
 import torch
 
 from moe_core.bench import _fill_weights, _time
-from moe_core.layer import MoELayer
 from moe_core.config import preset
+from moe_core.layer import MoELayer
 from moe_core.router import route
 
 

@@ -24,9 +24,10 @@ def main() -> None:
     p.add_argument("--gemm1-bf16", action="store_true", help="GEMM1 writes bf16 (default fp32)")
     args = p.parse_args()
 
+    from moe_plugin_cuda import cutlass_experts, cutlass_ops
+
     from moe_core.config import preset
     from moe_core.quant import quantize_weights
-    from moe_plugin_cuda import cutlass_experts, cutlass_ops
 
     cfg = preset(args.preset, quant="fp8_block", device="cuda")
     E, K, H, inter, T = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size, args.tokens

@@ -132,7 +132,7 @@ def main() -> None:
         out = fn(slab_rows, c["index"], c["w"])
         err = float((out.float() - want).norm() / want.norm())
         for graph in ([False, True] if device.type == "cuda" else [False]):
-            ms = timed(lambda: fn(slab_rows, c["index"], c["w"]), args.iters, device, graph)
+            ms = timed(lambda fn=fn: fn(slab_rows, c["index"], c["w"]), args.iters, device, graph)
             results.append(dict(variant=name, graph=graph, ms=ms, GBps=reduce_bytes / ms / 1e6, rel_err=err))
     expand_bytes = c["write_index"].numel() * args.hidden * 2
     if args.expand_words:  # as torch_a2a moves rows: int64 words of the wire bytes
@@ -144,7 +144,7 @@ def main() -> None:
         fn(slab, c["rows"], c["write_index"])  # in place
         same = bool(torch.equal(slab, ref))
         for graph in ([False, True] if device.type == "cuda" else [False]):
-            ms = timed(lambda: fn(slab, c["rows"], c["write_index"]), args.iters, device, graph)
+            ms = timed(lambda fn=fn, slab=slab: fn(slab, c["rows"], c["write_index"]), args.iters, device, graph)
             results.append(dict(variant=name, graph=graph, ms=ms, GBps=expand_bytes / ms / 1e6, same=same))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{name}: tokens/rank {args.tokens}, world {args.world}, H {args.hidden}, E {args.experts}, "

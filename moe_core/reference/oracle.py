@@ -42,7 +42,7 @@ def moe_float64(
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         rows, slots = torch.nonzero(topk_ids == e, as_tuple=True)
-        for t, k in zip(rows.tolist(), slots.tolist()):
+        for t, k in zip(rows.tolist(), slots.tolist(), strict=True):
             weight = float(topk_weights[t, k])
             xt = x[t] * weight if apply_router_weight_on_input else x[t]
             if quantize_activation is not None:

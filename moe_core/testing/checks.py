@@ -30,11 +30,11 @@ from moe_core.contracts import (
     Format,
     QuantizedActivations,
     QuantScheme,
-    StandardDispatch,
     TopK,
     WireDtype,
 )
-from moe_core.planner import DtypeStep, Plan, PlanError, plan as make_plan
+from moe_core.planner import DtypeStep, Plan, PlanError
+from moe_core.planner import plan as make_plan
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
 from moe_core.testing.kit import Case, KitContext, KitFailure, KitSkip
 
@@ -181,7 +181,7 @@ class ExpertsHarness:
         self.ctx, self.case, self.p = ctx, case, dict(case.params)
         self.spec = ctx.spec(case.backend)
         self.kind, self.device = ctx.placement(self.spec)
-        p, s = self.p, ctx.shape
+        p = self.p
         self.fmt: Format = p["fmt"]
         self.scheme: QuantScheme = p["scheme"]
         self.tokens: int = p["tokens"]
@@ -541,7 +541,7 @@ def _expect_rejection(ctx: KitContext, spec: BackendSpec, base: MoEConfig, confi
             raise KitFailure(f"{what}: the planner failed without naming {spec.qualified_name}: {exc.summary}") from None
         for rej in mine:
             if not rej.reasons:
-                raise KitFailure(f"{what}: {rej.dispatcher} x {rej.experts} was rejected without a reason")
+                raise KitFailure(f"{what}: {rej.dispatcher} x {rej.experts} was rejected without a reason") from None
         return
     except Exception as exc:
         raise KitFailure(f"{what}: planning crashed instead of rejecting: {type(exc).__name__}: {exc}") from exc

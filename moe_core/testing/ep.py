@@ -25,7 +25,15 @@ import torch
 from moe_core import quant
 from moe_core.backends import BackendSpec, Role
 from moe_core.config import MoEConfig
-from moe_core.contracts import EPMaskedDispatch, EPNormalDispatch, Format, QuantScheme, StandardDispatch, TopK, WireDtype
+from moe_core.contracts import (
+    EPMaskedDispatch,
+    EPNormalDispatch,
+    Format,
+    QuantScheme,
+    StandardDispatch,
+    TopK,
+    WireDtype,
+)
 from moe_core.planner import PlanError
 from moe_core.testing.data import Shape, make_float_weights, make_hidden, make_topk, rel_error, tolerance
 from moe_core.testing.kit import Case, KitContext, KitFailure, KitOptions, KitSkip, make_manager, run_setup

@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_core.backends import Role
 from moe_core.contracts import Format
 from moe_core.testing import KitOptions, generate_cases, run_kit
-from moe_core.testing.data import Shape, make_topk
-
-import torch
+from moe_core.testing.data import make_topk
 
 REPO = Path(__file__).resolve().parents[2]
 

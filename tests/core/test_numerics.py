@@ -16,7 +16,7 @@ from moe_core.reference.oracle import moe_float64, relative_error
 
 from .conftest import checkpoint, random_topk
 
-E, K, H, I = 8, 3, 256, 128
+E, K, H, I = 8, 3, 256, 128  # noqa: E741 (I: the intermediate size, as in the papers)
 # vs the scheme's own float64 definition: only bf16 output rounding remains (NVFP4: the e2m1 grid
 # makes rounding-boundary flips between float32 and float64 visible)
 TOL_SCHEME = {"unquantized": 1e-2, "fp8_block": 3e-2, "fp8_per_token": 3e-2, "int8_w8a8": 3e-2, "w4a4": 3e-2,

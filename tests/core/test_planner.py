@@ -1,5 +1,6 @@
 """Planner negotiation, structured reasons, and every step of the dispatch-dtype chain."""
 
+import dataclasses
 import logging
 import os
 
@@ -41,7 +42,7 @@ def test_auto_plan_on_cpu_is_the_reference_and_is_logged(caplog):
     assert (plan.dispatcher.name, plan.experts.name, plan.format, plan.dispatch_dtype) == \
         ("standard", "reference", mc.Format.STANDARD, mc.WireDtype.BF16)
     assert "standard x reference" in caplog.text
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.format = mc.Format.EP_NORMAL  # immutable
     assert "dispatch dtype: bf16" in plan.explain()
 

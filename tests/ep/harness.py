@@ -40,7 +40,7 @@ def run_ranks(scenario: str, world: int, timeout: float, backend: str = "gloo", 
             raise AssertionError(f"{scenario} on {world} ranks (seed {seed}) timed out after {timeout}s:\n"
                                  + "\n".join(tails)) from None
         results, errors = [], []
-        for r, (p, log) in enumerate(zip(procs, logs)):
+        for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
                 errors.append(f"rank {r} exited {p.returncode} without a result:\n{log[-4000:]}")

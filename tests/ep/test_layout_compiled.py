@@ -36,7 +36,7 @@ def _equal(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_equal(u, v) for u, v in zip(a, b))
+        return len(a) == len(b) and all(_equal(u, v) for u, v in zip(a, b, strict=True))
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype.is_floating_point:  # compare the bits (fp8; NaN from the padding rows' -1 words)

@@ -63,7 +63,7 @@ def test_dispatch_layout(world):
     """
     results = run_ranks("comm", world, TIMEOUT, seed=SEED)
     n = 0
-    for where, name, case in _cases(results):
+    for where, _name, case in _cases(results):
         n += 1
         assert case["shape_ok"], where
         assert all(case["checks"].values()), f"{where}: failed {[k for k, v in case['checks'].items() if not v]}"

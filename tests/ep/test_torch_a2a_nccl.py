@@ -35,7 +35,7 @@ def test_layer_nccl(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_dispatch_layout_nccl(world):
-    for where, name, case in _cases(run_ranks("comm", world, TIMEOUT, backend="nccl")):
+    for where, _name, case in _cases(run_ranks("comm", world, TIMEOUT, backend="nccl")):
         assert case["shape_ok"] and all(case["checks"].values()), f"{where}: {case['checks']}"
         assert case["data_err"] <= 1e-6 and case["err"] <= 1e-2, f"{where}: {case}"
 

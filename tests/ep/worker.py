@@ -42,7 +42,7 @@ from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error  # noqa: E402
 
-E, K, H, I = 16, 4, 256, 128
+E, K, H, I = 16, 4, 256, 128  # noqa: E741 (I: the intermediate size, as in the papers)
 CAPACITY = 40
 WIRES = ("bf16", "fp8", "int8")
 MODES = (Format.EP_NORMAL, Format.EP_MASKED)
@@ -284,7 +284,7 @@ def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> di
         tk = make_topk(CAPACITY - 3, K, E, gen, neg_fraction=0.2)
         topk = TopK(tk.weights.to(device), tk.ids.to(device))
 
-        def step():
+        def step(d=d, x=x, topk=topk):  # bound now: called within this iteration only
             out_d = d.dispatch(x, topk)
             y = (out_d.hidden.dequantize(torch.float32) * 2).to(torch.bfloat16)  # graph-safe stand-in experts
             return d.combine(EPMaskedCombine(y, out_d.topk, out_d.handle))
