@@ -37,7 +37,7 @@ def _device_name(index: int) -> str:
 
 @functools.cache
 def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
-         min_rows: int) -> tuple[bool, dict]:
+                min_rows: int) -> tuple[bool, dict]:
     """(run the CUTLASS GEMMs?, the Triton launch otherwise) for T tokens.
 
     The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured faster and
