@@ -37,14 +37,16 @@ def _device_name(index: int) -> str:
 
 @functools.cache
 def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
-                min_rows: int) -> tuple[bool, dict]:
-    """(run the CUTLASS GEMMs?, the Triton launch otherwise) for T tokens.
+                min_rows: int) -> tuple[bool, dict, tuple[int, int]]:
+    """(run the CUTLASS GEMMs?, the Triton launch otherwise, GEMM1's and GEMM2's CUTLASS kernels) for T tokens.
 
-    The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured faster and
-    the two-accumulator Triton configs for the checkpoint layout; without one: triton's table on two
-    accumulators and CUTLASS from ``MIN_ROWS`` rows per expert. ``min_rows`` >= 0 overrides the path.
+    The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured faster, the
+    two-accumulator Triton configs for the checkpoint layout and the fastest CUTLASS kernels
+    (``cutlass_variants``, indices into ``cutlass_lib.VARIANTS``); without one: triton's table on two
+    accumulators, CUTLASS from ``MIN_ROWS`` rows per expert, its default kernels. ``min_rows`` >= 0
+    overrides the path.
     """
-    from moe_plugin_cuda import tuning_configs
+    from moe_plugin_cuda import cutlass_lib, tuning_configs
 
     entry, _ = tuning_configs.lookup(T, E, inter, H, "fp8_block", device_name, config_dir or None,
                                      tuning_configs.CUTLASS_TABLE)
@@ -53,7 +55,8 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
         entry = {**tuning_configs.as_two_acc(cfg, keep_tma=True),
                  "path": "cutlass" if T * K >= MIN_ROWS * E else "triton"}
     use_cutlass = entry.get("path") == "cutlass" if min_rows < 0 else T * K >= min_rows * E
-    return use_cutlass, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}
+    variants = tuple(entry.get("cutlass_variants", cutlass_lib.DEFAULT_VARIANTS))
+    return use_cutlass, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
 
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
@@ -62,11 +65,12 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
-    use_cutlass, cfg = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1], _device_name(hidden.device.index or 0),
-                                   config_dir, min_rows)
+    use_cutlass, cfg, variants = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1],
+                                             _device_name(hidden.device.index or 0), config_dir, min_rows)
     if use_cutlass:
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                         routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
+                                         routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                                         variants=variants)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=False)
@@ -79,12 +83,13 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     E, C, _ = hidden.shape
+    # mean rows per expert is unknown without a sync: configs for a full slab, as the triton backend does
+    _, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
+                                   _device_name(hidden.device.index or 0), config_dir, min_rows)
     if C >= (MIN_ROWS if min_rows < 0 else min_rows):
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
-                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype)
-    # mean rows per expert is unknown without a sync: tiles for a full slab, as the triton backend does
-    _, cfg = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
-                         _device_name(hidden.device.index or 0), config_dir, min_rows)
+                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                                          variants=variants)
     return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
                                      w13_interleaved=False)

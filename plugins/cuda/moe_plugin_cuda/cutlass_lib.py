@@ -21,7 +21,19 @@ from pathlib import Path
 from typing import Optional
 
 SOURCE = Path(__file__).parent / "csrc" / "fp8_blockwise_grouped.cu"
-VARIANTS = 4  # the kernels the source instantiates (cutlass_ops uses 0 and 1); each compiles as its own object, in parallel
+# The kernels the source instantiates, by index: (schedule and tile, cluster, D's dtype). Each compiles as its
+# own object, in parallel. GEMM1 runs an fp32 one, GEMM2 a bf16 one; the tuned table picks which, per T.
+VARIANTS = (("coop 128x128x128", "1x1", "bf16"), ("coop 128x128x128", "1x1", "fp32"),
+            ("ping 64x128x128", "1x1", "bf16"), ("coop 128x128x128", "1x2", "bf16"),
+            ("ping 64x128x128", "1x1", "fp32"), ("coop 128x128x128", "2x1", "bf16"),
+            ("coop 128x128x128", "2x1", "fp32"), ("ping 64x128x128", "2x1", "fp32"),
+            ("ping 64x128x128", "2x1", "bf16"))
+DEFAULT_VARIANTS = (1, 0)  # (GEMM1, GEMM2) without a tuned choice: the cooperative 128x128 kernels
+
+
+def variants_with_output(dtype: str) -> list[int]:
+    """The variants writing D in ``dtype`` ("bf16" or "fp32")."""
+    return [k for k, v in enumerate(VARIANTS) if v[2] == dtype]
 
 
 def cutlass_dir() -> Optional[Path]:
@@ -78,7 +90,7 @@ def build(out: Path, cdir: Path, compiler: str) -> None:
              "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-I{cdir / 'include'}", f"-I{cdir / 'tools/util/include'}"]
     with tempfile.TemporaryDirectory() as tmp:
         jobs = [("api", ["-DMOE_VARIANT_MASK=0"])] + [(f"v{k}", [f"-DMOE_VARIANT_MASK={1 << k}", "-DMOE_NO_API"])
-                                                       for k in range(VARIANTS)]
+                                                       for k in range(len(VARIANTS))]
         procs = [(name, subprocess.Popen([compiler, *flags, *extra, "-c", str(SOURCE), "-o", f"{tmp}/{name}.o"],
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
                  for name, extra in jobs]
@@ -121,4 +133,7 @@ def library() -> ctypes.CDLL:
     lib.moe_fp8_blockwise_workspace_size.restype = cs
     lib.moe_fp8_blockwise_grouped_gemm.argtypes = [ci, vp, vp, vp, vp, vp, vp, vp, vp, cs, vp, ci, ci]
     lib.moe_fp8_blockwise_grouped_gemm.restype = ci
+    if lib.moe_fp8_blockwise_num_variants() != len(VARIANTS):  # e.g. an old MOE_CUDA_CUTLASS_LIB
+        raise RuntimeError(f"{path} has {lib.moe_fp8_blockwise_num_variants()} kernel variants, this plugin expects "
+                           f"{len(VARIANTS)}: rebuild it from {SOURCE.name}")
     return lib

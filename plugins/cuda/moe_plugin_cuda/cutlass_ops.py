@@ -1,9 +1,10 @@
 """FP8 block-scaled MoE on CUTLASS grouped GEMMs (Hopper): the pipeline around ``cutlass_lib``.
 
-Token list (STANDARD / EP_NORMAL): quantize -> sort the (token, slot) pairs by expert ->
-gather their FP8 rows -> GEMM1 (fp32 out) -> SiLU(gate) * up, FP8 re-quantization -> GEMM2 ->
-weighted sum of each token's slots. Masked slab (EP_MASKED): the slab already holds each expert's
-rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in place of the sort.
+Token list (STANDARD / EP_NORMAL): sort the (token, slot) pairs by expert -> each token's row
+quantized once and written to the rows of its slots -> GEMM1 (fp32 out) -> SiLU(gate) * up,
+FP8 re-quantization -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
+slab already holds each expert's rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in
+place of the sort.
 
 Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) and the GEMMs'
 per-expert row counts and pointers stay on the device, so no call syncs with the host and the
@@ -32,19 +33,25 @@ def _cdiv(a: int, b: int) -> int:
 _WORKSPACE: dict[tuple, int] = {}
 
 
-def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
+def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
     """``d[rows of g] = (a * a_scale)[rows of g] @ (b[g] * b_scale[g]).T`` for every expert g, where
     the rows of g are ``row_start[g] .. row_start[g] + m_sizes[g]`` (device int tensors).
 
     a: e4m3 [R, K], a_scale: fp32 [R, K/128]; b: e4m3 [G, N, K], b_scale: fp32 [G, N/128, K/128];
-    d: bf16 or fp32 [R, N]. Rows of ``d`` outside every group are not written.
+    d: bf16 or fp32 [R, N]. Rows of ``d`` outside every group are not written. ``variant``: which
+    of the library's kernels (``cutlass_lib.VARIANTS``; its output dtype must be d's), default
+    the cooperative 128x128 one.
     """
     from moe_plugin_cuda import cutlass_lib
 
     lib = cutlass_lib.library()
     G, N, Kd = b.shape
     dev = a.device
-    variant = 1 if d.dtype == torch.float32 else 0
+    out = "fp32" if d.dtype == torch.float32 else "bf16"
+    if variant is None:
+        variant = cutlass_lib.DEFAULT_VARIANTS[0 if out == "fp32" else 1]
+    if cutlass_lib.VARIANTS[variant][2] != out:
+        raise ValueError(f"CUTLASS variant {variant} {cutlass_lib.VARIANTS[variant]} does not write {d.dtype}")
     start = row_start.to(torch.int64)
     experts = torch.arange(G, device=dev, dtype=torch.int64)
     nb, kb = _cdiv(N, BLOCK), _cdiv(Kd, BLOCK)
@@ -68,9 +75,10 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
         raise RuntimeError(f"CUTLASS FP8 grouped GEMM failed ({rc}): {lib.moe_fp8_blockwise_last_error().decode()}")
 
 
-def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start) -> None:
+def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
     """``cutlass_gemm`` in torch (float32 math on the dequantized operands; reads the row counts on
-    the host, which the real one never does): what CI runs the pipeline against."""
+    the host, which the real one never does; every variant computes the same): what CI runs the
+    pipeline against."""
     from moe_core.quant import dequantize_fp8_per_token_group
 
     G, N, Kd = b.shape
@@ -97,44 +105,69 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[tor
 
 
 def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype,
-             gemm1_dtype=torch.float32):
+             gemm1_dtype=torch.float32, variants: Optional[tuple[int, int]] = None):
     """GEMM1 -> activation + FP8 -> GEMM2 over rows grouped by expert: ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
+    v1, v2 = variants or (None, None)
     d1 = torch.empty((R, w13.shape[1]), dtype=gemm1_dtype, device=a.device)
-    gemm(a, a_scale, w13, w13_scale, d1, m_sizes, row_start)
+    gemm(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
     h, h_scale = silu_mul_quant(d1, code_dtype)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
-    gemm(h, h_scale, w2, w2_scale, d2, m_sizes, row_start)
+    gemm(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2
+
+
+def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], topk_ids: torch.Tensor,
+                       row_of_slot: torch.Tensor, num_experts: int,
+                       code_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's row, quantized per 128-column group (or its codes and scales as they came, with
+    ``a_scale``), written to the row of each of its slots (``row_of_slot``; slots with ids outside
+    [0, E) are skipped and their rows left unwritten): ``[T, H]`` -> (codes ``[T*K, H]``, fp32 scales
+    ``[T*K, H/128]``). One read of the token instead of a quantizer's pass and a gather of K copies."""
+    T, H = hidden.shape
+    top_k, g = topk_ids.shape[1], _cdiv(H, BLOCK)
+    codes = hidden.dtype if a_scale is not None else code_dtype
+    a = torch.empty((T * top_k, H), dtype=codes, device=hidden.device)
+    s = torch.empty((T * top_k, g), dtype=torch.float32, device=hidden.device)
+    if T:
+        src, dst = hidden, a
+        if a_scale is not None and hidden.element_size() == 1:  # FP8 codes: copied as bytes
+            src, dst = hidden.view(torch.uint8), a.view(torch.uint8)
+        src_scale = s if a_scale is None else a_scale  # (a dummy when quantizing: never read)
+        groups = min(8, triton.next_power_of_2(g))
+        K._quantize_into_rows_kernel[(T, triton.cdiv(g, groups))](
+            src, src_scale, dst, s, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
+            src.stride(0), src_scale.stride(0), dst.stride(0), s.stride(0), K=top_k, GROUPS=groups,
+            QUANTIZE=a_scale is None)
+    return a, s
 
 
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
                   gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8,
-                  gemm1_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  gemm1_dtype: torch.dtype = torch.float32,
+                  variants: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
     ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
-    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales.
+    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. ``variants``: the
+    CUTLASS kernels of GEMM1 and GEMM2 (``cutlass_lib.VARIANTS``).
     """
     T, H = hidden.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
         return out
-    if a_scale is None:
-        hidden, a_scale = quantize_fp8_groups(hidden)
     ids = topk_ids.reshape(-1).to(torch.int64)
     key = torch.where((ids >= 0) & (ids < E), ids, E)  # skipped slots sort last, into no group
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:E]
     row_start = torch.cumsum(counts, 0) - counts
-    token = order // top_k
-    a = hidden.view(torch.uint8)[token].view(hidden.dtype) if hidden.dtype == FP8 else hidden[token]
-    y = _experts(a, a_scale[token], w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype,
-                 gemm1_dtype)
     row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype)
+    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, gemm1_dtype,
+                 variants)
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,
@@ -145,7 +178,7 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
 def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, *,
                    routed_scaling_factor: float, out_dtype: torch.dtype, gemm: GemmFn = cutlass_gemm,
-                   code_dtype: torch.dtype = FP8) -> torch.Tensor:
+                   code_dtype: torch.dtype = FP8, variants: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """EP_MASKED slab ``[E, C, H]`` (rows ``< masked_m[e]`` valid) -> unweighted expert outputs
     ``[E, C, H]`` times ``routed_scaling_factor``; rows past ``masked_m`` are left undefined."""
     E, C, H = hidden.shape
@@ -156,7 +189,8 @@ def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked
         a_scale = a_scale.reshape(E * C, -1)
     rows = masked_m.to(torch.int64)
     start = torch.arange(E, device=hidden.device, dtype=torch.int64) * C
-    y = _experts(flat, a_scale.contiguous(), w13, w13_scale, w2, w2_scale, rows, start, gemm, out_dtype, code_dtype)
+    y = _experts(flat, a_scale.contiguous(), w13, w13_scale, w2, w2_scale, rows, start, gemm, out_dtype, code_dtype,
+                 variants=variants)
     if routed_scaling_factor != 1.0:
         y.mul_(routed_scaling_factor)
     return y.view(E, C, H)

@@ -127,8 +127,10 @@ def lookup(M: int, E: int, I: int, H: int, dtype: str, device_name: Optional[str
                 entry: dict[str, Any] = {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
                                              **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
                                          for k in ("gemm1", "gemm2")}
-                if "path" in cfg:
+                if "path" in cfg:  # the cutlass table's: which path, and which CUTLASS kernels
                     entry["path"] = str(cfg["path"])
+                if "cutlass_variants" in cfg:
+                    entry["cutlass_variants"] = [int(v) for v in cfg["cutlass_variants"]]
                 return entry, name
     return None, ""
 

@@ -35,12 +35,17 @@ def _acts(T, H):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("quantized", [True, False], ids=["codes_in", "quantized_in_pipeline"])
 @pytest.mark.parametrize("T,E,K,H,inter", [(0, 4, 2, 128, 128), (1, 8, 3, 256, 128), (37, 6, 2, 384, 256),
-                                           (130, 5, 4, 128, 384)])
-def test_fused_pipeline_interpreter(T, E, K, H, inter):
+                                           (130, 5, 4, 200, 384)])
+def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized):
+    """Codes + scales as they came (FP8 on the wire), or the compute dtype quantized by the pipeline
+    (fp32 stand-ins of the codes: unrounded, so the pipeline is exact but for float32 math)."""
     from moe_plugin_cuda import cutlass_ops
 
     a, a_s, x = _acts(T, H)
+    if not quantized:
+        a, a_s = x, None
     w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
     w2, s2, w2_full = _block_scaled(E, H, inter)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
@@ -53,6 +58,34 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter):
     assert out.shape == (T, H)
     ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
     assert relative_error(out, ref) < 1e-4
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("T,K,H", [(1, 1, 128), (9, 3, 200), (33, 4, 1100)])
+def test_quantize_into_rows_interpreter(T, K, H):
+    """Every valid slot's row (ids -1 and >= E are not valid) holds its token's codes and scales: the
+    core quantizer's scales, codes that dequantize to the token."""
+    from moe_core.quant import quantize_fp8_per_token_group
+    from moe_plugin_cuda import cutlass_ops
+
+    E = 5
+    x = torch.randn(T, H) * (1 + 4 * torch.rand(T, 1))
+    ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
+    ids[0, 0] = 0  # at least one valid slot
+    row_of_slot = torch.randperm(T * K)
+    valid = ((ids >= 0) & (ids < E)).flatten()
+    for codes_in in (False, True):
+        if codes_in:
+            q_in, s_in = quantize_fp8_per_token_group(x)
+            q, s = cutlass_ops.quantize_into_rows(q_in.float(), s_in, ids, row_of_slot, E, torch.float32)
+        else:
+            q, s = cutlass_ops.quantize_into_rows(x, None, ids, row_of_slot, E, torch.float32)
+        assert q.shape == (T * K, H) and s.shape == (T * K, -(-H // 128))
+        rows, tokens = row_of_slot[valid], torch.arange(T * K)[valid] // K
+        want_s = quantize_fp8_per_token_group(x)[1]
+        assert torch.allclose(s[rows], want_s[tokens], rtol=1e-6, atol=0)
+        deq = q[rows] * s[rows].repeat_interleave(128, 1)[:, :H]
+        assert relative_error(deq, x[tokens]) < (0.05 if codes_in else 1e-6)  # e4m3 codes vs unrounded
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
@@ -108,10 +141,11 @@ def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
 
 
 def test_plan_follows_the_tuned_table(tmp_path):
-    """The cutlass table decides per T between CUTLASS and the Triton path (nearest T, with the
-    table's two-accumulator configs); without a table: triton's configs on two accumulators and
-    CUTLASS from MIN_ROWS rows per expert; a ``min_rows`` option overrides the table's path."""
-    from moe_plugin_cuda import cutlass_experts, tuning_configs
+    """The cutlass table decides per T between CUTLASS (with its kernels) and the Triton path
+    (nearest T, with the table's two-accumulator configs); without a table: triton's configs on two
+    accumulators and CUTLASS's default kernels from MIN_ROWS rows per expert; a ``min_rows`` option
+    overrides the table's path."""
+    from moe_plugin_cuda import cutlass_experts, cutlass_lib, tuning_configs
 
     E, K, inter, H, dev = 16, 4, 256, 512, "Some GPU"
     c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, TWO_ACC=1, B_TMA=1)
@@ -119,17 +153,35 @@ def test_plan_follows_the_tuned_table(tmp_path):
     name = tuning_configs.config_file_name(E, inter, H, dev, "fp8_block", tuning_configs.CUTLASS_TABLE)
     assert "kernel=cutlass-v1" in name
     tuning_configs.save_table(tmp_path / name, {1: {"gemm1": c, "gemm2": c},
-                                                1024: {"gemm1": big, "gemm2": big, "path": "cutlass"}})
+                                                1024: {"gemm1": big, "gemm2": big, "path": "cutlass",
+                                                       "cutlass_variants": [4, 2]}})
     cutlass_experts.choose_path.cache_clear()
-    use, cfg = cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), -1)
-    assert not use and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
-    assert cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), -1)[0]
+    use, cfg, variants = cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), -1)
+    assert not use and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1 and variants == cutlass_lib.DEFAULT_VARIANTS
+    assert cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), -1)[::2] == (True, (4, 2))
     assert not cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), 10**6)[0]  # option wins
     assert cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), 0)[0]
     # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
     rows = cutlass_experts.MIN_ROWS * E // K
-    use, cfg = cutlass_experts.choose_path(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
+    use, cfg, _ = cutlass_experts.choose_path(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
     assert not use and cfg["gemm1"]["TWO_ACC"] == 1
     heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
     assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
     assert cutlass_experts.choose_path(rows, E, K, inter, H + 128, dev, str(tmp_path), -1)[0]
+
+
+def test_cutlass_kernel_variants_match_the_source():
+    """The plugin's list of CUTLASS kernels is the source's (count, order and output dtype), and each
+    GEMM has a default of the right output dtype: a kernel added to one and not the other fails here,
+    not as a wrong-dtype launch on the GPU."""
+    import re
+
+    from moe_plugin_cuda import cutlass_lib
+
+    src = cutlass_lib.SOURCE.read_text()
+    names = re.findall(r'"v(\d+)_(\w+?)_(\d+x\d+x\d+)_c(\dx\d)_(bf16|fp32)out"', src)
+    assert int(re.search(r"#define MOE_NUM_VARIANTS (\d+)", src).group(1)) == len(cutlass_lib.VARIANTS) == len(names)
+    for k, (idx, sched, tile, cluster, out) in enumerate(names):
+        assert int(idx) == k and cutlass_lib.VARIANTS[k] == (f"{sched} {tile}", cluster, out)
+    g1, g2 = cutlass_lib.DEFAULT_VARIANTS
+    assert g1 in cutlass_lib.variants_with_output("fp32") and g2 in cutlass_lib.variants_with_output("bf16")

@@ -262,7 +262,7 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
     """The real CUTLASS grouped GEMM against its torch emulation, and the whole pipeline against the
     core's float64 MoE on the same FP8 codes (GEMM2's bf16 output is the only rounding besides FP8)."""
     from moe_core.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
-    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda import cutlass_lib, cutlass_ops
     _need_cutlass()
     w = quantize_weights(torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5,
                          torch.randn(E, H, inter, device="cuda") / inter ** 0.5, "fp8_block")
@@ -271,28 +271,35 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
     if T:
         counts = torch.bincount(torch.randint(0, E - 1, (T * K,), device="cuda"), minlength=E)  # expert E-1: empty
     start = torch.cumsum(counts, 0) - counts
-    for dtype in (torch.bfloat16, torch.float32):
-        d, d_ref = (torch.zeros(T * K, 2 * inter, dtype=dtype, device="cuda") for _ in range(2))
-        cutlass_ops.cutlass_gemm(a, a_s, w["w13"], w["w13_scale"], d, counts, start)
-        cutlass_ops.reference_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start)
+    d_ref = torch.zeros(T * K, 2 * inter, dtype=torch.float32, device="cuda")
+    cutlass_ops.reference_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start)
+    for variant, (_, _, out) in enumerate(cutlass_lib.VARIANTS):  # every kernel of the library
+        dtype = torch.float32 if out == "fp32" else torch.bfloat16
+        d = torch.zeros(T * K, 2 * inter, dtype=dtype, device="cuda")
+        cutlass_ops.cutlass_gemm(a, a_s, w["w13"], w["w13_scale"], d, counts, start, variant=variant)
         if T:
             # fp32 out: Hopper's FP8 MMA accumulates each 128-K step in reduced precision (measured 1.3e-4)
-            assert relative_error(d, d_ref) < (1e-2 if dtype is torch.bfloat16 else 1e-3)
+            assert relative_error(d, d_ref) < (1e-2 if dtype is torch.bfloat16 else 1e-3), variant
+    with pytest.raises(ValueError, match="does not write"):
+        cutlass_ops.cutlass_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start, variant=0)
     x = torch.randn(T, H, device="cuda")
     cfg = _cfg("cutlass", "fp8_block", E=E, K=K, H=H, inter=inter)
     topk = _topk(T, cfg)
-    out = cutlass_ops.fused_experts(x.to(torch.bfloat16), None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"],
-                                    topk.weights, topk.ids, routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
-    from moe_core.reference.oracle import moe_float64
-
     from moe_core.quant import dequantize_weights
+    from moe_core.reference.oracle import moe_float64
 
     w13_full, w2_full = dequantize_weights(w, "fp8_block")
     ref = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7,
                       quantize_activation=lambda h, *_: dequantize_fp8_per_token_group(
                           *quantize_fp8_per_token_group(h.float())).double())
-    if T:
-        assert relative_error(out, ref) < 2e-2
+    x_codes, x_scale = quantize_fp8_per_token_group(x.to(torch.bfloat16))
+    for variants, prequantized in ((None, False), ((4, 2), True), ((7, 8), False), ((6, 5), True)):
+        out = cutlass_ops.fused_experts(x_codes if prequantized else x.to(torch.bfloat16),
+                                        x_scale if prequantized else None, w["w13"], w["w2"], w["w13_scale"],
+                                        w["w2_scale"], topk.weights, topk.ids, routed_scaling_factor=1.7,
+                                        out_dtype=torch.bfloat16, variants=variants)
+        if T:
+            assert relative_error(out, ref) < 2e-2, variants
 
 
 def test_cutlass_masked_matches_triton():

@@ -6,7 +6,7 @@
 // Operands, per group g (all pointers are DEVICE pointers, read from device pointer arrays):
 //   A[g]   e4m3 (float8_e4m3fn), row-major [M_g, K]   (K contiguous, "T")
 //   B[g]   e4m3, each expert's weight row-major [N, K] (K contiguous, "N" in BLAS terms => "TN")
-//   D[g]   bf16 (fp32: variant 1), row-major [M_g, N] (N contiguous); no C operand (beta = 0, C is never read)
+//   D[g]   bf16 or fp32 (per variant), row-major [M_g, N] (N contiguous); no C operand (beta = 0, C is never read)
 //   SFA[g] fp32 activation scales, one per (token, 128-wide K group)
 //   SFB[g] fp32 weight scales, one per 128x128 (N, K) block
 //
@@ -20,11 +20,17 @@
 //        sfa_ptrs[g] = base + row_offset_g * ceil(K/128). (SGLang's sgl-kernel uses this layout on sm90:
 //        Sm90BlockwiseScaleConfig<1,128,128,GMMA::Major::K,GMMA::Major::K>.)
 //
-// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, session 7):
+// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, sessions 7 and 9):
 //   0: tile 128x128x128, KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, cluster 1x1x1, bf16 D
 //   1: as 0 with an fp32 D
 //   2: tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
 //   3: tile 128x128x128, cooperative, cluster 1x2x1 (TMA multicast of A; SGLang's H100 config), bf16 D
+//   4: as 2 with an fp32 D (pingpong: one warpgroup's epilogue overlaps the other's mainloop, which the
+//      cooperative kernel's fp32 stores do not)
+//   5: tile 128x128x128, cooperative, cluster 2x1x1 (TMA multicast of B: two M tiles share each weight tile), bf16 D
+//   6: as 5 with an fp32 D
+//   7: tile  64x128x128, pingpong, cluster 2x1x1, fp32 D
+//   8: as 7 with a bf16 D
 //
 // Per-group CUTLASS stride/layout arrays are built ON DEVICE by a tiny kernel (one thread per group) from
 // problem_sizes_dev, inside the caller-provided workspace, on the caller's stream: nothing syncs to the host.
@@ -39,7 +45,7 @@
 //   * M_g may be 0 (group is skipped; its pointers are never dereferenced).
 //   * problem_sizes_dev: int32 [G, 3] = (M, N, K) per group, device memory, must stay valid until the
 //     kernel has run (stream order).  Pointer arrays: device arrays of G 64-bit pointers.
-//   * Output is bf16; accumulation fp32, scales applied per 128-K block in fp32 ("software" promotion).
+//   * Output bf16 or fp32 (per variant); accumulation fp32, scales applied per 128-K block in fp32 ("software" promotion).
 //
 // Build (one TU, ~1m40s on 2 cores with nvcc 13.0):
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC -cudart static -DNDEBUG
@@ -57,10 +63,10 @@
 #include "cutlass/version.h"
 
 #ifndef MOE_VARIANT_MASK
-#define MOE_VARIANT_MASK 0xF
+#define MOE_VARIANT_MASK 0x1FF
 #endif
 
-#define MOE_NUM_VARIANTS 4
+#define MOE_NUM_VARIANTS 9
 #define MOE_API __attribute__((visibility("default")))
 #define MOE_FP8BW_FLAG_REUSE_META 1
 
@@ -78,10 +84,25 @@ int moe_fp8bw_run_v2(int, const int*, const int*, const void* const*, const void
                      const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
 int moe_fp8bw_run_v3(int, const int*, const int*, const void* const*, const void* const*, void* const*,
                      const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v4(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v5(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v6(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v7(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
+int moe_fp8bw_run_v8(int, const int*, const int*, const void* const*, const void* const*, void* const*,
+                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
 size_t moe_fp8bw_ws_v0(int, int);
 size_t moe_fp8bw_ws_v1(int, int);
 size_t moe_fp8bw_ws_v2(int, int);
 size_t moe_fp8bw_ws_v3(int, int);
+size_t moe_fp8bw_ws_v4(int, int);
+size_t moe_fp8bw_ws_v5(int, int);
+size_t moe_fp8bw_ws_v6(int, int);
+size_t moe_fp8bw_ws_v7(int, int);
+size_t moe_fp8bw_ws_v8(int, int);
 }
 
 #if MOE_VARIANT_MASK != 0
@@ -308,12 +329,18 @@ using Ping = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise
 using EpiCoop = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using EpiPing = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
-// moe-plugin-cuda uses 0 for GEMM2 and 1 for GEMM1 (its fp32 output is quantized again after the activation,
-// as the reference does: a bf16 rounding first could flip FP8 codes)
+// moe-plugin-cuda runs an fp32-D variant for GEMM1 (its output is quantized again after the activation, as the
+// reference does: a bf16 rounding first could flip FP8 codes) and a bf16-D one for GEMM2; which ones, per T, is
+// in its tuned table (default 1 and 0)
 using Cfg0 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
 using Cfg1 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
 using Cfg2 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
 using Cfg3 = Config<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+using Cfg4 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, float>;
+using Cfg5 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+using Cfg6 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
+using Cfg7 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, float>;
+using Cfg8 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
 
 }  // namespace moe_fp8bw
 
@@ -339,6 +366,21 @@ MOE_DEFINE_VARIANT(2)
 #if (MOE_VARIANT_MASK & 8)
 MOE_DEFINE_VARIANT(3)
 #endif
+#if (MOE_VARIANT_MASK & 16)
+MOE_DEFINE_VARIANT(4)
+#endif
+#if (MOE_VARIANT_MASK & 32)
+MOE_DEFINE_VARIANT(5)
+#endif
+#if (MOE_VARIANT_MASK & 64)
+MOE_DEFINE_VARIANT(6)
+#endif
+#if (MOE_VARIANT_MASK & 128)
+MOE_DEFINE_VARIANT(7)
+#endif
+#if (MOE_VARIANT_MASK & 256)
+MOE_DEFINE_VARIANT(8)
+#endif
 
 #endif  // MOE_VARIANT_MASK != 0
 
@@ -354,12 +396,19 @@ static const char* kVariantNames[MOE_NUM_VARIANTS] = {
     "v1_coop_128x128x128_c1x1_fp32out",
     "v2_ping_64x128x128_c1x1_bf16out",
     "v3_coop_128x128x128_c1x2_bf16out",
+    "v4_ping_64x128x128_c1x1_fp32out",
+    "v5_coop_128x128x128_c2x1_bf16out",
+    "v6_coop_128x128x128_c2x1_fp32out",
+    "v7_ping_64x128x128_c2x1_fp32out",
+    "v8_ping_64x128x128_c2x1_bf16out",
 };
 
 static moe_fp8bw_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_run_v0, moe_fp8bw_run_v1, moe_fp8bw_run_v2,
-                                                     moe_fp8bw_run_v3};
+                                                     moe_fp8bw_run_v3, moe_fp8bw_run_v4, moe_fp8bw_run_v5,
+                                                     moe_fp8bw_run_v6, moe_fp8bw_run_v7, moe_fp8bw_run_v8};
 static moe_fp8bw_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_ws_v0, moe_fp8bw_ws_v1, moe_fp8bw_ws_v2,
-                                                   moe_fp8bw_ws_v3};
+                                                   moe_fp8bw_ws_v3, moe_fp8bw_ws_v4, moe_fp8bw_ws_v5,
+                                                   moe_fp8bw_ws_v6, moe_fp8bw_ws_v7, moe_fp8bw_ws_v8};
 
 extern "C" {
 
