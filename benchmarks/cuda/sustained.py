@@ -6,7 +6,8 @@ Builds the layer as ``moe-core bench`` does (the planner's pick, the bench's wei
 it up, then times per call with CUDA events: a burst of 5 calls after 3 s idle, back-to-back calls for
 ``--seconds``, another burst after 3 s idle. nvidia-smi samples the SM clock, power and the active clock
 event (throttle) reasons every 100 ms meanwhile. Prints each phase's median per-call time with the clocks
-and power seen in it, and the sustained phase in 2-second steps.
+and power seen in it, and the sustained phase in 2-second steps (``--profile``: then the kernel table of 5
+calls after 3 s idle).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--backend-options", default=None, help="JSON, as moe-core bench's")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="also the kernel table of 5 calls after 3 s idle")
     args = p.parse_args()
 
     from moe_core.bench import _fill_weights
@@ -126,6 +128,15 @@ def main() -> None:
             step += 2.0
         burst("burst_after")
         sampler.stop()
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            time.sleep(3.0)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    layer(x, topk)
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=12), flush=True)
 
     print(f"{args.preset} {args.quant} T={T} on {the_plan.experts.name} ({torch.cuda.get_device_name()}):")
     for name, ph in phases.items():
