@@ -44,14 +44,14 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     """
     from moe_plugin_cuda import cutlass_lib
 
-    lib = cutlass_lib.library()
-    G, N, Kd = b.shape
-    dev = a.device
     out = "fp32" if d.dtype == torch.float32 else "bf16"
     if variant is None:
         variant = cutlass_lib.DEFAULT_VARIANTS[0 if out == "fp32" else 1]
-    if cutlass_lib.VARIANTS[variant][2] != out:
-        raise ValueError(f"CUTLASS variant {variant} {cutlass_lib.VARIANTS[variant]} does not write {d.dtype}")
+    if not 0 <= variant < len(cutlass_lib.VARIANTS) or cutlass_lib.VARIANTS[variant][2] != out:
+        raise ValueError(f"no CUTLASS variant {variant} writing {d.dtype}: see cutlass_lib.VARIANTS")
+    lib = cutlass_lib.library()
+    G, N, Kd = b.shape
+    dev = a.device
     start = row_start.to(torch.int64)
     experts = torch.arange(G, device=dev, dtype=torch.int64)
     nb, kb = _cdiv(N, BLOCK), _cdiv(Kd, BLOCK)
@@ -82,7 +82,7 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
     from moe_core.quant import dequantize_fp8_per_token_group
 
     G, N, Kd = b.shape
-    for g, (m, s) in enumerate(zip(m_sizes.tolist(), row_start.tolist())):
+    for g, (m, s) in enumerate(zip(m_sizes.tolist(), row_start.tolist(), strict=True)):
         if m:
             x = dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
             w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]

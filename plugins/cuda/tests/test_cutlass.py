@@ -65,8 +65,9 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized):
 def test_quantize_into_rows_interpreter(T, K, H):
     """Every valid slot's row (ids -1 and >= E are not valid) holds its token's codes and scales: the
     core quantizer's scales, codes that dequantize to the token."""
-    from moe_core.quant import quantize_fp8_per_token_group
     from moe_plugin_cuda import cutlass_ops
+
+    from moe_core.quant import quantize_fp8_per_token_group
 
     E = 5
     x = torch.randn(T, H) * (1 + 4 * torch.rand(T, 1))
@@ -112,8 +113,9 @@ def test_masked_pipeline_interpreter():
 @pytest.mark.skipif(cuda, reason="interpreter path")
 def test_silu_mul_quant_scales_interpreter():
     """The activation's per-(row, 128-group) scales, partial last group included, are the core quantizer's."""
-    from moe_core.quant import quantize_fp8_per_token_group
     from moe_plugin_cuda import cutlass_ops
+
+    from moe_core.quant import quantize_fp8_per_token_group
 
     d1 = torch.randn(9, 2 * 200) * 3
     h = torch.nn.functional.silu(d1[:, :200]) * d1[:, 200:]
@@ -185,3 +187,9 @@ def test_cutlass_kernel_variants_match_the_source():
         assert int(idx) == k and cutlass_lib.VARIANTS[k] == (f"{sched} {tile}", cluster, out)
     g1, g2 = cutlass_lib.DEFAULT_VARIANTS
     assert g1 in cutlass_lib.variants_with_output("fp32") and g2 in cutlass_lib.variants_with_output("bf16")
+    from moe_plugin_cuda import cutlass_ops
+
+    d = torch.empty(4, 8)  # fp32: a bf16 kernel, or one past the list, is refused before any launch
+    for bad in (0, len(cutlass_lib.VARIANTS)):
+        with pytest.raises(ValueError, match=f"no CUTLASS variant {bad} writing torch.float32"):
+            cutlass_ops.cutlass_gemm(None, None, None, None, d, None, None, variant=bad)

@@ -71,38 +71,24 @@
 #define MOE_FP8BW_FLAG_REUSE_META 1
 
 // Internal per-variant entry points (C linkage so separately-compiled objects link without name issues).
+#define MOE_RUN_ARGS                                                                                      \
+  int, const int*, const int*, const void* const*, const void* const*, void* const*, const float* const*, \
+      const float* const*, void*, size_t, cudaStream_t, int, char*, size_t
+#define MOE_DECLARE_VARIANT(k)            \
+  int moe_fp8bw_run_v##k(MOE_RUN_ARGS);   \
+  size_t moe_fp8bw_ws_v##k(int, int);
 extern "C" {
-typedef int (*moe_fp8bw_run_fn)(int, const int*, const int*, const void* const*, const void* const*,
-                                void* const*, const float* const*, const float* const*, void*, size_t,
-                                cudaStream_t, int, char*, size_t);
+typedef int (*moe_fp8bw_run_fn)(MOE_RUN_ARGS);
 typedef size_t (*moe_fp8bw_ws_fn)(int, int);
-int moe_fp8bw_run_v0(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v1(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v2(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v3(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v4(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v5(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v6(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v7(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-int moe_fp8bw_run_v8(int, const int*, const int*, const void* const*, const void* const*, void* const*,
-                     const float* const*, const float* const*, void*, size_t, cudaStream_t, int, char*, size_t);
-size_t moe_fp8bw_ws_v0(int, int);
-size_t moe_fp8bw_ws_v1(int, int);
-size_t moe_fp8bw_ws_v2(int, int);
-size_t moe_fp8bw_ws_v3(int, int);
-size_t moe_fp8bw_ws_v4(int, int);
-size_t moe_fp8bw_ws_v5(int, int);
-size_t moe_fp8bw_ws_v6(int, int);
-size_t moe_fp8bw_ws_v7(int, int);
-size_t moe_fp8bw_ws_v8(int, int);
+MOE_DECLARE_VARIANT(0)
+MOE_DECLARE_VARIANT(1)
+MOE_DECLARE_VARIANT(2)
+MOE_DECLARE_VARIANT(3)
+MOE_DECLARE_VARIANT(4)
+MOE_DECLARE_VARIANT(5)
+MOE_DECLARE_VARIANT(6)
+MOE_DECLARE_VARIANT(7)
+MOE_DECLARE_VARIANT(8)
 }
 
 #if MOE_VARIANT_MASK != 0
