@@ -1,12 +1,12 @@
 """Where the time of the cutlass experts' FP8 pipeline goes, on one preset x T (torch.profiler).
 
     python3 benchmarks/cuda/profile_cutlass.py --preset qwen3-235b-a22b --tokens 16384 \
-        [--config-dir D] [--gemm1-bf16]
+        [--config-dir D] [--grouped-gemm cutlass|deepgemm]
 
-The backend's own choice at T (its tuned table, the shipped one or D's: CUTLASS GEMMs and which kernels, or
-its Triton kernels); ``--gemm1-bf16`` forces the CUTLASS path with a bf16 GEMM1 output. Uniform routing (softmax over random logits, as the
-bench's presets without a correction bias); prints the per-call pipeline time (CUDA events, median of
---iters) and the kernel table.
+The backend's own choice at T (its tuned table, the shipped one or D's: which grouped GEMM and kernels, or
+its Triton kernels); ``--grouped-gemm`` forces that grouped GEMM. Uniform routing (softmax over random
+logits, as the bench's presets without a correction bias); prints the per-call pipeline time (CUDA
+events, median of --iters) and the kernel table.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ def main() -> None:
     p.add_argument("--preset", default="qwen3-235b-a22b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--gemm1-bf16", action="store_true", help="GEMM1 writes bf16 (default fp32)")
+    p.add_argument("--grouped-gemm", default="", choices=["", "cutlass", "deepgemm"],
+                   help="force the grouped pipeline on this GEMM (default: the table's choice)")
     p.add_argument("--config-dir", default="", help="a directory of tuned tables (as the backend's config_dir)")
     args = p.parse_args()
 
-    from moe_plugin_cuda import cutlass_experts, cutlass_ops
+    from moe_plugin_cuda import cutlass_experts
 
     from moe_core.config import preset
     from moe_core.quant import quantize_weights
@@ -43,19 +44,15 @@ def main() -> None:
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     topk_w, ids = torch.softmax(torch.randn(T, E, device="cuda"), -1).topk(K, -1)
     ids = ids.to(torch.int32)
-    gemm1 = torch.bfloat16 if args.gemm1_bf16 else torch.float32
-
-    use_cutlass, cfg1, variants = cutlass_experts.choose_path(T, E, K, inter, H, torch.cuda.get_device_name(),
-                                                              args.config_dir, -1)
-    runs = f"CUTLASS kernels {variants}" if use_cutlass else f"Triton {cfg1}"
-    print(f"{args.preset} fp8_block T={T}: the table runs {runs}", flush=True)
+    min_rows = 0 if args.grouped_gemm else -1
+    path, cfg1, variants = cutlass_experts.choose_path(T, E, K, inter, H, torch.cuda.get_device_name(),
+                                                       args.config_dir, min_rows, args.grouped_gemm)
+    runs = f"Triton {cfg1}" if path == "triton" else f"{path} kernels {variants}"
+    print(f"{args.preset} fp8_block T={T}: runs {runs}", flush=True)
 
     def run():
-        if args.gemm1_bf16:
-            return cutlass_ops.fused_experts(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
-                                             routed_scaling_factor=1.0, out_dtype=torch.bfloat16, gemm1_dtype=gemm1)
         return cutlass_experts.run_fused(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
-                                         1.0, torch.bfloat16, -1, args.config_dir)
+                                         1.0, torch.bfloat16, min_rows, args.config_dir, args.grouped_gemm)
 
     for _ in range(3):
         run()
@@ -67,7 +64,7 @@ def main() -> None:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
-    print(f"{args.preset} fp8_block T={T} gemm1 {gemm1}: pipeline {statistics.median(times):.1f} us per call "
+    print(f"{args.preset} fp8_block T={T} {path}: pipeline {statistics.median(times):.1f} us per call "
           f"(eager, median of {args.iters})", flush=True)
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device pass for moe-plugin-cuda on one H100, in phases (each logs under OUT; one failing
 # phase does not stop the others):
-#   install  pip install -e moe-core + the plugin + nvidia-cutlass (headers), build the cutlass library,
+#   install  pip install -e moe-core + the plugin + nvidia-cutlass and sgl-deep-gemm (headers), build the
+#            CUTLASS and DeepGEMM libraries,
 #            versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
 #   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
@@ -45,10 +46,13 @@ phase_install() {
   python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cuda 2>&1 | grep -v -i warning | tail -3
   # CUTLASS headers for the cutlass experts (WHEELHOUSE: a folder holding the wheel, where pip has no index)
   python3 -m pip install -q --no-deps ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} nvidia-cutlass==4.2.0.0 \
-    2>&1 | grep -v -i warning | tail -3
-  # the cutlass experts compile their library at first use: do it here, timed, not inside a benchmark
+    sgl-deep-gemm==0.2.5 2>&1 | grep -v -i warning | tail -3
+  # the cutlass experts compile their libraries at first use: do it here, timed, not inside a benchmark
   python3 -c "import time; t = time.time(); from moe_plugin_cuda import cutlass_lib; cutlass_lib.library(); \
 print(f'cutlass library ready in {time.time() - t:.0f} s: {cutlass_lib.where()}')" 2>&1 | tail -5
+  python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda import deepgemm_lib; \
+deepgemm_lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
+print(f'DeepGEMM library ready in {time.time() - t:.0f} s: {deepgemm_lib.where()}')" 2>&1 | tail -5
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
   moe-core backends 2>&1 | tee "$OUT/backends.txt"

@@ -1,4 +1,4 @@
-"""Experts backend ``cutlass``: FP8 block-scaled MoE on CUTLASS grouped GEMMs (see ``cutlass_ops``)."""
+"""Experts backend ``cutlass``: FP8 block-scaled MoE on grouped GEMMs, CUTLASS's or DeepGEMM's (see ``cutlass_ops``)."""
 
 from __future__ import annotations
 
@@ -37,39 +37,53 @@ def _device_name(index: int) -> str:
 
 @functools.cache
 def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
-                min_rows: int) -> tuple[bool, dict, tuple[int, int]]:
-    """(run the CUTLASS GEMMs?, the Triton launch otherwise, GEMM1's and GEMM2's CUTLASS kernels) for T tokens.
+                min_rows: int, grouped_gemm: str = "") -> tuple[str, dict, tuple[int, int]]:
+    """("triton", "cutlass" or "deepgemm": whose kernels run, the Triton launch for "triton", the
+    grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens.
 
-    The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured faster, the
-    two-accumulator Triton configs for the checkpoint layout and the fastest CUTLASS kernels
-    (``cutlass_variants``, indices into ``cutlass_lib.VARIANTS``); without one: triton's table on two
-    accumulators, CUTLASS from ``MIN_ROWS`` rows per expert, its default kernels. ``min_rows`` >= 0
-    overrides the path.
+    The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured fastest, the
+    two-accumulator Triton configs for the checkpoint layout and the fastest kernels of each grouped
+    GEMM (``cutlass_variants``, ``deepgemm_variants``: indices into their ``VARIANTS``); without one:
+    triton's table on two accumulators, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their
+    default kernels (DeepGEMM's where its library can be built). A "deepgemm" entry runs CUTLASS where
+    DeepGEMM cannot. ``min_rows`` >= 0 overrides the path (grouped from that many rows per expert),
+    ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM.
     """
-    from moe_plugin_cuda import cutlass_lib, tuning_configs
+    from moe_plugin_cuda import cutlass_lib, deepgemm_lib, tuning_configs
 
+    deepgemm = deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
     entry, _ = tuning_configs.lookup(T, E, inter, H, "fp8_block", device_name, config_dir or None,
                                      tuning_configs.CUTLASS_TABLE)
     if entry is None:
         cfg, _ = tuning_configs.get_config(T, E, K, inter, H, "fp8_block", device_name, config_dir or None)
         entry = {**tuning_configs.as_two_acc(cfg, keep_tma=True),
-                 "path": "cutlass" if T * K >= MIN_ROWS * E else "triton"}
-    use_cutlass = entry.get("path") == "cutlass" if min_rows < 0 else T * K >= min_rows * E
-    variants = tuple(entry.get("cutlass_variants", cutlass_lib.DEFAULT_VARIANTS))
-    return use_cutlass, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
+                 "path": ("deepgemm" if deepgemm else "cutlass") if T * K >= MIN_ROWS * E else "triton"}
+    path = entry.get("path", "triton")
+    if min_rows >= 0:
+        path = ("deepgemm" if deepgemm else "cutlass") if T * K >= min_rows * E else "triton"
+    if path != "triton" and grouped_gemm:
+        path = grouped_gemm
+    elif path == "deepgemm" and not deepgemm:
+        path = "cutlass"
+    if path == "deepgemm":
+        variants = tuple(entry.get("deepgemm_variants", deepgemm_lib.DEFAULT_VARIANTS))
+    else:
+        variants = tuple(entry.get("cutlass_variants", cutlass_lib.DEFAULT_VARIANTS))
+    return path, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
 
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
-              out_dtype: torch.dtype, min_rows: int, config_dir: str) -> torch.Tensor:
-    """Token list: the CUTLASS grouped GEMMs or the Triton kernels, as ``choose_path`` says for T."""
+              out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str) -> torch.Tensor:
+    """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
-    use_cutlass, cfg, variants = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1],
-                                             _device_name(hidden.device.index or 0), config_dir, min_rows)
-    if use_cutlass:
+    path, cfg, variants = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1],
+                                      _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm)
+    if path != "triton":
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                                         gemm=cutlass_ops.DEEPGEMM if path == "deepgemm" else cutlass_ops.CUTLASS,
                                          variants=variants)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
@@ -79,13 +93,18 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
                out_dtype: torch.dtype, min_rows: int, config_dir: str, top_k: int) -> torch.Tensor:
     """EP_MASKED slab: CUTLASS when its capacity per expert reaches ``min_rows`` (default ``MIN_ROWS``),
-    else Triton (tuned on token lists, so the table's path choice does not apply to slabs)."""
+    else Triton (tuned on token lists, so the table's path choice does not apply to slabs; the slab's
+    rows are packed, which DeepGEMM's layout is not)."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     E, C, _ = hidden.shape
     # mean rows per expert is unknown without a sync: configs for a full slab, as the triton backend does
-    _, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
-                                   _device_name(hidden.device.index or 0), config_dir, min_rows)
+    path, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
+                                      _device_name(hidden.device.index or 0), config_dir, min_rows)
+    if path != "cutlass":  # its kernels are for another GEMM
+        from moe_plugin_cuda import cutlass_lib
+
+        variants = cutlass_lib.DEFAULT_VARIANTS
     if C >= (MIN_ROWS if min_rows < 0 else min_rows):
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
@@ -99,14 +118,15 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
 @torch.library.custom_op("moe_cuda::cutlass_fused_experts", mutates_args=())
 def _fused_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
               w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: int, config_dir: str) -> torch.Tensor:
+              routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: int, config_dir: str,
+              grouped_gemm: str) -> torch.Tensor:
     return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor,
-                     out_dtype, min_rows, config_dir)
+                     out_dtype, min_rows, config_dir, grouped_gemm)
 
 
 @_fused_op.register_fake
 def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor, out_dtype,
-      min_rows, config_dir):
+      min_rows, config_dir, grouped_gemm):
     return hidden.new_empty((hidden.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
@@ -132,8 +152,13 @@ class CutlassExperts(Experts):
     sort and gather do not pay (small T) the Triton kernels run instead, on the two-accumulator
     GEMM1 that reads this layout: the tuned table says which path at which T (``choose_path``).
 
+    The grouped GEMMs are CUTLASS's (fp32 GEMM1 output) or DeepGEMM's SM90 kernel (bf16 GEMM1 output,
+    so h is rounded to bf16 before its FP8 requantization, as in SGLang's DeepGEMM runner; needs the
+    ``sgl-deep-gemm`` headers), whichever the table measured faster at that T.
+
     Options (``backend_options["cutlass"]``): ``config_dir`` (extra directory of tuned tables),
-    ``min_rows`` (run CUTLASS from this many rows per expert, whatever the table says).
+    ``min_rows`` (run the grouped GEMMs from this many rows per expert, whatever the table says),
+    ``grouped_gemm`` ("cutlass" or "deepgemm": that grouped GEMM wherever one runs).
     """
 
     def __init__(self, ctx) -> None:
@@ -141,15 +166,26 @@ class CutlassExperts(Experts):
         min_rows = ctx.options.get("min_rows")
         self.min_rows = -1 if min_rows is None else int(min_rows)
         self.config_dir = str(ctx.options.get("config_dir") or "")
+        self.grouped_gemm = str(ctx.options.get("grouped_gemm") or "")
+        if self.grouped_gemm not in ("", "cutlass", "deepgemm"):
+            raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {self.grouped_gemm!r}")
+        if self.grouped_gemm == "deepgemm":
+            from moe_plugin_cuda import deepgemm_lib
+
+            if deepgemm_lib.missing():
+                raise ValueError(f"grouped_gemm='deepgemm': {deepgemm_lib.missing()}")
 
     def process_weights(self, layer: "MoELayer") -> None:
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and not t.is_contiguous():
                 setattr(layer, name, type(t)(t.contiguous()) if isinstance(t, torch.nn.Parameter) else t.contiguous())
-        from moe_plugin_cuda import cutlass_lib
+        from moe_plugin_cuda import cutlass_lib, deepgemm_lib
 
-        cutlass_lib.library()  # build or load now, not inside the first forward (or a graph capture)
+        # build or load now, not inside the first forward (or a graph capture)
+        cutlass_lib.library()
+        if deepgemm_lib.missing() is None:
+            deepgemm_lib.library(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
     def _activations(self, qa: QuantizedActivations):
         """(data, scale): FP8 codes + group scales as they came, else the compute dtype (the pipeline quantizes)."""
@@ -168,7 +204,7 @@ class CutlassExperts(Experts):
             run = _fused_op if torch.compiler.is_compiling() else run_fused
             out = run(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
                       dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows,
-                      self.config_dir)
+                      self.config_dir, self.grouped_gemm)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

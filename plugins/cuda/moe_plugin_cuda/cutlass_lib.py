@@ -9,17 +9,14 @@ headers and nvcc; ``$MOE_CUDA_CUTLASS_LIB`` names a prebuilt library instead. It
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Optional
+
+from moe_plugin_cuda import nvcc_build
+from moe_plugin_cuda.nvcc_build import nvcc
 
 SOURCE = Path(__file__).parent / "csrc" / "fp8_blockwise_grouped.cu"
 # The kernels the source instantiates, by index: (schedule and tile, cluster, D's dtype). Each compiles as its
@@ -49,14 +46,6 @@ def cutlass_dir() -> Optional[Path]:
     return root if (root / "include" / "cutlass").is_dir() else None
 
 
-def nvcc() -> Optional[str]:
-    """The toolkit's nvcc: torch's own CUDA_HOME lookup (CUDA_HOME/CUDA_PATH, nvcc on PATH, /usr/local/cuda)."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    path = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
-    return str(path) if path.exists() else shutil.which("nvcc")
-
-
 def missing() -> Optional[str]:
     """Why the library can be neither loaded nor built here (None: it can)."""
     if os.environ.get("MOE_CUDA_CUTLASS_LIB"):
@@ -76,65 +65,28 @@ def where() -> str:
     return f"compiled at first use from {SOURCE.name} against {cutlass_dir()}"
 
 
-def _cache_path(cdir: Path, compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update((cdir / "include" / "cutlass" / "version.h").read_bytes())
-    h.update(version.encode())
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe_plugin_cuda"
-    return base / f"cutlass-fp8-{h.hexdigest()[:16]}" / "libmoe_cutlass_fp8.so"
-
-
-def build(out: Path, cdir: Path, compiler: str) -> None:
-    """One object per variant plus the API object, compiled in parallel (as many nvcc as there are cores and
-    4 GB of free memory: each peaks at ~3.9 GB and takes a minute or more), linked with a static cudart."""
-    flags = ["-O3", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
-             "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-I{cdir / 'include'}",
-             f"-I{cdir / 'tools/util/include'}"]
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = [("api", ["-DMOE_VARIANT_MASK=0"])] + [(f"v{k}", [f"-DMOE_VARIANT_MASK={1 << k}", "-DMOE_NO_API"])
-                                                       for k in range(len(VARIANTS))]
-
-        def compile_object(job) -> None:
-            name, extra = job
-            r = subprocess.run([compiler, *flags, *extra, "-c", str(SOURCE), "-o", f"{tmp}/{name}.o"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if r.returncode:
-                raise RuntimeError(f"nvcc failed on {SOURCE.name} ({name}):\n{r.stdout[-4000:]}")
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        workers = max(1, min(len(jobs), os.cpu_count() or 1, free // (4 << 30)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_object, jobs))  # re-raises the first failure
-        tmp_out = Path(tmp) / out.name
-        root = Path(compiler).resolve().parent.parent  # the toolkit's lib dirs (pip's nvcc is not on ld's path)
-        link = [compiler, "-arch=sm_90a", "-shared", "-cudart", "static", "-Xlinker", "--exclude-libs,ALL",
-                "-Xlinker", "-Bsymbolic", f"-L{root / 'lib'}", f"-L{root / 'lib64'}", "-o", str(tmp_out),
-                *[f"{tmp}/{n}.o" for n, _ in jobs]]
-        r = subprocess.run(link, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"linking {out.name} failed:\n{r.stderr[-4000:]}")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(tmp_out), out)  # the cache only ever holds whole libraries
+def _flags(cdir: Path) -> list[str]:
+    return ["-O3", "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+            "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-I{cdir / 'include'}", f"-I{cdir / 'tools/util/include'}"]
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The loaded library (built first if needed; a file lock keeps concurrent processes to one build)."""
-    path = os.environ.get("MOE_CUDA_CUTLASS_LIB")
-    if not path:
+    """The loaded library (built first if needed, one object per variant plus the API object)."""
+    out, build = None, None
+    if not os.environ.get("MOE_CUDA_CUTLASS_LIB"):
         why = missing()
         if why:
             raise RuntimeError(f"the cutlass experts cannot run: {why}")
         cdir, compiler = cutlass_dir(), nvcc()
-        out = _cache_path(cdir, compiler)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with open(out.parent / "build.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not out.exists():
-                build(out, cdir, compiler)
-        path = str(out)
-    lib = ctypes.CDLL(path)
+        out = nvcc_build.cache_path(SOURCE, cdir / "include" / "cutlass" / "version.h", compiler,
+                                    "libmoe_cutlass_fp8.so")
+        jobs = [("api", ["-DMOE_VARIANT_MASK=0"])] + [(f"v{k}", [f"-DMOE_VARIANT_MASK={1 << k}", "-DMOE_NO_API"])
+                                                       for k in range(len(VARIANTS))]
+        build = functools.partial(nvcc_build.build, source=SOURCE, compiler=compiler, flags=_flags(cdir), jobs=jobs,
+                                  arch="-arch=sm_90a")
+    lib = nvcc_build.load("MOE_CUDA_CUTLASS_LIB", out, build)
+    path = os.environ.get("MOE_CUDA_CUTLASS_LIB") or str(out)
     ci, cs, vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
     lib.moe_fp8_blockwise_last_error.restype = ctypes.c_char_p
     lib.moe_fp8_blockwise_workspace_size.argtypes = [ci, ci]

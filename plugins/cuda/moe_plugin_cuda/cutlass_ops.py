@@ -1,20 +1,22 @@
-"""FP8 block-scaled MoE on CUTLASS grouped GEMMs (Hopper): the pipeline around ``cutlass_lib``.
+"""FP8 block-scaled MoE on grouped GEMMs (Hopper): the pipeline around ``cutlass_lib`` and ``deepgemm_lib``.
 
 Token list (STANDARD / EP_NORMAL): sort the (token, slot) pairs by expert -> each token's row
-quantized once and written to the rows of its slots -> GEMM1 (fp32 out) -> SiLU(gate) * up,
-FP8 re-quantization -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
+quantized once and written to the rows of its slots -> GEMM1 -> SiLU(gate) * up, FP8
+re-quantization -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
 slab already holds each expert's rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in
 place of the sort.
 
 Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) and the GEMMs'
 per-expert row counts and pointers stay on the device, so no call syncs with the host and the
-pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM itself (``cutlass_gemm``
-on the GPU; ``reference_gemm``, its torch emulation, for CI without one).
+pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
+(``GroupedGemm``): ``CUTLASS`` (fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's kernel:
+bf16 output, each expert's rows from a multiple of 128, activation scales MN-major), or their torch
+emulations for CI without a GPU (``REFERENCE``, ``DEEPGEMM_REFERENCE``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -89,46 +91,94 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
             d[s:s + m] = (x @ w.T).to(d.dtype)
 
 
-def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
+    """``cutlass_gemm``'s contract on DeepGEMM's SM90 kernel (``deepgemm_lib``), with its layout:
+    ``row_start`` multiples of 128 and rows up to the next expert's start writable, ``a_scale`` a
+    ``[R, K/128]`` view of MN-major storage (``a_scale.t()`` contiguous), ``d`` bf16."""
+    from moe_plugin_cuda import deepgemm_lib
+
+    G, N, Kd = b.shape
+    R = a.shape[0]
+    if not 0 <= (variant := deepgemm_lib.DEFAULT_VARIANTS[0] if variant is None else variant) < len(deepgemm_lib.VARIANTS):
+        raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.VARIANTS")
+    if d.dtype != torch.bfloat16 or a_scale.stride() != (1, R) or R % deepgemm_lib.ROW_ALIGN:
+        raise ValueError("DeepGEMM's layout: bf16 d, MN-major a_scale, rows a multiple of 128")
+    lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)
+    ends = (row_start + m_sizes).to(torch.int32)  # the kernel's psum layout, padded to its group count
+    psum = torch.cat([ends, ends[-1:].expand(deepgemm_lib.MAX_EXPERTS - G)])
+    rc = lib.moe_dg_fp8_grouped_gemm(variant, a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(),
+                                     d.data_ptr(), psum.data_ptr(), R, N, Kd, G,
+                                     torch.cuda.current_stream(a.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"DeepGEMM grouped GEMM failed ({rc}): {lib.moe_dg_last_error().decode()}")
+
+
+class GroupedGemm(NamedTuple):
+    """A grouped GEMM (``cutlass_gemm``'s contract) and the layout it reads and writes."""
+    run: GemmFn
+    row_align: int = 1  # each expert's rows start on a multiple of this
+    mn_major_scales: bool = False  # activation scales stored [K/128, R] (viewed as [R, K/128])
+    gemm1_dtype: torch.dtype = torch.float32  # GEMM1's output, before SiLU x up and FP8
+
+
+CUTLASS = GroupedGemm(cutlass_gemm)
+REFERENCE = GroupedGemm(reference_gemm)
+# bf16 GEMM1 output (the kernel writes bf16 only): h is rounded to bf16 before its FP8 requantization,
+# as SGLang's DeepGEMM runner does
+DEEPGEMM = GroupedGemm(deepgemm_gemm, 128, True, torch.bfloat16)
+DEEPGEMM_REFERENCE = GroupedGemm(reference_gemm, 128, True, torch.bfloat16)
+
+
+def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
+    """fp32 scales ``[rows, groups]``, stored row-major or MN-major (``.t()`` contiguous)."""
+    if mn_major:
+        return torch.empty((groups, rows), dtype=torch.float32, device=device).t()
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+
+
+def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8,
+                   mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1's ``[R, 2I]`` output (gate | up) -> (``silu(gate) * up`` as codes [R, I], fp32 scales
     [R, I/128]), per row and 128-column group (``code_dtype`` fp32 keeps the unrounded values: CI)."""
     R, two_i = d1.shape
     inter = two_i // 2
     g = _cdiv(inter, BLOCK)
     q = torch.empty((R, inter), dtype=code_dtype, device=d1.device)
-    s = torch.empty((R, g), dtype=torch.float32, device=d1.device)
+    s = _scales(R, g, mn_major, d1.device)
     if R:
         groups = min(8, triton.next_power_of_2(g))
         K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](d1, q, s, inter, d1.stride(0), q.stride(0), s.stride(0),
-                                                              GROUPS=groups)
+                                                              s.stride(1), GROUPS=groups)
     return q, s
 
 
-def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GemmFn, out_dtype, code_dtype,
-             gemm1_dtype=torch.float32, variants: Optional[tuple[int, int]] = None):
+def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
+             variants: Optional[tuple[int, int]] = None):
     """GEMM1 -> activation + FP8 -> GEMM2 over rows grouped by expert: ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
-    d1 = torch.empty((R, w13.shape[1]), dtype=gemm1_dtype, device=a.device)
-    gemm(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
-    h, h_scale = silu_mul_quant(d1, code_dtype)
+    d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
+    gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
+    h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
-    gemm(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
+    gemm.run(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2
 
 
 def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], topk_ids: torch.Tensor,
-                       row_of_slot: torch.Tensor, num_experts: int,
-                       code_dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
+                       row_of_slot: torch.Tensor, num_experts: int, code_dtype: torch.dtype = FP8,
+                       rows: Optional[int] = None, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's row, quantized per 128-column group (or its codes and scales as they came, with
     ``a_scale``), written to the row of each of its slots (``row_of_slot``; slots with ids outside
-    [0, E) are skipped and their rows left unwritten): ``[T, H]`` -> (codes ``[T*K, H]``, fp32 scales
-    ``[T*K, H/128]``). One read of the token instead of a quantizer's pass and a gather of K copies."""
+    [0, E) are skipped and their rows left unwritten): ``[T, H]`` -> (codes ``[rows, H]``, fp32 scales
+    ``[rows, H/128]``, MN-major storage with ``mn_major``), ``rows`` = T*K by default. One read of
+    the token instead of a quantizer's pass and a gather of K copies."""
     T, H = hidden.shape
     top_k, g = topk_ids.shape[1], _cdiv(H, BLOCK)
+    rows = T * top_k if rows is None else rows
     codes = hidden.dtype if a_scale is not None else code_dtype
-    a = torch.empty((T * top_k, H), dtype=codes, device=hidden.device)
-    s = torch.empty((T * top_k, g), dtype=torch.float32, device=hidden.device)
+    a = torch.empty((rows, H), dtype=codes, device=hidden.device)
+    s = _scales(rows, g, mn_major, hidden.device)
     if T:
         src, dst = hidden, a
         if a_scale is not None and hidden.element_size() == 1:  # FP8 codes: copied as bytes
@@ -137,37 +187,50 @@ def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], to
         groups = min(8, triton.next_power_of_2(g))
         K._quantize_into_rows_kernel[(T, triton.cdiv(g, groups))](
             src, src_scale, dst, s, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
-            src.stride(0), src_scale.stride(0), dst.stride(0), s.stride(0), K=top_k, GROUPS=groups,
+            src.stride(0), src_scale.stride(0), dst.stride(0), s.stride(0), s.stride(1), K=top_k, GROUPS=groups,
             QUANTIZE=a_scale is None)
     return a, s
+
+
+def sorted_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
+    """The (token, slot) pairs sorted by expert: (rows per expert, each expert's first row, the row of
+    every slot, the rows to allocate). Each expert's rows start on a multiple of ``row_align``; the
+    row count is the bound for any routing (graph-safe: no sync). Ids outside [0, E) get no row."""
+    E = num_experts
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    key = torch.where((ids >= 0) & (ids < E), ids, E)  # skipped slots sort last, into no expert
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:E]
+    packed_start = torch.cumsum(counts, 0) - counts
+    sorted_pos = torch.arange(order.numel(), device=order.device)
+    if row_align == 1:
+        return counts, packed_start, torch.empty_like(order).scatter_(0, order, sorted_pos), ids.numel()
+    padded = (counts + row_align - 1) // row_align * row_align
+    row_start = torch.cumsum(padded, 0) - padded
+    e = key[order].clamp(max=E - 1)  # (skipped slots: a row past every expert's, never written)
+    row_of_slot = torch.empty_like(order).scatter_(0, order, row_start[e] + sorted_pos - packed_start[e])
+    return counts, row_start, row_of_slot, _cdiv(ids.numel() + E * (row_align - 1), row_align) * row_align
 
 
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
-                  gemm: GemmFn = cutlass_gemm, code_dtype: torch.dtype = FP8,
-                  gemm1_dtype: torch.dtype = torch.float32,
+                  gemm: GroupedGemm = CUTLASS, code_dtype: torch.dtype = FP8,
                   variants: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
     ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
     (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. ``variants``: the
-    CUTLASS kernels of GEMM1 and GEMM2 (``cutlass_lib.VARIANTS``).
+    kernels of GEMM1 and GEMM2 (indices into ``cutlass_lib.VARIANTS`` or ``deepgemm_lib.VARIANTS``).
     """
     T, H = hidden.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
     out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
         return out
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    key = torch.where((ids >= 0) & (ids < E), ids, E)  # skipped slots sort last, into no group
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:E]
-    row_start = torch.cumsum(counts, 0) - counts
-    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype)
-    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, gemm1_dtype,
-                 variants)
+    counts, row_start, row_of_slot, rows = sorted_rows(topk_ids, E, gemm.row_align)
+    a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales)
+    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants)
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,
@@ -177,10 +240,13 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
 
 def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, *,
-                   routed_scaling_factor: float, out_dtype: torch.dtype, gemm: GemmFn = cutlass_gemm,
+                   routed_scaling_factor: float, out_dtype: torch.dtype, gemm: GroupedGemm = CUTLASS,
                    code_dtype: torch.dtype = FP8, variants: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """EP_MASKED slab ``[E, C, H]`` (rows ``< masked_m[e]`` valid) -> unweighted expert outputs
-    ``[E, C, H]`` times ``routed_scaling_factor``; rows past ``masked_m`` are left undefined."""
+    ``[E, C, H]`` times ``routed_scaling_factor``; rows past ``masked_m`` are left undefined. Rows
+    packed (``gemm.row_align`` 1, row-major scales): the CUTLASS kernels."""
+    if gemm.row_align != 1 or gemm.mn_major_scales:
+        raise ValueError("the masked slab runs a packed-row GEMM (CUTLASS)")
     E, C, H = hidden.shape
     flat = hidden.reshape(E * C, H).contiguous()
     if a_scale is None:
@@ -190,7 +256,7 @@ def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked
     rows = masked_m.to(torch.int64)
     start = torch.arange(E, device=hidden.device, dtype=torch.int64) * C
     y = _experts(flat, a_scale.contiguous(), w13, w13_scale, w2, w2_scale, rows, start, gemm, out_dtype, code_dtype,
-                 variants=variants)
+                 variants)
     if routed_scaling_factor != 1.0:
         y.mul_(routed_scaling_factor)
     return y.view(E, C, H)

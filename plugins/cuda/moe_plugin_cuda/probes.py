@@ -100,7 +100,11 @@ def probe_cutlass() -> Reason:
     if missing:
         return unavailable(Code.NOT_INSTALLED, missing, "pip install 'moe-plugin-cuda[cutlass]' with the CUDA "
                            "toolkit's nvcc on PATH (the kernels compile at first use, ~1-2 minutes)")
-    return available(f"CUTLASS FP8 grouped GEMM on SM90 (library: {cutlass_lib.where()})")
+    from moe_plugin_cuda import deepgemm_lib
+
+    deepgemm = deepgemm_lib.missing()
+    return available(f"CUTLASS FP8 grouped GEMM on SM90 (library: {cutlass_lib.where()}); DeepGEMM's SM90 kernel: "
+                     + (f"not used ({deepgemm})" if deepgemm else f"library {deepgemm_lib.where()}"))
 
 
 def probe_deepep() -> Reason:

@@ -332,9 +332,11 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
 
 @triton.jit
 def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_map_ptr, E, H, stride_x, stride_xs,
-                               stride_q, stride_s, K: tl.constexpr, GROUPS: tl.constexpr, QUANTIZE: tl.constexpr):
+                               stride_q, stride_s, stride_sg, K: tl.constexpr, GROUPS: tl.constexpr,
+                               QUANTIZE: tl.constexpr):
     """Token t's GROUPS groups, quantized as ``_quant_fp8_group_kernel`` does (QUANTIZE) or its codes
-    and scales as they came, stored in row ``row_map[t*K + k]`` for each slot k whose id is in [0, E)."""
+    and scales as they came, stored in row ``row_map[t*K + k]`` for each slot k whose id is in [0, E)
+    (scale of row r, group j at ``s + r*stride_s + j*stride_sg``)."""
     t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -351,11 +353,11 @@ def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_ma
         if (e >= 0) & (e < E):
             row = tl.load(row_map_ptr + t * K + k).to(tl.int64)
             tl.store(q_ptr + row * stride_q + offs, q, mask=m)
-            tl.store(s_ptr + row * stride_s + grp, s, mask=gm)
+            tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=gm)
 
 
 @triton.jit
-def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, stride_s, GROUPS: tl.constexpr):
+def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, stride_s, stride_sg, GROUPS: tl.constexpr):
     """h = silu(gate) * up from GEMM1's output row [gate (inter) | up (inter)], quantized per (row,
     128-column group) exactly like ``_quant_fp8_group_kernel``."""
     row = tl.program_id(0).to(tl.int64)
@@ -366,4 +368,4 @@ def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, strid
     up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
     q, s = _quant_groups(gate * tl.sigmoid(gate) * up)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < inter)
+    tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=grp * 128 < inter)

@@ -25,9 +25,11 @@ keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 two-accumulator kernel still yields a table.
 
 ``--backend cutlass`` tunes the ``cutlass`` experts (FP8 block) instead: the same search for its
-Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1), then its CUTLASS pipeline is
-timed too and the table entry says which path ran faster at that T (``"path": "cutlass"``); the
-file is ``kernel=cutlass-v1`` (see ``tuning_configs``). The CUTLASS library must build on this machine.
+Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1), then its grouped pipelines are
+timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on DeepGEMM's, each
+on its fastest kernel pair, and the table entry says which path ran fastest at that T (``"path":
+"triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see ``tuning_configs``).
+The CUTLASS library must build on this machine.
 """
 
 from __future__ import annotations
@@ -153,25 +155,32 @@ def _make_weights(E, H, inter, fp8, g, dev, interleave):
     return w13, w2, s13, s2
 
 
-def cutlass_kernels(pipeline_time, t_triton: float, log=None) -> tuple[tuple[int, int], float]:
-    """The fastest (GEMM1, GEMM2) pair of CUTLASS kernels for the cutlass pipeline, and its time: GEMM1's
-    (fp32 output) with GEMM2's default, then GEMM2's (bf16) with that one. Only the default pair is
-    timed where it is far (25%) behind the Triton path's ``t_triton``: the kernels differ by less."""
-    from moe_plugin_cuda import cutlass_lib, cutlass_ops
+def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, log=None) -> tuple[tuple[int, int], float]:
+    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the
+    grouped pipeline, and its time: GEMM1's with GEMM2's default, then GEMM2's with that one. Only the
+    default pair is timed where it is far (25%) behind the Triton path's ``t_triton``: the kernels
+    differ by less."""
+    from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
+
+    if gemm_name == "cutlass":  # GEMM1 writes fp32, GEMM2 bf16
+        gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS
+        choices = (cutlass_lib.variants_with_output("fp32"), cutlass_lib.variants_with_output("bf16"))
+    else:
+        gemm, best = cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_VARIANTS
+        choices = (range(len(deepgemm_lib.VARIANTS)),) * 2
 
     def timed(v):
-        t = pipeline_time(f"cutlass {v}", cutlass_ops.fused_experts, variants=v)
+        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm), variants=v)
         if log:
-            log(f"    cutlass kernels {v} {t * 1e3:9.1f} us")
+            log(f"    {gemm_name} kernels {v} {t * 1e3:9.1f} us")
         return t
 
-    best = cutlass_lib.DEFAULT_VARIANTS
     t_best = timed(best)
     if t_best > 1.25 * t_triton:
         return best, t_best
-    for gemm, out in ((0, "fp32"), (1, "bf16")):
-        for k in cutlass_lib.variants_with_output(out):
-            cand = (k, best[1]) if gemm == 0 else (best[0], k)
+    for i, ks in enumerate(choices):
+        for k in ks:
+            cand = (k, best[1]) if i == 0 else (best[0], k)
             if cand != best and (t := timed(cand)) < t_best:
                 best, t_best = cand, t
     return best, t_best
@@ -184,7 +193,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     from moe_core.bench import balanced_correction_bias
     from moe_core.config import preset
     from moe_core.router import route
-    from moe_plugin_cuda import triton_ops, tuning_configs
+    from moe_plugin_cuda import deepgemm_lib, triton_ops, tuning_configs
     from moe_plugin_cuda.triton_experts import config_dtype
 
     fp8 = quant == "fp8_block"
@@ -288,11 +297,15 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             log(f"  {name} {quant} T={M}: nothing ran, no entry")
             continue
         note = ""
-        if not interleaved:
-            variants, t_cutlass = cutlass_kernels(pipeline_time, t, log if verbose else None)
-            note = f", cutlass {t_cutlass * 1e3:.1f} on kernels {variants}"
-            if t_cutlass < t:
-                chosen, t = {**chosen, "path": "cutlass", "cutlass_variants": list(variants)}, t_cutlass
+        if not interleaved:  # the grouped GEMMs this machine can run, each on its fastest kernels
+            gemms = ["cutlass"] + (["deepgemm"] if deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
+                                   else [])
+            for gemm_name in gemms:
+                variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, log if verbose else None)
+                note += f", {gemm_name} {t_g * 1e3:.1f} on kernels {variants}"
+                chosen = {**chosen, f"{gemm_name}_variants": list(variants)}
+                if t_g < t:
+                    chosen, t = {**chosen, "path": gemm_name}, t_g
         table[M] = chosen
         log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us, mean of {ROUTING_DRAWS} routings (searched {t_best * 1e3:.1f}, "
             f"heuristic {t_heur * 1e3:.1f}"

@@ -129,8 +129,9 @@ def lookup(M: int, E: int, I: int, H: int, dtype: str, device_name: Optional[str
                                          for k in ("gemm1", "gemm2")}
                 if "path" in cfg:  # the cutlass table's: which path, and which CUTLASS kernels
                     entry["path"] = str(cfg["path"])
-                if "cutlass_variants" in cfg:
-                    entry["cutlass_variants"] = [int(v) for v in cfg["cutlass_variants"]]
+                for key in ("cutlass_variants", "deepgemm_variants"):
+                    if key in cfg:
+                        entry[key] = [int(v) for v in cfg[key]]
                 return entry, name
     return None, ""
 

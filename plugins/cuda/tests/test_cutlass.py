@@ -1,7 +1,8 @@
-"""CI without a GPU for the ``cutlass`` experts: the pipeline around the CUTLASS grouped GEMM (sort,
+"""CI without a GPU for the ``cutlass`` experts: the pipeline around the grouped GEMMs (sort,
 gather, activation + re-quantization, weighted reduce) runs in Triton's interpreter with the GEMM
 emulated in torch (``cutlass_ops.reference_gemm``, same contract), on fp32 stand-ins of the FP8
-codes (the interpreter's fp8 casts are unreliable; the GPU tests run the real thing)."""
+codes (the interpreter's fp8 casts are unreliable; the GPU tests run the real thing), in both
+layouts: CUTLASS's (rows packed) and DeepGEMM's (experts from multiples of 128, MN-major scales)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,20 @@ def _acts(T, H):
     return a, s, a * s.repeat_interleave(128, 1)[:, :H]
 
 
+def _layouts():
+    from moe_plugin_cuda import cutlass_ops
+
+    # DeepGEMM's layout with the torch GEMM, fp32 GEMM1 output (its bf16 rounding is the GPU tests')
+    return {"packed": cutlass_ops.REFERENCE, "deepgemm": cutlass_ops.REFERENCE._replace(row_align=128,
+                                                                                         mn_major_scales=True)}
+
+
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("layout", ["packed", "deepgemm"])
 @pytest.mark.parametrize("quantized", [True, False], ids=["codes_in", "quantized_in_pipeline"])
 @pytest.mark.parametrize("T,E,K,H,inter", [(0, 4, 2, 128, 128), (1, 8, 3, 256, 128), (37, 6, 2, 384, 256),
                                            (130, 5, 4, 200, 384)])
-def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized):
+def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized, layout):
     """Codes + scales as they came (FP8 on the wire), or the compute dtype quantized by the pipeline
     (fp32 stand-ins of the codes: unrounded, so the pipeline is exact but for float32 math)."""
     from moe_plugin_cuda import cutlass_ops
@@ -54,17 +64,19 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized):
         ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
     w = torch.rand(T, K)
     out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.5,
-                                    out_dtype=torch.float32, gemm=cutlass_ops.reference_gemm, code_dtype=torch.float32)
+                                    out_dtype=torch.float32, gemm=_layouts()[layout], code_dtype=torch.float32)
     assert out.shape == (T, H)
     ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
     assert relative_error(out, ref) < 1e-4
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("mn_major", [False, True])
 @pytest.mark.parametrize("T,K,H", [(1, 1, 128), (9, 3, 200), (33, 4, 1100)])
-def test_quantize_into_rows_interpreter(T, K, H):
+def test_quantize_into_rows_interpreter(T, K, H, mn_major):
     """Every valid slot's row (ids -1 and >= E are not valid) holds its token's codes and scales: the
-    core quantizer's scales, codes that dequantize to the token."""
+    core quantizer's scales, codes that dequantize to the token; scales row-major or MN-major, in a
+    buffer of more rows than slots (DeepGEMM's padded layout)."""
     from moe_plugin_cuda import cutlass_ops
 
     from moe_core.quant import quantize_fp8_per_token_group
@@ -73,15 +85,18 @@ def test_quantize_into_rows_interpreter(T, K, H):
     x = torch.randn(T, H) * (1 + 4 * torch.rand(T, 1))
     ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
     ids[0, 0] = 0  # at least one valid slot
-    row_of_slot = torch.randperm(T * K)
+    rows_total = T * K + (7 if mn_major else 0)
+    row_of_slot = torch.randperm(rows_total)[:T * K]
     valid = ((ids >= 0) & (ids < E)).flatten()
     for codes_in in (False, True):
         if codes_in:
             q_in, s_in = quantize_fp8_per_token_group(x)
-            q, s = cutlass_ops.quantize_into_rows(q_in.float(), s_in, ids, row_of_slot, E, torch.float32)
+            q, s = cutlass_ops.quantize_into_rows(q_in.float(), s_in, ids, row_of_slot, E, torch.float32, rows_total,
+                                                  mn_major)
         else:
-            q, s = cutlass_ops.quantize_into_rows(x, None, ids, row_of_slot, E, torch.float32)
-        assert q.shape == (T * K, H) and s.shape == (T * K, -(-H // 128))
+            q, s = cutlass_ops.quantize_into_rows(x, None, ids, row_of_slot, E, torch.float32, rows_total, mn_major)
+        assert q.shape == (rows_total, H) and s.shape == (rows_total, -(-H // 128))
+        assert s.t().is_contiguous() if mn_major else s.is_contiguous()
         rows, tokens = row_of_slot[valid], torch.arange(T * K)[valid] // K
         want_s = quantize_fp8_per_token_group(x)[1]
         assert torch.allclose(s[rows], want_s[tokens], rtol=1e-6, atol=0)
@@ -100,7 +115,7 @@ def test_masked_pipeline_interpreter():
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
     out = cutlass_ops.masked_experts(a.view(E, C, H), a_s.view(E, C, -1), mm, w13, w2, s13, s2,
                                      routed_scaling_factor=2.0, out_dtype=torch.float32,
-                                     gemm=cutlass_ops.reference_gemm, code_dtype=torch.float32)
+                                     gemm=cutlass_ops.REFERENCE, code_dtype=torch.float32)
     x = x.view(E, C, H)
     for e in range(E):
         m = int(mm[e])
@@ -119,9 +134,32 @@ def test_silu_mul_quant_scales_interpreter():
 
     d1 = torch.randn(9, 2 * 200) * 3
     h = torch.nn.functional.silu(d1[:, :200]) * d1[:, 200:]
-    q, s = cutlass_ops.silu_mul_quant(d1, torch.float32)
-    assert torch.allclose(s, quantize_fp8_per_token_group(h)[1], rtol=1e-6, atol=0)
-    assert relative_error(q * s.repeat_interleave(128, 1)[:, :200], h) < 1e-6
+    for mn_major in (False, True):
+        q, s = cutlass_ops.silu_mul_quant(d1, torch.float32, mn_major)
+        assert s.t().is_contiguous() if mn_major else s.is_contiguous()
+        assert torch.allclose(s, quantize_fp8_per_token_group(h)[1], rtol=1e-6, atol=0)
+        assert relative_error(q * s.repeat_interleave(128, 1)[:, :200], h) < 1e-6
+
+
+@pytest.mark.parametrize("align", [1, 128])
+def test_sorted_rows_layout(align):
+    """Each expert's rows: start on a multiple of ``align``, hold exactly its slots, do not overlap
+    the next expert's, and fit the allocation bound; skipped slots (ids -1, >= E) get no row."""
+    from moe_plugin_cuda import cutlass_ops
+
+    E, T, K = 7, 300, 3
+    ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
+    ids[ids == 2] = 3  # expert 2: empty
+    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(ids, E, align)
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < E)
+    assert torch.equal(counts, torch.bincount(flat[valid], minlength=E))
+    assert bool((start % align == 0).all()) and bool((start[1:] >= start[:-1] + counts[:-1]).all())
+    assert rows >= int(start[-1] + counts[-1]) and rows % align == 0 and rows <= T * K + E * align
+    r = row_of_slot[valid]
+    assert r.unique().numel() == r.numel()  # one row per slot
+    e = flat[valid]
+    assert bool(((r >= start[e]) & (r < start[e] + counts[e])).all())
 
 
 def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
@@ -142,12 +180,13 @@ def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "hidden_size=200" in reasons[0].message
 
 
-def test_plan_follows_the_tuned_table(tmp_path):
-    """The cutlass table decides per T between CUTLASS (with its kernels) and the Triton path
-    (nearest T, with the table's two-accumulator configs); without a table: triton's configs on two
-    accumulators and CUTLASS's default kernels from MIN_ROWS rows per expert; a ``min_rows`` option
-    overrides the table's path."""
-    from moe_plugin_cuda import cutlass_experts, cutlass_lib, tuning_configs
+def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
+    """The cutlass table decides per T between its grouped pipelines (CUTLASS or DeepGEMM, with their
+    kernels) and the Triton path (nearest T, with the table's two-accumulator configs); a "deepgemm"
+    entry runs CUTLASS where DeepGEMM cannot build; without a table: triton's configs on two
+    accumulators and the grouped GEMMs' default kernels from MIN_ROWS rows per expert; the
+    ``min_rows`` and ``grouped_gemm`` options override the table."""
+    from moe_plugin_cuda import cutlass_experts, cutlass_lib, deepgemm_lib, tuning_configs
 
     E, K, inter, H, dev = 16, 4, 256, 512, "Some GPU"
     c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, TWO_ACC=1, B_TMA=1)
@@ -156,20 +195,65 @@ def test_plan_follows_the_tuned_table(tmp_path):
     assert "kernel=cutlass-v1" in name
     tuning_configs.save_table(tmp_path / name, {1: {"gemm1": c, "gemm2": c},
                                                 1024: {"gemm1": big, "gemm2": big, "path": "cutlass",
-                                                       "cutlass_variants": [4, 2]}})
+                                                       "cutlass_variants": [4, 2], "deepgemm_variants": [1, 1]},
+                                                8192: {"gemm1": big, "gemm2": big, "path": "deepgemm",
+                                                       "cutlass_variants": [6, 3], "deepgemm_variants": [4, 5]}})
+
+    def choose(T, *args, h=H):
+        cutlass_experts.choose_path.cache_clear()
+        return cutlass_experts.choose_path(T, E, K, inter, h, dev, str(tmp_path), *args)
+
+    for can_build in (False, True):
+        monkeypatch.setattr(deepgemm_lib, "missing", lambda ok=can_build: None if ok else "no headers")
+        path, cfg, variants = choose(3, -1)
+        assert path == "triton" and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
+        assert variants == cutlass_lib.DEFAULT_VARIANTS
+        assert choose(900, -1)[::2] == ("cutlass", (4, 2))
+        assert choose(9000, -1)[::2] == (("deepgemm", (4, 5)) if can_build else ("cutlass", (6, 3)))
+        assert choose(9000, -1, "cutlass")[::2] == ("cutlass", (6, 3))
+        assert choose(900, 10**6)[0] == "triton"  # option wins
+        assert choose(3, 0)[0] == ("deepgemm" if can_build else "cutlass")
+        # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
+        rows = cutlass_experts.MIN_ROWS * E // K
+        path, cfg, _ = choose(rows - 1, -1, h=H + 128)
+        assert path == "triton" and cfg["gemm1"]["TWO_ACC"] == 1
+        heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
+        assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
+        path, _, variants = choose(rows, -1, h=H + 128)
+        assert (path, variants) == (("deepgemm", deepgemm_lib.DEFAULT_VARIANTS) if can_build
+                                    else ("cutlass", cutlass_lib.DEFAULT_VARIANTS))
     cutlass_experts.choose_path.cache_clear()
-    use, cfg, variants = cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), -1)
-    assert not use and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1 and variants == cutlass_lib.DEFAULT_VARIANTS
-    assert cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), -1)[::2] == (True, (4, 2))
-    assert not cutlass_experts.choose_path(900, E, K, inter, H, dev, str(tmp_path), 10**6)[0]  # option wins
-    assert cutlass_experts.choose_path(3, E, K, inter, H, dev, str(tmp_path), 0)[0]
-    # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
-    rows = cutlass_experts.MIN_ROWS * E // K
-    use, cfg, _ = cutlass_experts.choose_path(rows - 1, E, K, inter, H + 128, dev, str(tmp_path), -1)
-    assert not use and cfg["gemm1"]["TWO_ACC"] == 1
-    heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
-    assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
-    assert cutlass_experts.choose_path(rows, E, K, inter, H + 128, dev, str(tmp_path), -1)[0]
+
+
+def test_deepgemm_variants_match_the_source(monkeypatch, tmp_path):
+    """The plugin's list of DeepGEMM kernels is the launcher's (count, order, tile, stages, multicast),
+    the defaults are in it, and the library's absence is reported with what to install."""
+    import re
+
+    from moe_plugin_cuda import deepgemm_lib
+
+    src = deepgemm_lib.SOURCE.read_text()
+    body = src[src.index("kVariants[] = {"):src.index("};", src.index("kVariants[] = {"))]
+    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false)\}", body)
+    assert [(int(bn), int(st), "1" if mc == "1" else ("A" if a == "true" else "B")) for bm, bn, st, mc, a in rows] \
+        == list(deepgemm_lib.VARIANTS)
+    assert all(int(bm) == deepgemm_lib.ROW_ALIGN for bm, *_ in rows)
+    assert all(0 <= v < len(deepgemm_lib.VARIANTS) for v in deepgemm_lib.DEFAULT_VARIANTS)
+    assert f"#define MOE_DG_MAX_GROUPS {deepgemm_lib.MAX_EXPERTS}" in src
+    monkeypatch.delenv("MOE_CUDA_DEEPGEMM_LIB", raising=False)
+    monkeypatch.setenv("DEEPGEMM_INCLUDE", str(tmp_path))
+    monkeypatch.setattr(deepgemm_lib, "nvcc", lambda: None)
+    assert "nvcc" in deepgemm_lib.missing()
+    monkeypatch.delenv("DEEPGEMM_INCLUDE")
+    monkeypatch.setattr(deepgemm_lib, "include_dir", lambda: None)
+    assert "moe-plugin-cuda[deepgemm]" in deepgemm_lib.missing()
+    monkeypatch.setenv("MOE_CUDA_DEEPGEMM_LIB", str(tmp_path / "missing.so"))
+    assert "does not exist" in deepgemm_lib.missing()
+    from moe_plugin_cuda import cutlass_ops
+
+    with pytest.raises(ValueError, match="DeepGEMM's layout"):  # row-major scales: refused before any launch
+        cutlass_ops.deepgemm_gemm(torch.empty(128, 128), torch.empty(128, 1), torch.empty(1, 128, 128), None,
+                                  torch.empty(128, 128, dtype=torch.bfloat16), None, None, variant=0)
 
 
 def test_cutlass_kernel_variants_match_the_source():

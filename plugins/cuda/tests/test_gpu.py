@@ -148,6 +148,14 @@ def _need_cutlass():
         pytest.skip(probe_cutlass().message)
 
 
+def _need_deepgemm():
+    from moe_plugin_cuda import deepgemm_lib
+
+    _need_cutlass()
+    if deepgemm_lib.missing():
+        pytest.skip(deepgemm_lib.missing())
+
+
 @pytest.mark.parametrize("min_rows", [0, 10**6])
 def test_cutlass_masked_layer(min_rows):
     """EP_MASKED through the cutlass backend, on its CUTLASS GEMMs (min_rows 0) and on its Triton path."""
@@ -246,8 +254,9 @@ def test_triton_align_on_device(numel_tokens, E, bm):
 def test_triton_activation_quant_matches_core(M, H):
     """The Triton per-token-group FP8 quantizer (several groups per program, a partial last group)
     gives the core's scales and codes exactly."""
-    from moe_core.quant import quantize_fp8_per_token_group
     from moe_plugin_cuda import triton_ops
+
+    from moe_core.quant import quantize_fp8_per_token_group
 
     x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16) * (1 + 4 * torch.rand(M, 1, device="cuda"))
     q, s = triton_ops.quantize_fp8_groups(x)
@@ -261,8 +270,9 @@ def test_triton_activation_quant_matches_core(M, H):
 def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
     """The real CUTLASS grouped GEMM against its torch emulation, and the whole pipeline against the
     core's float64 MoE on the same FP8 codes (GEMM2's bf16 output is the only rounding besides FP8)."""
-    from moe_core.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
     from moe_plugin_cuda import cutlass_lib, cutlass_ops
+
+    from moe_core.quant import dequantize_fp8_per_token_group, quantize_fp8_per_token_group
     _need_cutlass()
     w = quantize_weights(torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5,
                          torch.randn(E, H, inter, device="cuda") / inter ** 0.5, "fp8_block")
@@ -302,6 +312,48 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
             assert relative_error(out, ref) < 2e-2, variants
 
 
+@pytest.mark.parametrize("T,E,K,H,inter", [(1, 16, 4, 256, 256), (333, 16, 4, 384, 384), (700, 64, 8, 512, 384)])
+def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
+    """DeepGEMM's kernel, every variant, against the torch emulation on its layout (experts from
+    multiples of 128, one empty, N not a multiple of the tile, rows past each expert's end), and the
+    pipeline on it against the core's float64 MoE and the CUTLASS pipeline."""
+    from moe_plugin_cuda import cutlass_ops, deepgemm_lib
+
+    from moe_core.quant import dequantize_fp8_per_token_group, dequantize_weights, quantize_fp8_per_token_group
+    from moe_core.reference.oracle import moe_float64
+
+    _need_deepgemm()
+    w = quantize_weights(torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5,
+                         torch.randn(E, H, inter, device="cuda") / inter ** 0.5, "fp8_block")
+    x = torch.randn(T, H, device="cuda")
+    cfg = _cfg("cutlass", "fp8_block", E=E, K=K, H=H, inter=inter)
+    topk = _topk(T, cfg)
+    topk.ids[topk.ids == E - 1] = -1  # expert E-1: empty
+    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
+    a, a_s = cutlass_ops.quantize_into_rows(x.to(torch.bfloat16), None, topk.ids, row_of_slot, E, rows=rows,
+                                            mn_major=True)
+    d_ref = torch.zeros(rows, 2 * inter, dtype=torch.float32, device="cuda")
+    cutlass_ops.reference_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start)
+    real = row_of_slot[(topk.ids.flatten() >= 0)]
+    for variant in range(len(deepgemm_lib.VARIANTS)):
+        d = torch.full((rows, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cutlass_ops.deepgemm_gemm(a, a_s, w["w13"], w["w13_scale"], d, counts, start, variant=variant)
+        assert relative_error(d[real], d_ref[real]) < 1e-2, variant
+    w13_full, w2_full = dequantize_weights(w, "fp8_block")
+    ref = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7,
+                      quantize_activation=lambda h, *_: dequantize_fp8_per_token_group(
+                          *quantize_fp8_per_token_group(h.float())).double())
+    kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
+    args = (x.to(torch.bfloat16), None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk.weights, topk.ids)
+    cut = cutlass_ops.fused_experts(*args, **kw)
+    for variants in (None, (4, 3), (0, 5), (7, 2)):
+        out = cutlass_ops.fused_experts(*args, gemm=cutlass_ops.DEEPGEMM, variants=variants, **kw)
+        # h rounded to bf16 before FP8 (flips some e4m3 codes vs the single rounding of the oracle)
+        err, err_cut = relative_error(out, ref), relative_error(cut, ref)
+        print(f"T={T} variants {variants}: deepgemm {err:.2e}, cutlass {err_cut:.2e} from the float64 MoE")
+        assert err < 3e-2 and err < 2 * err_cut + 5e-3, variants
+
+
 def test_cutlass_masked_matches_triton():
     from moe_plugin_cuda import cutlass_ops, triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
@@ -327,15 +379,19 @@ def test_cutlass_masked_matches_triton():
 # every backend x scheme, plus triton on a config with TMA weight loads (tuned tables pick B_TMA at
 # large T; its descriptors are built on the host per call and must replay / compile like the rest)
 # cutlass: at the tests' T (< 128 rows per expert) its Triton path; "gemms": its CUTLASS GEMMs at every T
+# ("deepgemm": the same on DeepGEMM's kernel)
 VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
-            + [("cutlass", "fp8_block", "gemms")])
+            + [("cutlass", "fp8_block", "gemms"), ("cutlass", "fp8_block", "deepgemm")])
 
 
 def _variant_options(quant, variant):
     if variant == "b_tma":
         return {"backend_options": {"triton": {"config": _fixed(64, 256, 0, 1, quant == "fp8_block")}}}
     if variant == "gemms":
-        return {"backend_options": {"cutlass": {"min_rows": 0}}}
+        return {"backend_options": {"cutlass": {"min_rows": 0, "grouped_gemm": "cutlass"}}}
+    if variant == "deepgemm":
+        _need_deepgemm()
+        return {"backend_options": {"cutlass": {"min_rows": 0, "grouped_gemm": "deepgemm"}}}
     return {}
 
 
@@ -433,3 +489,20 @@ def test_conformance_kit_on_the_gpu(backend):
     print(report.text())
     assert report.ok, report.text()
     assert sum(r.status == "passed" for r in report.results) > 20
+
+
+def test_conformance_kit_on_deepgemm(monkeypatch):
+    """The kit on the cutlass backend with its grouped pipeline at every T (no tuned table for the
+    kit's shapes, so the untuned default: DeepGEMM's kernel from MIN_ROWS rows per expert, here 0)."""
+    from moe_plugin_cuda import cutlass_experts
+
+    from moe_core.testing import run_kit
+
+    _need_deepgemm()
+    monkeypatch.setattr(cutlass_experts, "MIN_ROWS", 0)
+    cutlass_experts.choose_path.cache_clear()
+    assert cutlass_experts.choose_path(1, 8, 2, 256, 256, "kit", "", -1)[0] == "deepgemm"
+    report = run_kit("cuda.cutlass")
+    cutlass_experts.choose_path.cache_clear()
+    print(report.text())
+    assert report.ok, report.text()

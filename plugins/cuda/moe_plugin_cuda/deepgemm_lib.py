@@ -1,0 +1,91 @@
+"""DeepGEMM's SM90 FP8 block-scaled grouped GEMM (``csrc/deepgemm_fp8_grouped.cu``): find, build, load.
+
+The kernel is DeepGEMM's (``sm90_fp8_gemm_1d2d_impl``: a persistent, warp-specialized FP8 GEMM that
+promotes each 128-wide K block's partial sums with both scales in registers); the headers come from
+the ``sgl-deep-gemm`` wheel (or ``$DEEPGEMM_INCLUDE``), of which nothing else is used: its own torch
+extension is built for one torch version. Our launcher builds the TMA descriptors and runs it as an
+M-grouped GEMM over experts' rows (the "psum layout"), behind a plain C ABI, compiled with nvcc at
+first use (``nvcc_build``); ``$MOE_CUDA_DEEPGEMM_LIB`` names a prebuilt library instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Optional
+
+from moe_plugin_cuda import nvcc_build
+from moe_plugin_cuda.nvcc_build import nvcc
+
+SOURCE = Path(__file__).parent / "csrc" / "deepgemm_fp8_grouped.cu"
+# The kernels the source instantiates, by index (keep in step with its kVariants): (BLOCK_N, stages,
+# TMA multicast of two CTAs: "1" none, "B" weight tiles to two row tiles, "A" row tiles to two column
+# tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T.
+VARIANTS = ((128, 5, "1"), (128, 5, "B"), (144, 5, "B"), (160, 5, "B"), (192, 4, "B"), (128, 5, "A"),
+            (160, 5, "A"), (192, 4, "A"))
+DEFAULT_VARIANTS = (4, 3)  # H100, session 10: the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384
+ROW_ALIGN = 128  # each expert's rows start on a multiple of BLOCK_M
+MAX_EXPERTS = 1024
+
+
+def include_dir() -> Optional[Path]:
+    """DeepGEMM's headers (``deep_gemm/``, with the CuTe/CUTLASS copy it was written against)."""
+    env = os.environ.get("DEEPGEMM_INCLUDE")
+    if env:
+        return Path(env)
+    try:
+        root = Path(metadata.distribution("sgl-deep-gemm").locate_file("deep_gemm/include"))
+    except metadata.PackageNotFoundError:
+        return None
+    return root if (root / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh").is_file() else None
+
+
+def missing() -> Optional[str]:
+    """Why the library can be neither loaded nor built here (None: it can)."""
+    if os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
+        return None if Path(os.environ["MOE_CUDA_DEEPGEMM_LIB"]).exists() else \
+            f"MOE_CUDA_DEEPGEMM_LIB={os.environ['MOE_CUDA_DEEPGEMM_LIB']} does not exist"
+    if include_dir() is None:
+        return "no DeepGEMM headers (pip install 'moe-plugin-cuda[deepgemm]', or set DEEPGEMM_INCLUDE)"
+    if nvcc() is None:
+        return "no nvcc (install the CUDA toolkit or set CUDA_HOME): the kernels are compiled at first use"
+    return None
+
+
+def where() -> str:
+    """Where the library comes from (for ``moe-core backends``), without building it."""
+    if os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
+        return os.environ["MOE_CUDA_DEEPGEMM_LIB"]
+    return f"compiled at first use from {SOURCE.name} against {include_dir()}"
+
+
+@functools.cache
+def library(num_sms: int) -> ctypes.CDLL:
+    """The loaded library for a GPU with ``num_sms`` SMs (the persistent grid is compiled in)."""
+    out, build = None, None
+    if not os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
+        why = missing()
+        if why:
+            raise RuntimeError(f"the DeepGEMM kernels cannot run: {why}")
+        inc, compiler = include_dir(), nvcc()
+        flags = ["-O3", "-std=c++20", "-gencode", "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+                 "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-DMOE_DG_NUM_SMS={num_sms}",
+                 f"-I{inc}"]
+        out = nvcc_build.cache_path(SOURCE, inc / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh", compiler,
+                                    f"libmoe_deepgemm_fp8_sm{num_sms}.so")
+        jobs = [("api", [])] + [(f"v{k}", [f"-DMOE_DG_ONLY={k}"]) for k in range(len(VARIANTS))]
+        build = functools.partial(nvcc_build.build, source=SOURCE, compiler=compiler, flags=flags, jobs=jobs,
+                                  arch="-arch=sm_90a", mem_per_job=1 << 30)
+    lib = nvcc_build.load("MOE_CUDA_DEEPGEMM_LIB", out, build)
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+    lib.moe_dg_last_error.restype = ctypes.c_char_p
+    lib.moe_dg_fp8_grouped_gemm.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, vp, u32, u32, u32, u32, vp]
+    lib.moe_dg_fp8_grouped_gemm.restype = ctypes.c_int
+    path = os.environ.get("MOE_CUDA_DEEPGEMM_LIB") or str(out)
+    if lib.moe_dg_num_variants() != len(VARIANTS) or lib.moe_dg_num_sms() != num_sms:
+        raise RuntimeError(f"{path} has {lib.moe_dg_num_variants()} kernel variants for {lib.moe_dg_num_sms()} SMs, "
+                           f"this GPU needs {len(VARIANTS)} for {num_sms}: rebuild it from {SOURCE.name}")
+    return lib
