@@ -94,13 +94,16 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
 def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
     """``cutlass_gemm``'s contract on DeepGEMM's SM90 kernel (``deepgemm_lib``), with its layout:
     ``row_start`` multiples of 128 and rows up to the next expert's start writable, ``a_scale`` a
-    ``[R, K/128]`` view of MN-major storage (``a_scale.t()`` contiguous), ``d`` bf16."""
+    ``[R, K/128]`` view of MN-major storage (``a_scale.t()`` contiguous), ``d`` bf16. A multicast
+    variant that cannot run N columns (``deepgemm_lib.runnable``) runs as variant 0 (no multicast)."""
     from moe_plugin_cuda import deepgemm_lib
 
     G, N, Kd = b.shape
     R = a.shape[0]
     if not 0 <= (variant := deepgemm_lib.DEFAULT_VARIANTS[0] if variant is None else variant) < len(deepgemm_lib.VARIANTS):
         raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.VARIANTS")
+    if not deepgemm_lib.runnable(variant, N):
+        variant = 0
     if d.dtype != torch.bfloat16 or a_scale.stride() != (1, R) or R % deepgemm_lib.ROW_ALIGN:
         raise ValueError("DeepGEMM's layout: bf16 d, MN-major a_scale, rows a multiple of 128")
     lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)

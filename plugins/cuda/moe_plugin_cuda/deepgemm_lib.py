@@ -31,6 +31,13 @@ ROW_ALIGN = 128  # each expert's rows start on a multiple of BLOCK_M
 MAX_EXPERTS = 1024
 
 
+def runnable(variant: int, n: int) -> bool:
+    """Whether ``variant`` runs for N = ``n`` columns: a multicast kernel pairs consecutive tiles into a
+    2-CTA cluster, and with an odd number of column tiles a pair straddles two experts and hangs."""
+    block_n, _, multicast = VARIANTS[variant]
+    return multicast == "1" or -(-n // block_n) % 2 == 0
+
+
 def include_dir() -> Optional[Path]:
     """DeepGEMM's headers (``deep_gemm/``, with the CuTe/CUTLASS copy it was written against)."""
     env = os.environ.get("DEEPGEMM_INCLUDE")

@@ -155,9 +155,10 @@ def _make_weights(E, H, inter, fp8, g, dev, interleave):
     return w13, w2, s13, s2
 
 
-def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, log=None) -> tuple[tuple[int, int], float]:
+def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[int, int],
+                    log=None) -> tuple[tuple[int, int], float]:
     """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the
-    grouped pipeline, and its time: GEMM1's with GEMM2's default, then GEMM2's with that one. Only the
+    grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default, then GEMM2's with that one. Only the
     default pair is timed where it is far (25%) behind the Triton path's ``t_triton``: the kernels
     differ by less."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
@@ -165,9 +166,9 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, log=None) ->
     if gemm_name == "cutlass":  # GEMM1 writes fp32, GEMM2 bf16
         gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS
         choices = (cutlass_lib.variants_with_output("fp32"), cutlass_lib.variants_with_output("bf16"))
-    else:
+    else:  # (a variant that cannot run N columns would run as variant 0: not a candidate)
         gemm, best = cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_VARIANTS
-        choices = (range(len(deepgemm_lib.VARIANTS)),) * 2
+        choices = tuple([k for k in range(len(deepgemm_lib.VARIANTS)) if deepgemm_lib.runnable(k, n)] for n in ns)
 
     def timed(v):
         t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm), variants=v)
@@ -301,7 +302,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             gemms = ["cutlass"] + (["deepgemm"] if deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
                                    else [])
             for gemm_name in gemms:
-                variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, log if verbose else None)
+                variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, (2 * inter, H), log if verbose else None)
                 note += f", {gemm_name} {t_g * 1e3:.1f} on kernels {variants}"
                 chosen = {**chosen, f"{gemm_name}_variants": list(variants)}
                 if t_g < t:

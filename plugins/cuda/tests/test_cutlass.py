@@ -240,6 +240,10 @@ def test_deepgemm_variants_match_the_source(monkeypatch, tmp_path):
     assert all(int(bm) == deepgemm_lib.ROW_ALIGN for bm, *_ in rows)
     assert all(0 <= v < len(deepgemm_lib.VARIANTS) for v in deepgemm_lib.DEFAULT_VARIANTS)
     assert f"#define MOE_DG_MAX_GROUPS {deepgemm_lib.MAX_EXPERTS}" in src
+    # multicast pairs need an even number of column tiles (else the kernel hangs: the launcher refuses)
+    assert "(n + BN - 1) / BN % 2" in src
+    assert deepgemm_lib.VARIANTS[4][0] == 192 and not deepgemm_lib.runnable(4, 512)  # 3 tiles
+    assert deepgemm_lib.runnable(4, 3072) and deepgemm_lib.runnable(0, 512)  # 16 tiles; no multicast
     monkeypatch.delenv("MOE_CUDA_DEEPGEMM_LIB", raising=False)
     monkeypatch.setenv("DEEPGEMM_INCLUDE", str(tmp_path))
     monkeypatch.setattr(deepgemm_lib, "nvcc", lambda: None)

@@ -98,6 +98,10 @@ int launch(const void* a, const float* sfa, const void* b, const float* sfb, voi
         MC_ON_A, MOE_DG_NUM_SMS, deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t>;
     if (m % BM || n % 8 || k % 128 || g > MOE_DG_MAX_GROUPS)
         return fail("shapes: M must be a multiple of 128, N of 8, K of 128, at most 1024 experts", -3);
+    // The psum scheduler pairs consecutive tiles into a 2-CTA cluster; with an odd number of column tiles
+    // a pair can straddle two experts (or end alone), and the kernel then waits forever on its peer.
+    if (MC > 1 && (n + BN - 1) / BN % 2)
+        return fail("a multicast variant needs an even number of BLOCK_N column tiles", -6);
     const uint32_t smem = smem_bytes<BM, BN, STAGES>(k);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess)
