@@ -345,13 +345,18 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
                           *quantize_fp8_per_token_group(h.float())).double())
     kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     args = (x.to(torch.bfloat16), None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk.weights, topk.ids)
+    exact = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7)
     cut = cutlass_ops.fused_experts(*args, **kw)
     for variants in (None, (4, 3), (0, 5), (7, 2)):
         out = cutlass_ops.fused_experts(*args, gemm=cutlass_ops.DEEPGEMM, variants=variants, **kw)
-        # h rounded to bf16 before FP8 (flips some e4m3 codes vs the single rounding of the oracle)
+        # GEMM1 writes bf16: h is rounded twice before FP8, which flips a few percent of its e4m3 codes
+        # against the oracle's single rounding (~1.4% vs CUTLASS's ~0.4%, measured); against the math
+        # without h's quantization both carry the same FP8 error
         err, err_cut = relative_error(out, ref), relative_error(cut, ref)
-        print(f"T={T} variants {variants}: deepgemm {err:.2e}, cutlass {err_cut:.2e} from the float64 MoE")
-        assert err < 3e-2 and err < 2 * err_cut + 5e-3, variants
+        exact_err, exact_cut = relative_error(out, exact), relative_error(cut, exact)
+        print(f"T={T} variants {variants}: deepgemm {err:.2e}, cutlass {err_cut:.2e} from the FP8 float64 MoE; "
+              f"{exact_err:.2e} vs {exact_cut:.2e} from the unquantized-h one")
+        assert err < 3e-2 and exact_err < 1.5 * exact_cut, variants
 
 
 def test_cutlass_masked_matches_triton():
