@@ -99,12 +99,8 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
 
     E, C, _ = hidden.shape
     # mean rows per expert is unknown without a sync: configs for a full slab, as the triton backend does
-    path, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
-                                      _device_name(hidden.device.index or 0), config_dir, min_rows)
-    if path != "cutlass":  # its kernels are for another GEMM
-        from moe_plugin_cuda import cutlass_lib
-
-        variants = cutlass_lib.DEFAULT_VARIANTS
+    _, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
+                                   _device_name(hidden.device.index or 0), config_dir, min_rows, "cutlass")
     if C >= (MIN_ROWS if min_rows < 0 else min_rows):
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,

@@ -48,21 +48,12 @@ def cutlass_dir() -> Optional[Path]:
 
 def missing() -> Optional[str]:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    if os.environ.get("MOE_CUDA_CUTLASS_LIB"):
-        return None if Path(os.environ["MOE_CUDA_CUTLASS_LIB"]).exists() else \
-            f"MOE_CUDA_CUTLASS_LIB={os.environ['MOE_CUDA_CUTLASS_LIB']} does not exist"
-    if cutlass_dir() is None:
-        return "no CUTLASS headers (pip install 'moe-plugin-cuda[cutlass]', or set CUTLASS_DIR)"
-    if nvcc() is None:
-        return "no nvcc (install the CUDA toolkit or set CUDA_HOME): the kernels are compiled at first use"
-    return None
+    return nvcc_build.missing("MOE_CUDA_CUTLASS_LIB", cutlass_dir(), "no CUTLASS headers (pip install 'moe-plugin-cuda[cutlass]', or set CUTLASS_DIR)", nvcc())
 
 
 def where() -> str:
     """Where the library comes from (for ``moe-core backends``), without building it."""
-    if os.environ.get("MOE_CUDA_CUTLASS_LIB"):
-        return os.environ["MOE_CUDA_CUTLASS_LIB"]
-    return f"compiled at first use from {SOURCE.name} against {cutlass_dir()}"
+    return nvcc_build.where("MOE_CUDA_CUTLASS_LIB", SOURCE, cutlass_dir())
 
 
 def _flags(cdir: Path) -> list[str]:

@@ -52,21 +52,12 @@ def include_dir() -> Optional[Path]:
 
 def missing() -> Optional[str]:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    if os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
-        return None if Path(os.environ["MOE_CUDA_DEEPGEMM_LIB"]).exists() else \
-            f"MOE_CUDA_DEEPGEMM_LIB={os.environ['MOE_CUDA_DEEPGEMM_LIB']} does not exist"
-    if include_dir() is None:
-        return "no DeepGEMM headers (pip install 'moe-plugin-cuda[deepgemm]', or set DEEPGEMM_INCLUDE)"
-    if nvcc() is None:
-        return "no nvcc (install the CUDA toolkit or set CUDA_HOME): the kernels are compiled at first use"
-    return None
+    return nvcc_build.missing("MOE_CUDA_DEEPGEMM_LIB", include_dir(), "no DeepGEMM headers (pip install 'moe-plugin-cuda[deepgemm]', or set DEEPGEMM_INCLUDE)", nvcc())
 
 
 def where() -> str:
     """Where the library comes from (for ``moe-core backends``), without building it."""
-    if os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
-        return os.environ["MOE_CUDA_DEEPGEMM_LIB"]
-    return f"compiled at first use from {SOURCE.name} against {include_dir()}"
+    return nvcc_build.where("MOE_CUDA_DEEPGEMM_LIB", SOURCE, include_dir())
 
 
 @functools.cache

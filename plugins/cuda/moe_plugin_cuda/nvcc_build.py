@@ -28,6 +28,23 @@ def nvcc() -> Optional[str]:
     return str(path) if path.exists() else shutil.which("nvcc")
 
 
+def missing(prebuilt_env: str, headers: Optional[Path], no_headers: str, compiler: Optional[str]) -> Optional[str]:
+    """Why a library can be neither loaded (``$prebuilt_env``) nor built (``headers``, nvcc) here (None: it can)."""
+    path = os.environ.get(prebuilt_env)
+    if path:
+        return None if Path(path).exists() else f"{prebuilt_env}={path} does not exist"
+    if headers is None:
+        return no_headers
+    if compiler is None:
+        return "no nvcc (install the CUDA toolkit or set CUDA_HOME): the kernels are compiled at first use"
+    return None
+
+
+def where(prebuilt_env: str, source: Path, headers: Optional[Path]) -> str:
+    """Where a library comes from (for ``moe-core backends``), without building it."""
+    return os.environ.get(prebuilt_env) or f"compiled at first use from {source.name} against {headers}"
+
+
 def cache_path(source: Path, stamp: Path, compiler: str, lib_name: str) -> Path:
     """Where the library built from ``source`` against the headers versioned by ``stamp`` is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
