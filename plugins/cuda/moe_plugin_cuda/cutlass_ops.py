@@ -10,8 +10,8 @@ Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) an
 per-expert row counts and pointers stay on the device, so no call syncs with the host and the
 pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
 (``GroupedGemm``): ``CUTLASS`` (fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's kernel:
-bf16 output, each expert's rows from a multiple of 128, activation scales MN-major), or their torch
-emulations for CI without a GPU (``REFERENCE``, ``DEEPGEMM_REFERENCE``).
+bf16 output, each expert's rows from a multiple of 128, activation scales MN-major), or the torch
+emulation for CI without a GPU (``REFERENCE``, in either layout).
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Option
 
     G, N, Kd = b.shape
     R = a.shape[0]
-    if not 0 <= (variant := deepgemm_lib.DEFAULT_VARIANTS[0] if variant is None else variant) < len(deepgemm_lib.VARIANTS):
+    variant = deepgemm_lib.DEFAULT_VARIANTS[0] if variant is None else variant
+    if not 0 <= variant < len(deepgemm_lib.VARIANTS):
         raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.VARIANTS")
     if not deepgemm_lib.runnable(variant, N):
         variant = 0
@@ -129,7 +130,6 @@ REFERENCE = GroupedGemm(reference_gemm)
 # bf16 GEMM1 output (the kernel writes bf16 only): h is rounded to bf16 before its FP8 requantization,
 # as SGLang's DeepGEMM runner does
 DEEPGEMM = GroupedGemm(deepgemm_gemm, 128, True, torch.bfloat16)
-DEEPGEMM_REFERENCE = GroupedGemm(reference_gemm, 128, True, torch.bfloat16)
 
 
 def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
