@@ -60,9 +60,16 @@ def where() -> str:
     return nvcc_build.where("MOE_CUDA_DEEPGEMM_LIB", SOURCE, include_dir())
 
 
+def grid_size(num_sms: int) -> int:
+    """The persistent grid for a GPU of ``num_sms`` SMs: even, as 2-CTA clusters must tile it (a MIG
+    slice may have an odd count; one SM then idles)."""
+    return num_sms - num_sms % 2
+
+
 @functools.cache
 def library(num_sms: int) -> ctypes.CDLL:
     """The loaded library for a GPU with ``num_sms`` SMs (the persistent grid is compiled in)."""
+    num_sms = grid_size(num_sms)
     out, build = None, None
     if not os.environ.get("MOE_CUDA_DEEPGEMM_LIB"):
         why = missing()
@@ -85,5 +92,5 @@ def library(num_sms: int) -> ctypes.CDLL:
     path = os.environ.get("MOE_CUDA_DEEPGEMM_LIB") or str(out)
     if lib.moe_dg_num_variants() != len(VARIANTS) or lib.moe_dg_num_sms() != num_sms:
         raise RuntimeError(f"{path} has {lib.moe_dg_num_variants()} kernel variants for {lib.moe_dg_num_sms()} SMs, "
-                           f"this GPU needs {len(VARIANTS)} for {num_sms}: rebuild it from {SOURCE.name}")
+                           f"this GPU needs {len(VARIANTS)} for a grid of {num_sms}: rebuild it from {SOURCE.name}")
     return lib

@@ -244,6 +244,7 @@ def test_deepgemm_variants_match_the_source(monkeypatch, tmp_path):
     assert "(n + BN - 1) / BN % 2" in src
     assert deepgemm_lib.VARIANTS[4][0] == 192 and not deepgemm_lib.runnable(4, 512)  # 3 tiles
     assert deepgemm_lib.runnable(4, 3072) and deepgemm_lib.runnable(0, 512)  # 16 tiles; no multicast
+    assert deepgemm_lib.grid_size(132) == 132 and deepgemm_lib.grid_size(57) == 56  # clusters of 2 tile the grid
     monkeypatch.delenv("MOE_CUDA_DEEPGEMM_LIB", raising=False)
     monkeypatch.setenv("DEEPGEMM_INCLUDE", str(tmp_path))
     monkeypatch.setattr(deepgemm_lib, "nvcc", lambda: None)
