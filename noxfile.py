@@ -21,7 +21,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "moe_core", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "moe_core", "tests", "benchmarks", "plugins", "examples", "noxfile.py")
 
 
 @nox.session(python="3.11")

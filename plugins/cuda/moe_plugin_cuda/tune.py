@@ -278,7 +278,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
         draws = [topk] + [route(torch.randn((M, E), generator=g, device=dev), K, cfg.router, bias)
                           for _ in range(ROUTING_DRAWS - 1)]
 
-        def pipeline_time(what, run, **kw):
+        def pipeline_time(what, run, x=x, draws=draws, **kw):  # (this T's inputs, bound: B023)
             return sum(timed(partial(run, x, None, w13, w2, s13, s2, d.weights, d.ids, routed_scaling_factor=1.0,
                                      out_dtype=torch.bfloat16, **kw), what) for d in draws) / len(draws)
 

@@ -1,6 +1,6 @@
 """Tuned Triton launch configurations, stored as JSON package data, and the fallback heuristic.
 
-File name: ``E={E},N={I},H={H},device_name={device},dtype={dtype},kernel={KERNEL_VERSION}.json``
+File name: ``E={E},N={inter},H={H},device_name={device},dtype={dtype},kernel={KERNEL_VERSION}.json``
 (``dtype`` is ``bf16``, ``fp16``, ``fp32`` or ``fp8_block``) under ``moe_plugin_cuda/configs/`` or a
 directory given in ``backend_options={"triton": {"config_dir": ...}}``. Content: ``{"<M>": {"gemm1":
 {...}, "gemm2": {...}}}`` for token counts M, each a dict of BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/
@@ -34,8 +34,8 @@ TRITON_TABLE = f"v{KERNEL_VERSION}"
 CUTLASS_TABLE = "cutlass-v1"
 
 
-def config_file_name(E: int, I: int, H: int, device_name: str, dtype: str, kernel: str = TRITON_TABLE) -> str:
-    return (f"E={E},N={I},H={H},device_name={device_name.replace(' ', '_')},dtype={dtype},"
+def config_file_name(E: int, inter: int, H: int, device_name: str, dtype: str, kernel: str = TRITON_TABLE) -> str:
+    return (f"E={E},N={inter},H={H},device_name={device_name.replace(' ', '_')},dtype={dtype},"
             f"kernel={kernel}.json")
 
 
@@ -68,7 +68,7 @@ def _fit_smem(c: dict[str, int], elem_bytes: int) -> dict[str, int]:
     return c
 
 
-def heuristic(M: int, E: int, top_k: int, I: int, H: int, fp8: bool,
+def heuristic(M: int, E: int, top_k: int, inter: int, H: int, fp8: bool,
               elem_bytes: int = 2) -> dict[str, dict[str, int]]:
     """Untuned default: BLOCK_M from the mean rows per expert; wide tiles once M is large.
 
@@ -115,11 +115,11 @@ def as_two_acc(cfg: dict[str, dict[str, int]], keep_tma: bool = False) -> dict[s
                              "B_TMA": g1.get("B_TMA", 0) if keep_tma else 0}}
 
 
-def lookup(M: int, E: int, I: int, H: int, dtype: str, device_name: Optional[str],
+def lookup(M: int, E: int, inter: int, H: int, dtype: str, device_name: Optional[str],
            config_dir: Optional[str] = None, kernel: str = TRITON_TABLE) -> tuple[Optional[dict[str, Any]], str]:
     """(entry of the tuned table nearest to M, file name), or (None, "") when no table exists."""
     if device_name:
-        name = config_file_name(E, I, H, device_name, dtype, kernel)
+        name = config_file_name(E, inter, H, device_name, dtype, kernel)
         for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
             table = _load(os.path.join(d, name))
             if table:
@@ -136,13 +136,13 @@ def lookup(M: int, E: int, I: int, H: int, dtype: str, device_name: Optional[str
     return None, ""
 
 
-def get_config(M: int, E: int, top_k: int, I: int, H: int, dtype: str, device_name: Optional[str],
+def get_config(M: int, E: int, top_k: int, inter: int, H: int, dtype: str, device_name: Optional[str],
                config_dir: Optional[str] = None) -> tuple[dict[str, dict[str, int]], str]:
     """(config, source) where source is the JSON file used or ``"heuristic"``."""
-    entry, name = lookup(M, E, I, H, dtype, device_name, config_dir)
+    entry, name = lookup(M, E, inter, H, dtype, device_name, config_dir)
     if entry is not None:
         return entry, name
-    return heuristic(M, E, top_k, I, H, dtype == "fp8_block", elem_bytes=4 if dtype == "fp32" else 2), "heuristic"
+    return heuristic(M, E, top_k, inter, H, dtype == "fp8_block", elem_bytes=4 if dtype == "fp32" else 2), "heuristic"
 
 
 def save_table(path: Path, table: dict[int, dict[str, Any]]) -> None:

@@ -161,7 +161,7 @@ def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: i
         if with_a2a:
             gen = torch.Generator().manual_seed(seed)
             proj = torch.randn(shape["hidden"], dtype=torch.float64, generator=gen).to(device)
-            for e, (kd, ka) in enumerate(zip(_rows_key(dd, proj), _rows_key(da, proj))):
+            for e, (kd, ka) in enumerate(zip(_rows_key(dd, proj), _rows_key(da, proj), strict=True)):
                 tol = 0.0 if exact else 1e-2 * (float(ka.abs().max()) if ka.numel() else 0.0)
                 check(kd.shape == ka.shape and bool(((kd - ka).abs() <= tol).all()),
                       f"rows received for local expert {e} differ from torch_a2a's")

@@ -61,8 +61,9 @@ def test_deepep_not_installed_hint():
 
 
 def test_deepep_checks():
-    from moe_core import MoEConfig
     from moe_plugin_cuda import probes
+
+    from moe_core import MoEConfig
 
     cfg = MoEConfig(num_experts=18, top_k=2, hidden_size=1000, intermediate_size=64, ep_size=3, cuda_graph=True,
                     device="cuda")
@@ -154,8 +155,9 @@ def test_activation_quant_scales_interpreter(M, H):
     """Indexing and masking of the Triton FP8 group quantizer (several groups per program, a
     partial last group, groups past the row's end): its scales are the core's. (The codes are
     fp8 casts, unreliable in the interpreter: the GPU test compares them.)"""
-    from moe_core.quant import quantize_fp8_per_token_group
     from moe_plugin_cuda import triton_ops
+
+    from moe_core.quant import quantize_fp8_per_token_group
 
     x = torch.randn(M, H) * (1 + 4 * torch.rand(M, 1))
     _, s = triton_ops.quantize_fp8_groups(x)
@@ -399,13 +401,13 @@ def test_apply_is_one_custom_op_under_torch_compile_interpreter(fmt):
     """Under torch.compile(fullgraph=True) the triton experts' apply is one opaque custom op (no graph
     break, inductor never re-compiles our kernels); it computes what the eager call does. aot_eager:
     dynamo + the op's fake (shape) function, without a C++ build on this CPU."""
-    from moe_core import MoEConfig
-    from moe_core.contracts import (EPMaskedDispatch, Format, QuantizedActivations, StandardDispatch, TopK,
-                                    WireDtype)
-    from moe_core.plugins import PluginManager
-    from moe_core.runtime import BackendContext
     from moe_plugin_cuda.triton_experts import TritonExperts
     from moe_plugin_cuda.weights import interleave_gate_up
+
+    from moe_core import MoEConfig
+    from moe_core.contracts import EPMaskedDispatch, Format, QuantizedActivations, StandardDispatch, TopK, WireDtype
+    from moe_core.plugins import PluginManager
+    from moe_core.runtime import BackendContext
 
     E, K, H, inter = 4, 2, 48, 40
     spec = next(s for s in PluginManager().specs if s.plugin == "cuda" and s.name == "triton")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moe_core import quant
 from moe_core.config import MoEConfig
-from moe_core.contracts import EPMaskedCombine, EPMaskedDispatch, Format, QuantizedActivations, TopK, WireDtype
+from moe_core.contracts import EPMaskedCombine, EPMaskedDispatch, Format, QuantizedActivations, WireDtype
 from moe_core.planner import DtypeStep, Plan, PlanError, plan
 from moe_core.reference.oracle import moe_float64
 from moe_core.testing.data import make_float_weights, make_topk, rel_error

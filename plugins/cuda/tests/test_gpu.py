@@ -502,9 +502,10 @@ def test_conformance_kit_on_deepgemm(monkeypatch):
     except the one-token cases: there one e4m3 code of h flipped by the bf16 GEMM1 output can put
     the output past the kit's allowance (measured: 1.55x the reference's distance to the exact math,
     1.5x allowed, T=1 top-4, in one of two runs); the tuned tables never run DeepGEMM below T=1024."""
+    from moe_plugin_cuda import cutlass_experts
+
     from moe_core.testing import run_kit
     from moe_core.testing.kit import Shape
-    from moe_plugin_cuda import cutlass_experts
 
     _need_deepgemm()
     monkeypatch.setattr(cutlass_experts, "MIN_ROWS", 0)

@@ -34,7 +34,6 @@ from moe_core.contracts import (
     WireDtype,
 )
 from moe_core.runtime import BackendContext, Dispatcher
-
 from moe_plugin_npu.layout import packed_to_slab_index, scoped_env, slab_to_packed_index
 
 INT8_ENV = "DEEP_NORMAL_MODE_USE_INT8_QUANT"

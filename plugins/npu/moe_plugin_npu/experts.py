@@ -37,7 +37,6 @@ from moe_core.contracts import (
     WireDtype,
 )
 from moe_core.runtime import BackendContext, Experts
-
 from moe_plugin_npu.layout import (
     ACL_FORMAT_FRACTAL_NZ,
     LayoutTracker,

@@ -19,7 +19,6 @@ import torch
 
 from moe_core.contracts import TopK
 from moe_core.runtime import BackendContext, FusedMoE
-
 from moe_plugin_npu.checks import fuse_mode
 from moe_plugin_npu.dispatcher import ep_group
 from moe_plugin_npu.layout import ACL_FORMAT_FRACTAL_NZ, LayoutTracker, interleave_64

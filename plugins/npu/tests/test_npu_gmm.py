@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import random
 
+import gmm_oracle  # tests/emulation (on sys.path via conftest)
 import pytest
 import torch
+from moe_plugin_npu.layout import interleave_64, scoped_env
 
 from moe_core import quant
 from moe_core.config import MoEConfig
@@ -16,10 +18,6 @@ from moe_core.layer import MoELayer
 from moe_core.planner import plan
 from moe_core.runtime import BackendContext
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
-
-from moe_plugin_npu.layout import interleave_64, scoped_env
-
-import gmm_oracle  # tests/emulation (on sys.path via conftest)
 
 E, K, H, I = 8, 3, 136, 40  # odd-ish sizes: H, I not multiples of 16/64 (W4A4 needs multiples of 8)
 

@@ -9,13 +9,12 @@ import sys
 import types
 
 import pytest
+from moe_plugin_npu import probes
 
 from moe_core.backends import Code, Role
 from moe_core.config import MoEConfig
 from moe_core.planner import PlanError, plan
 from moe_core.plugins import PluginManager
-
-from moe_plugin_npu import probes
 
 
 def npu_config(**kw) -> MoEConfig:

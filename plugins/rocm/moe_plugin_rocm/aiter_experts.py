@@ -61,7 +61,6 @@ from moe_core.contracts import (
     WireDtype,
 )
 from moe_core.runtime import BackendContext, Experts
-
 from moe_plugin_rocm.fp8 import clear_negative_zero_, fn_to_fnuz
 from moe_plugin_rocm.mori_dispatcher import MoriHandle
 from moe_plugin_rocm.platform import current_arch, fp8_flavour

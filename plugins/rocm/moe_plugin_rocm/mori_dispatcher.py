@@ -35,7 +35,6 @@ import torch
 from moe_core import quant
 from moe_core.contracts import EPNormalCombine, EPNormalDispatch, QuantizedActivations, TopK, WireDtype
 from moe_core.runtime import BackendContext, Dispatcher
-
 from moe_plugin_rocm.platform import current_arch
 
 __all__ = ["MoriDispatcher", "MoriHandle", "init_mori_shmem"]
@@ -47,9 +46,8 @@ def init_mori_shmem(group=None, name: str = DEFAULT_GROUP_NAME) -> str:
     """Register ``group`` (default: WORLD) with c10d under ``name`` and initialize MoRI's shmem on
     it (``mori.shmem.shmem_torch_process_group_init``). Call once per process, after
     ``torch.distributed.init_process_group``; call ``mori.shmem.shmem_finalize()`` at teardown."""
-    import torch.distributed as dist
-
     import mori.shmem
+    import torch.distributed as dist
 
     torch._C._distributed_c10d._register_process_group(name, group if group is not None else dist.group.WORLD)
     mori.shmem.shmem_torch_process_group_init(name)

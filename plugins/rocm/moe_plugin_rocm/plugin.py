@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
 from moe_core.backends import BackendSpec, Code, Reason, Role, unavailable
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
 from moe_core.plugins import BackendPlugin
-
 from moe_plugin_rocm import __version__
 
 if TYPE_CHECKING:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import rocm_emulation
 import torch
+from moe_plugin_rocm.aiter_experts import AiterExperts
+from rocm_emulation.arch_oracle import aiter_float64
 from torch import nn
 
 from moe_core import (
@@ -15,7 +17,6 @@ from moe_core import (
     MoEConfig,
     MoELayer,
     PluginManager,
-    QuantizedActivations,
     QuantScheme,
     TopK,
     WireDtype,
@@ -24,8 +25,6 @@ from moe_core import (
 from moe_core.reference.experts import ReferenceExperts
 from moe_core.reference.oracle import moe_float64
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error
-from moe_plugin_rocm.aiter_experts import AiterExperts
-from rocm_emulation.arch_oracle import aiter_float64
 
 E, K, H, INTER = 8, 3, 256, 128
 RSF = 1.7

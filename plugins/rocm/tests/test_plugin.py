@@ -5,12 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import moe_plugin_rocm.platform as platform
 import pytest
 import rocm_emulation
-
-import moe_plugin_rocm.platform as platform
-from moe_core import Code, MoEConfig, PluginManager, QuantScheme, plan
 from moe_plugin_rocm.plugin import AITER_SPEC, MORI_SPEC, check_aiter, check_mori, probe_aiter, probe_mori
+
+from moe_core import Code, MoEConfig, PluginManager, QuantScheme, plan
 
 
 def test_entry_point_discovery_and_specs():

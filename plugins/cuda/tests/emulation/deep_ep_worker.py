@@ -42,9 +42,9 @@ def _all_data(world: int, seed: int, counts: list[int], e: int, k: int, h: int):
 def part_ops(rank: int, world: int, seed: int) -> dict:
     """Each emulated op against a direct computation of what vendor-apis.md section 1 says it returns."""
     import deep_ep
+    from moe_plugin_cuda.deepep import unpack_ue8m0
 
     from moe_core.quant import quantize_fp8_per_token_group
-    from moe_plugin_cuda.deepep import unpack_ue8m0
 
     g = dist.group.WORLD
     e, k, h = 8, 3, 2048
@@ -244,8 +244,8 @@ def _layer_pair(case: dict, world: int, rank: int, ckpt: dict, manager: Any):
 
 def part_layer(rank: int, world: int, seed: int) -> dict:
     import deep_ep
-
     import moe_plugin_cuda.deepep as deepep
+
     from moe_core import quant
     from moe_core.plugins import PluginManager
     from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance

@@ -56,6 +56,7 @@ def _layers(case: dict, world: int, rank: int, tensors: dict, manager: Any):
 
 def run_case(case: dict, world: int, rank: int, seed: int) -> dict:
     import gmm_oracle
+
     from moe_core import quant
     from moe_core.plugins import PluginManager
     from moe_core.testing.data import make_hidden, make_topk, rel_error

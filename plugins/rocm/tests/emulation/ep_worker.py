@@ -29,9 +29,8 @@ from rocm_kit_setup import install_for_process as install  # noqa: E402
 
 def case_op(arch: str, rank: int, world: int) -> dict:
     import mori.shmem
-    from mori.ops import EpDispatchCombineConfig, EpDispatchCombineOp
-
     from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
+    from mori.ops import EpDispatchCombineConfig, EpDispatchCombineOp
 
     init_mori_shmem()
     E_l, K, H, P = 3, 2, 64, 8
@@ -83,12 +82,12 @@ def case_op(arch: str, rank: int, world: int) -> dict:
 
 
 def case_layer(arch: str, rank: int, world: int) -> dict:
+    from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
+    from rocm_emulation.arch_oracle import aiter_float64
+
     from moe_core import MoEConfig, MoELayer, PluginManager, QuantScheme, WireDtype, quant
     from moe_core.reference.oracle import moe_float64
-    from rocm_emulation.arch_oracle import aiter_float64
     from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error
-
-    from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
 
     init_mori_shmem()
     pm = PluginManager()

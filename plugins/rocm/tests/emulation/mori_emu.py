@@ -179,7 +179,7 @@ class EpDispatchCombineOp:
         for r in [(cfg.rank + 1 + j) % W for j in range(W)]:
             ids = gathered[3][r][: counts[r]].long()
             to_me = ((ids >= lo) & (ids < hi)).any(dim=1).nonzero().flatten()  # once per token
-            for name, acc in zip(range(4), (rows_x, rows_w, rows_s, rows_i)):
+            for name, acc in enumerate((rows_x, rows_w, rows_s, rows_i)):
                 acc.append(gathered[name][r][to_me])
             src.append(torch.stack([torch.full_like(to_me, r), to_me], dim=1))
 

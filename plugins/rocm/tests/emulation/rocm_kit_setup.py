@@ -40,7 +40,6 @@ def _init_mori_with_the_process_group() -> None:
     setup). The kit's ``setup`` runs before its workers create the group, so the MoRI init is
     chained onto ``init_process_group`` in this process."""
     import torch.distributed as dist
-
     from moe_plugin_rocm.mori_dispatcher import init_mori_shmem
 
     create = dist.init_process_group

@@ -308,10 +308,10 @@ class Buffer:
         self._check_nvl(config or self.get_combine_config(R), x.shape[1])
         self._dirty = True
         ends = rank_prefix_matrix[:, me].tolist()
-        sizes = [e - b for b, e in zip([0] + ends[:-1], ends)]
+        sizes = [e - b for b, e in zip([0] + ends[:-1], ends, strict=True)]
         per_dest = [{"y": p} for p in x.split(sizes)]
         if topk_weights is not None:
-            for d, p in zip(per_dest, topk_weights.split(sizes)):
+            for d, p in zip(per_dest, topk_weights.split(sizes), strict=True):
                 d["w"] = p
         got = exchange(self.group, R, per_dest)
         t = is_token_in_rank.shape[0]
@@ -361,7 +361,7 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
         self.calls["low_latency_dispatch"] += 1
-        num_max, R, me = num_max_dispatch_tokens_per_rank, self.group_size, self.rank
+        num_max, R = num_max_dispatch_tokens_per_rank, self.group_size
         self._check_ll(x, num_max, num_experts)
         if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
             raise TypeError(f"x must be contiguous bf16 [T, H], got {x.dtype} {tuple(x.shape)}")

@@ -207,7 +207,7 @@ class Buffer:
         parts = x.split(handle["recv_from"])
         per_dest = [{"y": p} for p in parts]
         if topk_weights is not None:
-            for d, w in zip(per_dest, topk_weights.split(handle["recv_from"])):
+            for d, w in zip(per_dest, topk_weights.split(handle["recv_from"]), strict=True):
                 d["w"] = w.float()
         got = exchange(self.group, per_dest)
         out = torch.zeros(handle["num_tokens"], handle["hidden"], dtype=torch.float32)
@@ -243,7 +243,7 @@ class Buffer:
     def _ll_send(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, quantize: bool):
         """Send one row per (token, expert) to the expert's rank; return the received fields, packed by
         local expert (source blocks rotated per expert: not rank order), plus per-expert counts."""
-        world, me = self.group_size, self.rank
+        world = self.group_size
         e_local = num_experts // world
         t, k = topk_idx.shape
         flat = topk_idx.reshape(-1)
@@ -267,7 +267,7 @@ class Buffer:
                 m = got[r]["e"] == e
                 rows.append((r, {name: v[m] for name, v in got[r].items()}))
         counts = torch.zeros(e_local, dtype=torch.int64)
-        for r, f in rows:
+        for _, f in rows:
             if f["e"].numel():
                 counts[int(f["e"][0])] += f["e"].numel()
         src_rank = torch.cat([torch.full((f["e"].numel(),), r, dtype=torch.int64) for r, f in rows])

@@ -107,12 +107,12 @@ def _group_bounds(group_list: torch.Tensor, group_list_type: int, num_groups: in
             ends.append(acc)
     elif group_list_type == 0:
         ends = gl
-        if any(b < a for a, b in zip([0] + ends[:-1], ends)):
+        if any(b < a for a, b in zip([0] + ends[:-1], ends, strict=True)):
             raise ValueError("group_list (cumsum) must be non-decreasing")
     else:
         raise NotImplementedError(f"group_list_type={group_list_type} is not emulated")
     starts = [0] + ends[:-1]
-    return list(zip(starts, ends))
+    return list(zip(starts, ends, strict=True))
 
 
 def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *, bias=None, scale=None,
