@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
@@ -36,19 +35,13 @@ def variants_with_output(dtype: str) -> list[int]:
 
 def cutlass_dir() -> Optional[Path]:
     """CUTLASS source root (``include/``, ``tools/util/include/``): ``$CUTLASS_DIR`` or the wheel's copy."""
-    env = os.environ.get("CUTLASS_DIR")
-    if env:
-        return Path(env)
-    try:
-        root = Path(metadata.distribution("nvidia-cutlass").locate_file("cutlass_library/source"))
-    except metadata.PackageNotFoundError:
-        return None
-    return root if (root / "include" / "cutlass").is_dir() else None
+    return nvcc_build.headers("CUTLASS_DIR", "nvidia-cutlass", "cutlass_library/source", "include/cutlass")
 
 
 def missing() -> Optional[str]:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    return nvcc_build.missing("MOE_CUDA_CUTLASS_LIB", cutlass_dir(), "no CUTLASS headers (pip install 'moe-plugin-cuda[cutlass]', or set CUTLASS_DIR)", nvcc())
+    return nvcc_build.missing("MOE_CUDA_CUTLASS_LIB", cutlass_dir(),
+                              "no CUTLASS headers (pip install 'moe-plugin-cuda[cutlass]', or set CUTLASS_DIR)", nvcc())
 
 
 def where() -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
@@ -40,19 +39,15 @@ def runnable(variant: int, n: int) -> bool:
 
 def include_dir() -> Optional[Path]:
     """DeepGEMM's headers (``deep_gemm/``, with the CuTe/CUTLASS copy it was written against)."""
-    env = os.environ.get("DEEPGEMM_INCLUDE")
-    if env:
-        return Path(env)
-    try:
-        root = Path(metadata.distribution("sgl-deep-gemm").locate_file("deep_gemm/include"))
-    except metadata.PackageNotFoundError:
-        return None
-    return root if (root / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh").is_file() else None
+    return nvcc_build.headers("DEEPGEMM_INCLUDE", "sgl-deep-gemm", "deep_gemm/include",
+                              "deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh")
 
 
 def missing() -> Optional[str]:
     """Why the library can be neither loaded nor built here (None: it can)."""
-    return nvcc_build.missing("MOE_CUDA_DEEPGEMM_LIB", include_dir(), "no DeepGEMM headers (pip install 'moe-plugin-cuda[deepgemm]', or set DEEPGEMM_INCLUDE)", nvcc())
+    return nvcc_build.missing("MOE_CUDA_DEEPGEMM_LIB", include_dir(),
+                              "no DeepGEMM headers (pip install 'moe-plugin-cuda[deepgemm]', or set DEEPGEMM_INCLUDE)",
+                              nvcc())
 
 
 def where() -> str:

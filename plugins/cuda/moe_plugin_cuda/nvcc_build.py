@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -26,6 +27,18 @@ def nvcc() -> Optional[str]:
 
     path = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
     return str(path) if path.exists() else shutil.which("nvcc")
+
+
+def headers(env_var: str, distribution: str, subdir: str, marker: str) -> Optional[Path]:
+    """A header tree: ``$env_var``, else ``subdir`` of the installed ``distribution`` if it holds ``marker``."""
+    env = os.environ.get(env_var)
+    if env:
+        return Path(env)
+    try:
+        root = Path(metadata.distribution(distribution).locate_file(subdir))
+    except metadata.PackageNotFoundError:
+        return None
+    return root if (root / marker).exists() else None
 
 
 def missing(prebuilt_env: str, headers: Optional[Path], no_headers: str, compiler: Optional[str]) -> Optional[str]:
