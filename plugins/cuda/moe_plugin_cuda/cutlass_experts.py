@@ -1,4 +1,5 @@
-"""Experts backend ``cutlass``: FP8 block-scaled MoE on grouped GEMMs, CUTLASS's or DeepGEMM's (see ``cutlass_ops``)."""
+"""Experts backend ``cutlass``: MoE on grouped GEMMs (see ``cutlass_ops``): FP8 block-scaled on CUTLASS's or
+DeepGEMM's, bf16 on DeepGEMM's; the Triton kernels where those do not pay."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from moe_core.contracts import (
     EPNormalCombine,
     EPNormalDispatch,
     QuantizedActivations,
+    QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
 )
 from moe_core.runtime import Experts
-from moe_plugin_cuda.weights import expert_weights
+from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
 
 if TYPE_CHECKING:
     from moe_core.layer import MoELayer
@@ -37,36 +39,40 @@ def _device_name(index: int) -> str:
 
 @functools.cache
 def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
-                min_rows: int, grouped_gemm: str = "") -> tuple[str, dict, tuple[int, int]]:
+                min_rows: int, grouped_gemm: str = "", dtype: str = "fp8_block") -> tuple[str, dict, tuple[int, int]]:
     """("triton", "cutlass" or "deepgemm": whose kernels run, the Triton launch for "triton", the
-    grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens.
+    grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens of ``dtype`` ("fp8_block" or "bf16").
 
     The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured fastest, the
-    two-accumulator Triton configs for the checkpoint layout and the fastest kernels of each grouped
-    GEMM (``cutlass_variants``, ``deepgemm_variants``: indices into their ``VARIANTS``); without one:
-    triton's table on two accumulators, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their
-    default kernels (DeepGEMM's where its library can be built). A "deepgemm" entry runs CUTLASS where
-    DeepGEMM cannot. ``min_rows`` >= 0 overrides the path (grouped from that many rows per expert),
-    ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM.
+    Triton configs it was measured with (FP8: two-accumulator GEMM1 for the checkpoint layout; bf16:
+    triton's own, on the interleaved layout) and the fastest kernels of each grouped GEMM
+    (``cutlass_variants``, ``deepgemm_variants``: indices into their variant lists); without one:
+    triton's table, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their default kernels
+    (DeepGEMM's where its library can be built; bf16 has no other). A "deepgemm" entry runs CUTLASS
+    (FP8) or Triton (bf16) where DeepGEMM cannot. ``min_rows`` >= 0 overrides the path (grouped from
+    that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM.
     """
     from moe_plugin_cuda import cutlass_lib, deepgemm_lib, tuning_configs
 
+    fp8 = dtype == "fp8_block"
     deepgemm = deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
-    entry, _ = tuning_configs.lookup(T, E, inter, H, "fp8_block", device_name, config_dir or None,
+    grouped = "deepgemm" if deepgemm else ("cutlass" if fp8 else "triton")
+    entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir or None,
                                      tuning_configs.CUTLASS_TABLE)
     if entry is None:
-        cfg, _ = tuning_configs.get_config(T, E, K, inter, H, "fp8_block", device_name, config_dir or None)
-        entry = {**tuning_configs.as_two_acc(cfg, keep_tma=True),
-                 "path": ("deepgemm" if deepgemm else "cutlass") if T * K >= MIN_ROWS * E else "triton"}
+        cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
+        entry = {**(tuning_configs.as_two_acc(cfg, keep_tma=True) if fp8 else cfg),
+                 "path": grouped if T * K >= MIN_ROWS * E else "triton"}
     path = entry.get("path", "triton")
     if min_rows >= 0:
-        path = ("deepgemm" if deepgemm else "cutlass") if T * K >= min_rows * E else "triton"
+        path = grouped if T * K >= min_rows * E else "triton"
     if path != "triton" and grouped_gemm:
         path = grouped_gemm
     elif path == "deepgemm" and not deepgemm:
-        path = "cutlass"
+        path = grouped
     if path == "deepgemm":
-        variants = tuple(entry.get("deepgemm_variants", deepgemm_lib.DEFAULT_VARIANTS))
+        default = deepgemm_lib.DEFAULT_FP8_VARIANTS if fp8 else deepgemm_lib.DEFAULT_BF16_VARIANTS
+        variants = tuple(entry.get("deepgemm_variants", default))
     else:
         variants = tuple(entry.get("cutlass_variants", cutlass_lib.DEFAULT_VARIANTS))
     return path, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
@@ -74,46 +80,52 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
               out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str) -> torch.Tensor:
-    """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T."""
+    """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
+    (``w13_scale`` None): w13 is gate/up interleaved, as the triton backend keeps it."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
+    fp8 = w13_scale is not None
     path, cfg, variants = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1],
-                                      _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm)
+                                      _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm,
+                                      "fp8_block" if fp8 else "bf16")
     if path != "triton":
+        gemm = {"cutlass": cutlass_ops.CUTLASS, "deepgemm": cutlass_ops.DEEPGEMM if fp8 else cutlass_ops.DEEPGEMM_BF16}
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                                         gemm=cutlass_ops.DEEPGEMM if path == "deepgemm" else cutlass_ops.CUTLASS,
-                                         variants=variants)
+                                         gemm=gemm[path], variants=variants, w13_interleaved=not fp8)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
-                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=False)
+                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8)
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
                out_dtype: torch.dtype, min_rows: int, config_dir: str, top_k: int) -> torch.Tensor:
-    """EP_MASKED slab: CUTLASS when its capacity per expert reaches ``min_rows`` (default ``MIN_ROWS``),
-    else Triton (tuned on token lists, so the table's path choice does not apply to slabs; the slab's
-    rows are packed, which DeepGEMM's layout is not)."""
+    """EP_MASKED slab: CUTLASS (FP8) when its capacity per expert reaches ``min_rows`` (default
+    ``MIN_ROWS``), else Triton (tuned on token lists, so the table's path choice does not apply to slabs;
+    the slab's rows are packed, which DeepGEMM's layout is not; bf16 always runs Triton)."""
     from moe_plugin_cuda import cutlass_ops, triton_ops
 
     E, C, _ = hidden.shape
+    fp8 = w13_scale is not None
     # mean rows per expert is unknown without a sync: configs for a full slab, as the triton backend does
     _, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
-                                   _device_name(hidden.device.index or 0), config_dir, min_rows, "cutlass")
-    if C >= (MIN_ROWS if min_rows < 0 else min_rows):
+                                   _device_name(hidden.device.index or 0), config_dir, min_rows,
+                                   "cutlass" if fp8 else "", "fp8_block" if fp8 else "bf16")
+    if fp8 and C >= (MIN_ROWS if min_rows < 0 else min_rows):
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
                                           variants=variants)
     return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
                                      routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
-                                     w13_interleaved=False)
+                                     w13_interleaved=not fp8)
 
 
 # Under torch.compile each call is one opaque custom op (dynamo cannot trace the ctypes call).
 @torch.library.custom_op("moe_cuda::cutlass_fused_experts", mutates_args=())
 def _fused_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
-              w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor,
               routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: int, config_dir: str,
               grouped_gemm: str) -> torch.Tensor:
     return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor,
@@ -128,7 +140,8 @@ def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, route
 
 @torch.library.custom_op("moe_cuda::cutlass_masked_experts", mutates_args=())
 def _masked_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor, routed_scaling_factor: float,
+               w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+               routed_scaling_factor: float,
                out_dtype: torch.dtype, min_rows: int, config_dir: str, top_k: int) -> torch.Tensor:
     return run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype,
                       min_rows, config_dir, top_k)
@@ -141,9 +154,9 @@ def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_fact
 
 
 class CutlassExperts(Experts):
-    """FP8 block 128x128 W8A8 SiLU experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
+    """FP8 block 128x128 W8A8 and bf16 SiLU experts for STANDARD, EP_NORMAL (ids -1 skipped) and EP_MASKED.
 
-    Weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
+    FP8: weights stay in the checkpoint layout (w13 = [gate | up] rows, 128x128 block scales), which is
     what the CUTLASS blockwise-scaled GEMM reads; the library is compiled at first use. Where the
     sort and gather do not pay (small T) the Triton kernels run instead, on the two-accumulator
     GEMM1 that reads this layout: the tuned table says which path at which T (``choose_path``).
@@ -151,6 +164,11 @@ class CutlassExperts(Experts):
     The grouped GEMMs are CUTLASS's (fp32 GEMM1 output) or DeepGEMM's SM90 kernel (bf16 GEMM1 output,
     so h is rounded to bf16 before its FP8 requantization, as in SGLang's DeepGEMM runner; needs the
     ``sgl-deep-gemm`` headers), whichever the table measured faster at that T.
+
+    bf16 (needs the DeepGEMM headers: the plan says so otherwise): w13 gate/up interleaved as the
+    triton backend keeps it, and below the table's crossover exactly the triton backend's kernels and
+    configs; above it DeepGEMM's SM90 bf16 grouped GEMM (GEMM1 written in bf16, as SGLang's unfused
+    path writes it, then SiLU x up). EP_MASKED slabs run the Triton kernels.
 
     Options (``backend_options["cutlass"]``): ``config_dir`` (extra directory of tuned tables),
     ``min_rows`` (run the grouped GEMMs from this many rows per expert, whatever the table says),
@@ -163,8 +181,12 @@ class CutlassExperts(Experts):
         self.min_rows = -1 if min_rows is None else int(min_rows)
         self.config_dir = str(ctx.options.get("config_dir") or "")
         self.grouped_gemm = str(ctx.options.get("grouped_gemm") or "")
+        self.fp8 = self.config.quant is QuantScheme.FP8_BLOCK
+        self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
         if self.grouped_gemm not in ("", "cutlass", "deepgemm"):
             raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {self.grouped_gemm!r}")
+        if self.grouped_gemm == "cutlass" and not self.fp8:
+            raise ValueError("grouped_gemm='cutlass': the CUTLASS kernels are FP8 only; bf16 runs 'deepgemm'")
         if self.grouped_gemm == "deepgemm":
             from moe_plugin_cuda import deepgemm_lib
 
@@ -178,21 +200,26 @@ class CutlassExperts(Experts):
                 setattr(layer, name, type(t)(t.contiguous()) if isinstance(t, torch.nn.Parameter) else t.contiguous())
         from moe_plugin_cuda import cutlass_lib, deepgemm_lib
 
+        if not self.fp8 and not self.w13_layout.is_interleaved(layer.w13):  # in place, once per checkpoint
+            interleave_gate_up_(layer.w13)
+            self.w13_layout.mark(layer.w13)
         # build or load now, not inside the first forward (or a graph capture)
-        cutlass_lib.library()
+        if self.fp8:
+            cutlass_lib.library()
         if deepgemm_lib.missing() is None:
             deepgemm_lib.library(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
     def _activations(self, qa: QuantizedActivations):
-        """(data, scale): FP8 codes + group scales as they came, else the compute dtype (the pipeline quantizes)."""
-        if qa.dtype is WireDtype.FP8:
+        """(data, scale): FP8 codes + group scales as they came (FP8 experts), else the compute dtype (the
+        FP8 pipeline quantizes)."""
+        if qa.dtype is WireDtype.FP8 and self.fp8:
             return qa.data, qa.scale
         if qa.dtype is WireDtype.BF16:
             return qa.data, None
         return qa.dequantize(self.config.params_dtype), None
 
     def apply(self, layer: "MoELayer", dispatched):
-        w = expert_weights(layer, True)
+        w = expert_weights(layer, self.fp8)
         c = self.config
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)

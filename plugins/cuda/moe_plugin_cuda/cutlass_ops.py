@@ -1,17 +1,18 @@
-"""FP8 block-scaled MoE on grouped GEMMs (Hopper): the pipeline around ``cutlass_lib`` and ``deepgemm_lib``.
+"""MoE on grouped GEMMs (Hopper), FP8 block-scaled or bf16: the pipeline around ``cutlass_lib`` and ``deepgemm_lib``.
 
 Token list (STANDARD / EP_NORMAL): sort the (token, slot) pairs by expert -> each token's row
-quantized once and written to the rows of its slots -> GEMM1 -> SiLU(gate) * up, FP8
-re-quantization -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
+quantized once (FP8; bf16: copied) and written to the rows of its slots -> GEMM1 -> SiLU(gate) * up
+(FP8: re-quantized) -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
 slab already holds each expert's rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in
 place of the sort.
 
 Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) and the GEMMs'
 per-expert row counts and pointers stay on the device, so no call syncs with the host and the
 pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
-(``GroupedGemm``): ``CUTLASS`` (fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's kernel:
-bf16 output, each expert's rows from a multiple of 128, activation scales MN-major), or the torch
-emulation for CI without a GPU (``REFERENCE``, in either layout).
+(``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
+kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
+``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch emulation for CI without a GPU
+(``REFERENCE``, in any of these layouts).
 """
 
 from __future__ import annotations
@@ -78,14 +79,16 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
 
 
 def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
-    """``cutlass_gemm`` in torch (float32 math on the dequantized operands; reads the row counts on
-    the host, which the real one never does; every variant computes the same): what CI runs the
-    pipeline against."""
+    """``cutlass_gemm`` (or with ``a_scale`` and ``b_scale`` None ``deepgemm_bf16_gemm``) in torch
+    (float32 math on the dequantized operands; reads the row counts on the host, which the real ones
+    never do; every variant computes the same): what CI runs the pipeline against."""
     from moe_core.quant import dequantize_fp8_per_token_group
 
     G, N, Kd = b.shape
     for g, (m, s) in enumerate(zip(m_sizes.tolist(), row_start.tolist(), strict=True)):
-        if m:
+        if m and a_scale is None:
+            d[s:s + m] = (a[s:s + m].float() @ b[g].float().T).to(d.dtype)
+        elif m:
             x = dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
             w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
             d[s:s + m] = (x @ w.T).to(d.dtype)
@@ -100,21 +103,53 @@ def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Option
 
     G, N, Kd = b.shape
     R = a.shape[0]
-    variant = deepgemm_lib.DEFAULT_VARIANTS[0] if variant is None else variant
-    if not 0 <= variant < len(deepgemm_lib.VARIANTS):
-        raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.VARIANTS")
+    variant = deepgemm_lib.DEFAULT_FP8_VARIANTS[0] if variant is None else variant
+    if not 0 <= variant < len(deepgemm_lib.FP8_VARIANTS):
+        raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.FP8_VARIANTS")
     if not deepgemm_lib.runnable(variant, N):
         variant = 0
     if d.dtype != torch.bfloat16 or a_scale.stride() != (1, R) or R % deepgemm_lib.ROW_ALIGN:
         raise ValueError("DeepGEMM's layout: bf16 d, MN-major a_scale, rows a multiple of 128")
     lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)
-    ends = (row_start + m_sizes).to(torch.int32)  # the kernel's psum layout, padded to its group count
-    psum = torch.cat([ends, ends[-1:].expand(deepgemm_lib.MAX_EXPERTS - G)])
+    psum = _psum(m_sizes, row_start)
     rc = lib.moe_dg_fp8_grouped_gemm(variant, a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(),
                                      d.data_ptr(), psum.data_ptr(), R, N, Kd, G,
                                      torch.cuda.current_stream(a.device).cuda_stream)
     if rc:
         raise RuntimeError(f"DeepGEMM grouped GEMM failed ({rc}): {lib.moe_dg_last_error().decode()}")
+
+
+def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
+    """``d[rows of g] = a[rows of g] @ b[g].T`` (bf16 operands, fp32 accumulation, bf16 ``d``) on
+    DeepGEMM's SM90 bf16 kernel, in ``deepgemm_gemm``'s row layout; ``a_scale`` and ``b_scale`` are
+    None. ``variant`` indexes ``deepgemm_lib.BF16_VARIANTS``."""
+    from moe_plugin_cuda import deepgemm_lib
+
+    G, N, Kd = b.shape
+    R = a.shape[0]
+    variant = deepgemm_lib.DEFAULT_BF16_VARIANTS[0] if variant is None else variant
+    if not 0 <= variant < len(deepgemm_lib.BF16_VARIANTS):
+        raise ValueError(f"no DeepGEMM bf16 variant {variant}: see deepgemm_lib.BF16_VARIANTS")
+    if not deepgemm_lib.runnable(variant, N, deepgemm_lib.BF16_VARIANTS):
+        variant = 0
+    if a_scale is not None or b_scale is not None or {a.dtype, b.dtype, d.dtype} != {torch.bfloat16} \
+            or R % deepgemm_lib.ROW_ALIGN:
+        raise ValueError("DeepGEMM's bf16 layout: bf16 a, b and d, no scales, rows a multiple of 128")
+    lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)
+    psum = _psum(m_sizes, row_start)
+    rc = lib.moe_dg_bf16_grouped_gemm(variant, a.data_ptr(), b.data_ptr(), d.data_ptr(), psum.data_ptr(), R, N, Kd,
+                                      G,
+                                      torch.cuda.current_stream(a.device).cuda_stream)
+    if rc:
+        raise RuntimeError(f"DeepGEMM bf16 grouped GEMM failed ({rc}): {lib.moe_dg_last_error().decode()}")
+
+
+def _psum(m_sizes: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's psum layout: each expert's end row, padded to the kernel's group count."""
+    from moe_plugin_cuda import deepgemm_lib
+
+    ends = (row_start + m_sizes).to(torch.int32)
+    return torch.cat([ends, ends[-1:].expand(deepgemm_lib.MAX_EXPERTS - ends.numel())])
 
 
 class GroupedGemm(NamedTuple):
@@ -130,6 +165,7 @@ REFERENCE = GroupedGemm(reference_gemm)
 # bf16 GEMM1 output (the kernel writes bf16 only): h is rounded to bf16 before its FP8 requantization,
 # as SGLang's DeepGEMM runner does
 DEEPGEMM = GroupedGemm(deepgemm_gemm, 128, True, torch.bfloat16)
+DEEPGEMM_BF16 = GroupedGemm(deepgemm_bf16_gemm, 128, False, torch.bfloat16)
 
 
 def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
@@ -155,14 +191,31 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8,
     return q, s
 
 
+def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False) -> torch.Tensor:
+    """GEMM1's ``[R, 2I]`` output (gate | up, or gate/up pairs when ``interleaved``) -> ``silu(gate) * up``
+    ``[R, I]`` in ``out_dtype`` (the bf16 pipeline's GEMM2 input)."""
+    R, two_i = d1.shape
+    inter = two_i // 2
+    h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
+    if R:
+        block = min(1024, triton.next_power_of_2(inter))
+        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](d1, h, inter, d1.stride(0), h.stride(0), BLOCK=block,
+                                                           INTERLEAVED=interleaved)
+    return h
+
+
 def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
-             variants: Optional[tuple[int, int]] = None):
-    """GEMM1 -> activation + FP8 -> GEMM2 over rows grouped by expert: ``[R, H]`` -> ``[R, H]``."""
+             variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False):
+    """GEMM1 -> activation (+ FP8 when the weights have scales) -> GEMM2 over rows grouped by expert:
+    ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
     d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
     gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
-    h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
+    if w13_scale is None:
+        h, h_scale = silu_mul(d1, a.dtype, w13_interleaved), None
+    else:
+        h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
     gemm.run(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2
@@ -170,28 +223,31 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
 
 def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], topk_ids: torch.Tensor,
                        row_of_slot: torch.Tensor, num_experts: int, code_dtype: torch.dtype = FP8,
-                       rows: Optional[int] = None, mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       rows: Optional[int] = None, mn_major: bool = False,
+                       quantize: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Each token's row, quantized per 128-column group (or its codes and scales as they came, with
-    ``a_scale``), written to the row of each of its slots (``row_of_slot``; slots with ids outside
-    [0, E) are skipped and their rows left unwritten): ``[T, H]`` -> (codes ``[rows, H]``, fp32 scales
-    ``[rows, H/128]``, MN-major storage with ``mn_major``), ``rows`` = T*K by default. One read of
-    the token instead of a quantizer's pass and a gather of K copies."""
+    ``a_scale``; or as it came, without ``quantize``), written to the row of each of its slots
+    (``row_of_slot``; slots with ids outside [0, E) are skipped and their rows left unwritten):
+    ``[T, H]`` -> (codes ``[rows, H]``, fp32 scales ``[rows, H/128]``, MN-major storage with
+    ``mn_major``; None without ``quantize``), ``rows`` = T*K by default. One read of the token
+    instead of a quantizer's pass and a gather of K copies."""
     T, H = hidden.shape
     top_k, g = topk_ids.shape[1], _cdiv(H, BLOCK)
     rows = T * top_k if rows is None else rows
-    codes = hidden.dtype if a_scale is not None else code_dtype
+    codes = hidden.dtype if a_scale is not None or not quantize else code_dtype
     a = torch.empty((rows, H), dtype=codes, device=hidden.device)
-    s = _scales(rows, g, mn_major, hidden.device)
+    s = _scales(rows, g, mn_major, hidden.device) if quantize else None
     if T:
         src, dst = hidden, a
         if a_scale is not None and hidden.element_size() == 1:  # FP8 codes: copied as bytes
             src, dst = hidden.view(torch.uint8), a.view(torch.uint8)
-        src_scale = s if a_scale is None else a_scale  # (a dummy when quantizing: never read)
+        s_out = a if s is None else s  # (dummies where no scale is read or written)
+        src_scale = s_out if a_scale is None else a_scale
         groups = min(8, triton.next_power_of_2(g))
         K._quantize_into_rows_kernel[(T, triton.cdiv(g, groups))](
-            src, src_scale, dst, s, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
-            src.stride(0), src_scale.stride(0), dst.stride(0), s.stride(0), s.stride(1), K=top_k, GROUPS=groups,
-            QUANTIZE=a_scale is None)
+            src, src_scale, dst, s_out, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
+            src.stride(0), src_scale.stride(0), dst.stride(0), s_out.stride(0), s_out.stride(1), K=top_k,
+            GROUPS=groups, QUANTIZE=quantize and a_scale is None, SCALES=quantize)
     return a, s
 
 
@@ -216,15 +272,17 @@ def sorted_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
 
 
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
-                  w13_scale: torch.Tensor, w2_scale: torch.Tensor, topk_weights: torch.Tensor,
+                  w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
                   gemm: GroupedGemm = CUTLASS, code_dtype: torch.dtype = FP8,
-                  variants: Optional[tuple[int, int]] = None) -> torch.Tensor:
+                  variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
-    ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
-    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. ``variants``: the
-    kernels of GEMM1 and GEMM2 (indices into ``cutlass_lib.VARIANTS`` or ``deepgemm_lib.VARIANTS``).
+    FP8: ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
+    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. bf16 (``w13_scale``
+    None, ``gemm`` ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the checkpoint layout or gate/up
+    interleaved (``w13_interleaved``). ``variants``: the kernels of GEMM1 and GEMM2 (indices into
+    ``cutlass_lib.VARIANTS``, ``deepgemm_lib.FP8_VARIANTS`` or ``deepgemm_lib.BF16_VARIANTS``).
     """
     T, H = hidden.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]
@@ -232,8 +290,10 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
     if T == 0:
         return out
     counts, row_start, row_of_slot, rows = sorted_rows(topk_ids, E, gemm.row_align)
-    a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales)
-    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants)
+    a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales,
+                                quantize=w13_scale is not None)
+    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants,
+                 w13_interleaved)
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,

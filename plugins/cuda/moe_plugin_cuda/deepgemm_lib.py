@@ -1,7 +1,8 @@
-"""DeepGEMM's SM90 FP8 block-scaled grouped GEMM (``csrc/deepgemm_fp8_grouped.cu``): find, build, load.
+"""DeepGEMM's SM90 grouped GEMMs, FP8 block-scaled and bf16 (``csrc/deepgemm_grouped.cu``): find, build, load.
 
-The kernel is DeepGEMM's (``sm90_fp8_gemm_1d2d_impl``: a persistent, warp-specialized FP8 GEMM that
-promotes each 128-wide K block's partial sums with both scales in registers); the headers come from
+The kernels are DeepGEMM's: ``sm90_fp8_gemm_1d2d_impl`` (a persistent, warp-specialized FP8 GEMM that
+promotes each 128-wide K block's partial sums with both scales in registers) and ``sm90_bf16_gemm_impl``
+(the same structure on bf16 operands, fp32 accumulation); the headers come from
 the ``sgl-deep-gemm`` wheel (or ``$DEEPGEMM_INCLUDE``), of which nothing else is used: its own torch
 extension is built for one torch version. Our launcher builds the TMA descriptors and runs it as an
 M-grouped GEMM over experts' rows (the "psum layout"), behind a plain C ABI, compiled with nvcc at
@@ -19,21 +20,25 @@ from typing import Optional
 from moe_plugin_cuda import nvcc_build
 from moe_plugin_cuda.nvcc_build import nvcc
 
-SOURCE = Path(__file__).parent / "csrc" / "deepgemm_fp8_grouped.cu"
-# The kernels the source instantiates, by index (keep in step with its kVariants): (BLOCK_N, stages,
-# TMA multicast of two CTAs: "1" none, "B" weight tiles to two row tiles, "A" row tiles to two column
-# tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T.
-VARIANTS = ((128, 5, "1"), (128, 5, "B"), (144, 5, "B"), (160, 5, "B"), (192, 4, "B"), (128, 5, "A"),
-            (160, 5, "A"), (192, 4, "A"))
-DEFAULT_VARIANTS = (4, 3)  # H100, session 10: the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384
+SOURCE = Path(__file__).parent / "csrc" / "deepgemm_grouped.cu"
+# The kernels the source instantiates, by index (keep in step with its kFp8Variants / kBf16Variants):
+# (BLOCK_N, stages, TMA multicast of two CTAs: "1" none, "B" weight tiles to two row tiles, "A" row tiles
+# to two column tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T.
+FP8_VARIANTS = ((128, 5, "1"), (128, 5, "B"), (144, 5, "B"), (160, 5, "B"), (192, 4, "B"), (128, 5, "A"),
+                (160, 5, "A"), (192, 4, "A"))
+DEFAULT_FP8_VARIANTS = (4, 3)  # H100, session 10: the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384
+BF16_VARIANTS = ((128, 6, "1"), (128, 6, "B"), (160, 5, "B"), (192, 4, "B"), (256, 3, "B"), (128, 6, "A"),
+                 (192, 4, "A"), (256, 3, "A"))
+DEFAULT_BF16_VARIANTS = (3, 3)
 ROW_ALIGN = 128  # each expert's rows start on a multiple of BLOCK_M
 MAX_EXPERTS = 1024
 
 
-def runnable(variant: int, n: int) -> bool:
-    """Whether ``variant`` runs for N = ``n`` columns: a multicast kernel pairs consecutive tiles into a
-    2-CTA cluster, and with an odd number of column tiles a pair straddles two experts and hangs."""
-    block_n, _, multicast = VARIANTS[variant]
+def runnable(variant: int, n: int, variants=FP8_VARIANTS) -> bool:
+    """Whether ``variant`` (of ``variants``) runs for N = ``n`` columns: a multicast kernel pairs
+    consecutive tiles into a 2-CTA cluster, and with an odd number of column tiles a pair straddles two
+    experts and hangs."""
+    block_n, _, multicast = variants[variant]
     return multicast == "1" or -(-n // block_n) % 2 == 0
 
 
@@ -75,8 +80,9 @@ def library(num_sms: int) -> ctypes.CDLL:
                  "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-DMOE_DG_NUM_SMS={num_sms}",
                  f"-I{inc}"]
         out = nvcc_build.cache_path(SOURCE, inc / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh", compiler,
-                                    f"libmoe_deepgemm_fp8_sm{num_sms}.so")
-        jobs = [("api", [])] + [(f"v{k}", [f"-DMOE_DG_ONLY={k}"]) for k in range(len(VARIANTS))]
+                                    f"libmoe_deepgemm_sm{num_sms}.so")
+        jobs = ([("api", [])] + [(f"fp8_{k}", [f"-DMOE_DG_FP8_ONLY={k}"]) for k in range(len(FP8_VARIANTS))]
+                + [(f"bf16_{k}", [f"-DMOE_DG_BF16_ONLY={k}"]) for k in range(len(BF16_VARIANTS))])
         build = functools.partial(nvcc_build.build, source=SOURCE, compiler=compiler, flags=flags, jobs=jobs,
                                   arch="-arch=sm_90a", mem_per_job=1 << 30)
     lib = nvcc_build.load("MOE_CUDA_DEEPGEMM_LIB", out, build)
@@ -84,8 +90,12 @@ def library(num_sms: int) -> ctypes.CDLL:
     lib.moe_dg_last_error.restype = ctypes.c_char_p
     lib.moe_dg_fp8_grouped_gemm.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, vp, u32, u32, u32, u32, vp]
     lib.moe_dg_fp8_grouped_gemm.restype = ctypes.c_int
+    lib.moe_dg_bf16_grouped_gemm.argtypes = [ctypes.c_int, vp, vp, vp, vp, u32, u32, u32, u32, vp]
+    lib.moe_dg_bf16_grouped_gemm.restype = ctypes.c_int
     path = os.environ.get("MOE_CUDA_DEEPGEMM_LIB") or str(out)
-    if lib.moe_dg_num_variants() != len(VARIANTS) or lib.moe_dg_num_sms() != num_sms:
-        raise RuntimeError(f"{path} has {lib.moe_dg_num_variants()} kernel variants for {lib.moe_dg_num_sms()} SMs, "
-                           f"this GPU needs {len(VARIANTS)} for a grid of {num_sms}: rebuild it from {SOURCE.name}")
+    have = (lib.moe_dg_num_fp8_variants(), lib.moe_dg_num_bf16_variants(), lib.moe_dg_num_sms())
+    if have != (len(FP8_VARIANTS), len(BF16_VARIANTS), num_sms):
+        raise RuntimeError(f"{path} has {have[0]} FP8 and {have[1]} bf16 kernel variants for {have[2]} SMs, this "
+                           f"GPU needs {len(FP8_VARIANTS)} and {len(BF16_VARIANTS)} for a grid of {num_sms}: rebuild "
+                           f"it from {SOURCE.name}")
     return lib

@@ -14,9 +14,10 @@ _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
 # standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
 # (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
 PRIORITY_TRITON = 30
-# cutlass (FP8 block, SM90) outranks triton: from 128 rows per expert its CUTLASS GEMMs made the layer up
-# to 18% faster than the Triton kernels (7 of 8 cells at T >= 4096); below that it runs the tuned Triton
-# kernels on the checkpoint layout, 0-1% slower than triton's own at T <= 256 (H100, benchmarks/cuda/RESULTS.md)
+# cutlass (SM90) outranks triton: FP8 block: from 128 rows per expert its CUTLASS/DeepGEMM GEMMs made the
+# layer up to 18% faster than the Triton kernels (7 of 8 cells at T >= 4096); below that it runs the tuned
+# Triton kernels on the checkpoint layout, 0-1% slower than triton's own at T <= 256. bf16: triton's own
+# kernels and configs wherever its table does not measure DeepGEMM faster (H100, benchmarks/cuda/RESULTS.md)
 PRIORITY_CUTLASS = 35
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
@@ -41,11 +42,13 @@ class CudaPlugin(BackendPlugin):
                 name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass_experts:CutlassExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
-                quant_schemes=frozenset({QuantScheme.FP8_BLOCK}), activations=frozenset({Activation.SILU}),
+                quant_schemes=frozenset({QuantScheme.FP8_BLOCK, QuantScheme.UNQUANTIZED}),
+                activations=frozenset({Activation.SILU}),
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
                 priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
-                description="CUTLASS grouped GEMMs with FP8 128x128 block scales (SM90), Triton activation",
+                description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled, DeepGEMM bf16; "
+                            "Triton below the tuned crossover",
             ),
             BackendSpec(
                 name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",

@@ -162,11 +162,27 @@ def check_triton(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
 
 
 def check_cutlass(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
+    import torch
+
     out = check_triton(config, spec)  # its activation and re-quantization kernels are Triton's
+    fp8 = str(config.quant) == "fp8_block"
+    align = 128 if fp8 else 8
     for name in ("hidden_size", "intermediate_size"):
-        if getattr(config, name) % 128:
-            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"{name}={getattr(config, name)} is not a multiple of 128 "
-                                   "(whole 128x128 scale blocks in the CUTLASS FP8 GEMMs)", "use the triton experts"))
+        if getattr(config, name) % align:
+            why = ("whole 128x128 scale blocks in the FP8 grouped GEMMs" if fp8
+                   else "16-byte rows for the bf16 grouped GEMM's TMA loads")
+            out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"{name}={getattr(config, name)} is not a multiple of "
+                                   f"{align} ({why})", "use the triton experts"))
+    if not fp8:
+        from moe_plugin_cuda import deepgemm_lib
+
+        if config.params_dtype is not torch.bfloat16:
+            out.append(unavailable(Code.UNSUPPORTED_QUANT, f"unquantized cutlass experts run DeepGEMM's bf16 kernel "
+                                   f"(params_dtype={config.params_dtype})", "use bf16 params or the triton experts"))
+        elif deepgemm_lib.missing():
+            out.append(unavailable(Code.NOT_INSTALLED, f"unquantized cutlass experts run DeepGEMM's bf16 grouped GEMM: "
+                                   f"{deepgemm_lib.missing()}", "pip install 'moe-plugin-cuda[deepgemm]', or use the "
+                                   "triton experts (the same kernels below the crossover)"))
     return out
 
 

@@ -333,10 +333,10 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
 @triton.jit
 def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_map_ptr, E, H, stride_x, stride_xs,
                                stride_q, stride_s, stride_sg, K: tl.constexpr, GROUPS: tl.constexpr,
-                               QUANTIZE: tl.constexpr):
+                               QUANTIZE: tl.constexpr, SCALES: tl.constexpr):
     """Token t's GROUPS groups, quantized as ``_quant_fp8_group_kernel`` does (QUANTIZE) or its codes
-    and scales as they came, stored in row ``row_map[t*K + k]`` for each slot k whose id is in [0, E)
-    (scale of row r, group j at ``s + r*stride_s + j*stride_sg``)."""
+    (and with SCALES its scales) as they came, stored in row ``row_map[t*K + k]`` for each slot k whose
+    id is in [0, E) (scale of row r, group j at ``s + r*stride_s + j*stride_sg``)."""
     t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -347,13 +347,15 @@ def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_ma
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(x_ptr + t * stride_x + offs, mask=m)
-        s = tl.load(x_scale_ptr + t * stride_xs + grp, mask=gm)
+        if SCALES:
+            s = tl.load(x_scale_ptr + t * stride_xs + grp, mask=gm)
     for k in tl.static_range(K):
         e = tl.load(ids_ptr + t * K + k)
         if (e >= 0) & (e < E):
             row = tl.load(row_map_ptr + t * K + k).to(tl.int64)
             tl.store(q_ptr + row * stride_q + offs, q, mask=m)
-            tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=gm)
+            if SCALES:
+                tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=gm)
 
 
 @triton.jit
@@ -369,3 +371,19 @@ def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, inter, stride_d, stride_q, strid
     q, s = _quant_groups(gate * tl.sigmoid(gate) * up)
     tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=grp * 128 < inter)
+
+
+@triton.jit
+def _silu_mul_kernel(d_ptr, h_ptr, inter, stride_d, stride_h, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """h = silu(gate) * up from GEMM1's output row: [gate (inter) | up (inter)], or with INTERLEAVED
+    gate/up pairs (column 2j gate, 2j+1 up: GEMM1 over ``weights.interleave_gate_up_``'s w13)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < inter
+    if INTERLEAVED:
+        gate = tl.load(d_ptr + row * stride_d + 2 * offs, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(d_ptr + row * stride_d + 2 * offs + 1, mask=m, other=0.0).to(tl.float32)
+    else:
+        gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * stride_h + offs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=m)

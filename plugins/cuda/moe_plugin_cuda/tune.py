@@ -29,7 +29,9 @@ Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1), then its gr
 timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on DeepGEMM's, each
 on its fastest kernel pair, and the table entry says which path ran fastest at that T (``"path":
 "triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see ``tuning_configs``).
-The CUTLASS library must build on this machine.
+The CUTLASS library must build on this machine. bf16 (``--quant unquantized``): no search, its Triton
+path is the triton backend's own table (tune that first); only DeepGEMM's bf16 pipeline is timed
+against it.
 """
 
 from __future__ import annotations
@@ -156,22 +158,27 @@ def _make_weights(E, H, inter, fp8, g, dev, interleave):
 
 
 def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[int, int],
-                    log=None) -> tuple[tuple[int, int], float]:
-    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the
-    grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default,
-    then GEMM2's with that one. Only the default pair is timed where it is far (25%) behind the Triton
-    path's ``t_triton``: the kernels differ by less."""
+                    log=None, fp8: bool = True) -> tuple[tuple[int, int], float]:
+    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm"; bf16:
+    "deepgemm" only) for the grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time:
+    GEMM1's with GEMM2's default, then GEMM2's with that one. Only the default pair is timed where it
+    is far (25%) behind the Triton path's ``t_triton``: the kernels differ by less."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
 
     if gemm_name == "cutlass":  # GEMM1 writes fp32, GEMM2 bf16
         gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS
         choices = (cutlass_lib.variants_with_output("fp32"), cutlass_lib.variants_with_output("bf16"))
     else:  # (a variant that cannot run N columns would run as variant 0: not a candidate)
-        gemm, best = cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_VARIANTS
-        choices = tuple([k for k in range(len(deepgemm_lib.VARIANTS)) if deepgemm_lib.runnable(k, n)] for n in ns)
+        gemm, best, variants = ((cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_FP8_VARIANTS, deepgemm_lib.FP8_VARIANTS)
+                                if fp8 else (cutlass_ops.DEEPGEMM_BF16, deepgemm_lib.DEFAULT_BF16_VARIANTS,
+                                             deepgemm_lib.BF16_VARIANTS))
+        choices = tuple([k for k in range(len(variants)) if deepgemm_lib.runnable(k, n, variants)] for n in ns)
+        if not all(deepgemm_lib.runnable(v, n, variants) for v, n in zip(best, ns, strict=True)):
+            best = (choices[0][0], choices[1][0])
 
     def timed(v):
-        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm), variants=v)
+        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm, w13_interleaved=not fp8),
+                          variants=v)
         if log:
             log(f"    {gemm_name} kernels {v} {t * 1e3:9.1f} us")
         return t
@@ -198,9 +205,9 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     from moe_plugin_cuda.triton_experts import config_dtype
 
     fp8 = quant == "fp8_block"
-    interleaved = backend == "triton"  # the cutlass backend keeps the checkpoint layout
-    if not (interleaved or fp8):
-        log(f"  {name} {quant}: the cutlass backend runs fp8_block only, skipped")
+    interleaved = backend == "triton" or not fp8  # the cutlass backend keeps FP8 in the checkpoint layout
+    if backend == "cutlass" and not fp8 and deepgemm_lib.missing():
+        log(f"  {name} {quant}: the cutlass backend's bf16 path needs DeepGEMM ({deepgemm_lib.missing()}), skipped")
         return None
     cfg = preset(name, quant=quant, device="cuda")
     E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
@@ -209,7 +216,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleaved)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     dtype_name, device_name = config_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
-    table_kind = tuning_configs.TRITON_TABLE if interleaved else tuning_configs.CUTLASS_TABLE
+    table_kind = tuning_configs.TRITON_TABLE if backend == "triton" else tuning_configs.CUTLASS_TABLE
     path = out_dir / tuning_configs.config_file_name(E, inter, H, device_name, dtype_name, table_kind)
     # re-tuning some T keeps the entries of the others
     table: dict[int, dict] = {int(m): c for m, c in json.loads(path.read_text()).items()} if path.exists() else {}
@@ -257,7 +264,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
         y = torch.empty((M * K, H), dtype=torch.bfloat16, device=dev)
         t0 = time.time()
         best = (float("inf"), None)
-        for bm in block_ms(M, E, K):
+        triton_own = backend == "cutlass" and not fp8  # bf16: its Triton path is the triton backend's, as tuned
+        for bm in [] if triton_own else block_ms(M, E, K):
             sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, bm)
             align = (sorted_ids, expert_ids, post_pad)
             kw = dict(align=align, masked_m=None, num_rows=M * K, capacity=0, num_m_blocks=n_blocks)
@@ -286,7 +294,9 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             return pipeline_time(f"triton {cfg_}", triton_ops.fused_experts, activation="silu", cfg=cfg_,
                                  w13_interleaved=interleaved)
 
-        if interleaved:
+        if triton_own:
+            heur = tuning_configs.get_config(M, E, K, inter, H, dtype_name, device_name, str(out_dir))[0]
+        elif interleaved:
             heur = tuning_configs.heuristic(M, E, K, inter, H, fp8)
         else:  # what the cutlass backend runs untuned: triton's table (or heuristic) on two accumulators
             heur = tuning_configs.as_two_acc(
@@ -298,11 +308,12 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             log(f"  {name} {quant} T={M}: nothing ran, no entry")
             continue
         note = ""
-        if not interleaved:  # the grouped GEMMs this machine can run, each on its fastest kernels
-            gemms = ["cutlass"] + (["deepgemm"] if deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
-                                   else [])
+        if backend == "cutlass":  # the grouped GEMMs this machine can run, each on its fastest kernels
+            gemms = (["cutlass"] if fp8 else []) + (["deepgemm"] if deepgemm_lib.missing() is None
+                                                    and E <= deepgemm_lib.MAX_EXPERTS else [])
             for gemm_name in gemms:
-                variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, (2 * inter, H), log if verbose else None)
+                variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, (2 * inter, H), log if verbose else None,
+                                                fp8)
                 note += f", {gemm_name} {t_g * 1e3:.1f} on kernels {variants}"
                 chosen = {**chosen, f"{gemm_name}_variants": list(variants)}
                 if t_g < t:

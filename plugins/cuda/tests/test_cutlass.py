@@ -71,6 +71,35 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized, layout):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["checkpoint_w13", "interleaved_w13"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,E,K,H,inter", [(0, 4, 2, 128, 128), (1, 8, 3, 256, 128), (37, 6, 2, 384, 200),
+                                           (130, 5, 4, 200, 384)])
+def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved):
+    """The bf16 pipeline (no scales) in DeepGEMM's row layout, GEMM1 written in the activation dtype
+    as DeepGEMM's bf16 kernel writes it, w13 in either layout: gather -> GEMM1 -> SiLU x up -> GEMM2
+    -> weighted reduce, vs float64 (fp32: exact but for float32 math; bf16: five roundings)."""
+    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
+    if T:
+        ids[torch.rand(T, K) < 0.2] = -1
+        ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
+    w = torch.rand(T, K)
+    gemm = cutlass_ops.REFERENCE._replace(row_align=128, gemm1_dtype=dtype)
+    out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
+                                    routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm,
+                                    w13_interleaved=interleaved)
+    assert out.shape == (T, H) and out.dtype == dtype
+    ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
+    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("mn_major", [False, True])
 @pytest.mark.parametrize("T,K,H", [(1, 1, 128), (9, 3, 200), (33, 4, 1100)])
 def test_quantize_into_rows_interpreter(T, K, H, mn_major):
@@ -178,6 +207,18 @@ def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=200, intermediate_size=256, quant="fp8_block", device="cuda")
     reasons = probes.check_cutlass(cfg, None)
     assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "hidden_size=200" in reasons[0].message
+    # bf16 runs DeepGEMM's kernel: 16-byte rows, bf16 params, and the headers (else the plan says why)
+    from moe_plugin_cuda import deepgemm_lib
+
+    bf16 = cfg.replace(quant="unquantized", hidden_size=200, intermediate_size=100)
+    monkeypatch.setattr(deepgemm_lib, "missing", lambda: None)
+    reasons = probes.check_cutlass(bf16, None)
+    assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "intermediate_size=100" in reasons[0].message
+    assert [r.code for r in probes.check_cutlass(bf16.replace(params_dtype=torch.float16), None)] == \
+        [Code.UNSUPPORTED_SHAPE, Code.UNSUPPORTED_QUANT]
+    monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no DeepGEMM headers")
+    r = probes.check_cutlass(bf16.replace(intermediate_size=104), None)
+    assert [x.code for x in r] == [Code.NOT_INSTALLED] and "DeepGEMM" in r[0].message and "triton" in r[0].hint
 
 
 def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
@@ -220,8 +261,22 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
         assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
         path, _, variants = choose(rows, -1, h=H + 128)
-        assert (path, variants) == (("deepgemm", deepgemm_lib.DEFAULT_VARIANTS) if can_build
+        assert (path, variants) == (("deepgemm", deepgemm_lib.DEFAULT_FP8_VARIANTS) if can_build
                                     else ("cutlass", cutlass_lib.DEFAULT_VARIANTS))
+        # bf16: its own table (triton's one-accumulator configs as measured), DeepGEMM or Triton only
+        path, cfg, _ = choose(9000, -1, "", "bf16", h=H + 128)  # no table: triton's configs as they are
+        assert path == ("deepgemm" if can_build else "triton") and "TWO_ACC" not in cfg["gemm1"]
+        assert cfg == tuning_configs.heuristic(9000, E, K, inter, H + 128, False)
+        assert choose(1, -1, "", "bf16", h=H + 128)[0] == "triton"
+    one_acc = {**big, "TWO_ACC": 0}
+    tuning_configs.save_table(tmp_path / name.replace("fp8_block", "bf16"), {
+        64: {"gemm1": one_acc, "gemm2": big, "path": "triton", "deepgemm_variants": [2, 3]},
+        8192: {"gemm1": one_acc, "gemm2": big, "path": "deepgemm", "deepgemm_variants": [4, 7]}})
+    path, cfg, _ = choose(100, -1, "", "bf16")
+    assert path == "triton" and cfg["gemm1"] == one_acc  # the triton backend's kernels, as the table measured them
+    assert choose(9000, -1, "", "bf16")[::2] == ("deepgemm", (4, 7))
+    monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no headers")
+    assert choose(9000, -1, "", "bf16")[0] == "triton"  # no CUTLASS bf16 kernels to fall back on
     cutlass_experts.choose_path.cache_clear()
 
 
@@ -233,17 +288,22 @@ def test_deepgemm_variants_match_the_source(monkeypatch, tmp_path):
     from moe_plugin_cuda import deepgemm_lib
 
     src = deepgemm_lib.SOURCE.read_text()
-    body = src[src.index("kVariants[] = {"):src.index("};", src.index("kVariants[] = {"))]
-    rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false)\}", body)
-    assert [(int(bn), int(st), "1" if mc == "1" else ("A" if a == "true" else "B")) for bm, bn, st, mc, a in rows] \
-        == list(deepgemm_lib.VARIANTS)
-    assert all(int(bm) == deepgemm_lib.ROW_ALIGN for bm, *_ in rows)
-    assert all(0 <= v < len(deepgemm_lib.VARIANTS) for v in deepgemm_lib.DEFAULT_VARIANTS)
+    for name, variants, defaults in (("kFp8Variants", deepgemm_lib.FP8_VARIANTS, deepgemm_lib.DEFAULT_FP8_VARIANTS),
+                                     ("kBf16Variants", deepgemm_lib.BF16_VARIANTS,
+                                      deepgemm_lib.DEFAULT_BF16_VARIANTS)):
+        body = src[src.index(f"{name}[] = {{"):src.index("};", src.index(f"{name}[] = {{"))]
+        rows = re.findall(r"\{(\d+), (\d+), (\d+), (\d+), (true|false)\}", body)
+        assert [(int(bn), int(st), "1" if mc == "1" else ("A" if a == "true" else "B"))
+                for bm, bn, st, mc, a in rows] == list(variants)
+        assert all(int(bm) == deepgemm_lib.ROW_ALIGN for bm, *_ in rows)
+        assert all(0 <= v < len(variants) for v in defaults)
     assert f"#define MOE_DG_MAX_GROUPS {deepgemm_lib.MAX_EXPERTS}" in src
     # multicast pairs need an even number of column tiles (else the kernel hangs: the launcher refuses)
-    assert "(n + BN - 1) / BN % 2" in src
-    assert deepgemm_lib.VARIANTS[4][0] == 192 and not deepgemm_lib.runnable(4, 512)  # 3 tiles
+    assert "(n + bn - 1) / bn % 2" in src
+    assert deepgemm_lib.FP8_VARIANTS[4][0] == 192 and not deepgemm_lib.runnable(4, 512)  # 3 tiles
     assert deepgemm_lib.runnable(4, 3072) and deepgemm_lib.runnable(0, 512)  # 16 tiles; no multicast
+    bf16 = deepgemm_lib.BF16_VARIANTS
+    assert bf16[4][0] == 256 and deepgemm_lib.runnable(4, 1536, bf16) and not deepgemm_lib.runnable(4, 768, bf16)
     assert deepgemm_lib.grid_size(132) == 132 and deepgemm_lib.grid_size(57) == 56  # clusters of 2 tile the grid
     monkeypatch.delenv("MOE_CUDA_DEEPGEMM_LIB", raising=False)
     monkeypatch.setenv("DEEPGEMM_INCLUDE", str(tmp_path))

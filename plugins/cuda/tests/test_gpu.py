@@ -41,6 +41,8 @@ def _dev():
 
 
 def _layers(backend, quant, **kw):
+    if backend == "cutlass" and quant == "unquantized":
+        _need_deepgemm()  # (bf16 runs DeepGEMM's kernel: the plan rejects cutlass without it)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     cfg = _cfg(backend, quant, **kw)
     ref_cfg = cfg.replace(experts="reference", cuda_graph=False)
@@ -64,7 +66,7 @@ def _topk(T, cfg, minus_one=True):
 
 
 CASES = [("triton", "unquantized"), ("triton", "fp8_block"), ("grouped_mm", "unquantized"),
-         ("grouped_mm", "fp8_per_token"), ("cutlass", "fp8_block")]
+         ("grouped_mm", "fp8_per_token"), ("cutlass", "fp8_block"), ("cutlass", "unquantized")]
 
 
 @pytest.mark.parametrize("backend,quant", CASES)
@@ -335,7 +337,7 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
     d_ref = torch.zeros(rows, 2 * inter, dtype=torch.float32, device="cuda")
     cutlass_ops.reference_gemm(a, a_s, w["w13"], w["w13_scale"], d_ref, counts, start)
     real = row_of_slot[(topk.ids.flatten() >= 0)]
-    for variant in range(len(deepgemm_lib.VARIANTS)):
+    for variant in range(len(deepgemm_lib.FP8_VARIANTS)):
         d = torch.full((rows, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
         cutlass_ops.deepgemm_gemm(a, a_s, w["w13"], w["w13_scale"], d, counts, start, variant=variant)
         assert relative_error(d[real], d_ref[real]) < 1e-2, variant
@@ -357,6 +359,46 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
         print(f"T={T} variants {variants}: deepgemm {err:.2e}, cutlass {err_cut:.2e} from the FP8 float64 MoE; "
               f"{exact_err:.2e} vs {exact_cut:.2e} from the unquantized-h one")
         assert err < 3e-2 and exact_err < 1.5 * exact_cut, variants
+
+
+@pytest.mark.parametrize("T,E,K,H,inter", [(1, 16, 4, 256, 256), (333, 16, 4, 384, 200), (700, 64, 8, 520, 384)])
+def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
+    """DeepGEMM's bf16 kernel, every variant, against the torch emulation on its layout (one expert
+    empty, N and K not multiples of the tile, rows past each expert's end), and the bf16 pipeline on
+    it (w13 interleaved, as the backend keeps it) against the core's float64 MoE and the Triton
+    kernels."""
+    from moe_plugin_cuda import cutlass_ops, deepgemm_lib, triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    from moe_core.reference.oracle import moe_float64
+
+    _need_deepgemm()
+    w13 = (torch.randn(E, 2 * inter, H, device="cuda") / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, inter, device="cuda") / inter ** 0.5).to(torch.bfloat16)
+    x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
+    topk = _topk(T, _cfg("cutlass", "unquantized", E=E, K=K, H=H, inter=inter))
+    topk.ids[topk.ids == E - 1] = -1  # expert E-1: empty
+    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
+    a, _ = cutlass_ops.quantize_into_rows(x, None, topk.ids, row_of_slot, E, rows=rows, quantize=False)
+    real = row_of_slot[(topk.ids.flatten() >= 0)]
+    assert torch.equal(a[real], x.repeat_interleave(K, 0)[topk.ids.flatten() >= 0])
+    d_ref = torch.zeros(rows, 2 * inter, dtype=torch.float32, device="cuda")
+    cutlass_ops.reference_gemm(a, None, w13, None, d_ref, counts, start)
+    for variant in range(len(deepgemm_lib.BF16_VARIANTS)):
+        d = torch.full((rows, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cutlass_ops.deepgemm_bf16_gemm(a, None, w13, None, d, counts, start, variant=variant)
+        assert relative_error(d[real], d_ref[real]) < 5e-3, variant
+    w13_il = interleave_gate_up(w13)
+    ref = moe_float64(x, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.7)
+    kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
+    tri = triton_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, activation="silu",
+                                   cfg=_fixed(64, 128, 0, 0, False), w13_interleaved=True, **kw)
+    for variants in (None, (4, 4), (0, 5), (7, 2)):
+        out = cutlass_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids,
+                                        gemm=cutlass_ops.DEEPGEMM_BF16, variants=variants, w13_interleaved=True, **kw)
+        err, err_tri = relative_error(out, ref), relative_error(tri, ref)
+        print(f"T={T} variants {variants}: deepgemm bf16 {err:.2e}, triton {err_tri:.2e} from the float64 MoE")
+        assert err < 1e-2 and err < 2 * err_tri + 1e-3, variants
 
 
 def test_cutlass_masked_matches_triton():
@@ -386,7 +428,8 @@ def test_cutlass_masked_matches_triton():
 # cutlass: at the tests' T (< 128 rows per expert) its Triton path; "gemms": its CUTLASS GEMMs at every T
 # ("deepgemm": the same on DeepGEMM's kernel)
 VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
-            + [("cutlass", "fp8_block", "gemms"), ("cutlass", "fp8_block", "deepgemm")])
+            + [("cutlass", "fp8_block", "gemms"), ("cutlass", "fp8_block", "deepgemm"),
+               ("cutlass", "unquantized", "deepgemm")])
 
 
 def _variant_options(quant, variant):
@@ -453,10 +496,13 @@ def test_torch_compile_fullgraph_triton(quant):
 def test_planner_picks_on_this_gpu():
     from moe_plugin_cuda.probes import probe_cutlass
 
+    from moe_plugin_cuda import deepgemm_lib
+
     for quant in ("unquantized", "fp8_block"):
         p = plan(MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, quant=quant,
                            device="cuda"))
-        want = "cutlass" if quant == "fp8_block" and probe_cutlass().ok else "triton"
+        grouped = probe_cutlass().ok and (quant == "fp8_block" or deepgemm_lib.missing() is None)
+        want = "cutlass" if grouped else "triton"
         assert p.experts.name == want, p.explain()
 
 
