@@ -494,9 +494,8 @@ def test_torch_compile_fullgraph_triton(quant):
 
 
 def test_planner_picks_on_this_gpu():
-    from moe_plugin_cuda.probes import probe_cutlass
-
     from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.probes import probe_cutlass
 
     for quant in ("unquantized", "fp8_block"):
         p = plan(MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768, quant=quant,
