@@ -28,13 +28,14 @@
 
 // The last error's text: one buffer for all the objects (defined by the API object).
 extern thread_local char moe_dg_error[512];
-#ifndef MOE_DG_ONLY
+#if !defined(MOE_DG_FP8_ONLY) && !defined(MOE_DG_BF16_ONLY)
 thread_local char moe_dg_error[512] = "";
 #endif
 
+// (inline: nvcc gives these anonymous-namespace functions external linkage, and every object defines them)
 namespace {
 
-int fail(const char* what, int code) {
+inline int fail(const char* what, int code) {
     std::snprintf(moe_dg_error, sizeof(moe_dg_error), "%s (%d)", what, code);
     return code ? code : -1;
 }
@@ -43,7 +44,7 @@ using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, voi
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-EncodeFn encode_fn() {
+inline EncodeFn encode_fn() {
     static EncodeFn fn = [] {
         void* p = nullptr;
         cudaDriverEntryPointQueryResult status;
@@ -56,7 +57,7 @@ EncodeFn encode_fn() {
 }
 
 // A 2-D tensor map: `outer` rows of `inner` elements, `row_bytes` apart; box `box_inner` x `box_outer`.
-int make_map(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr, uint64_t inner, uint64_t outer,
+inline int make_map(CUtensorMap* map, CUtensorMapDataType dtype, const void* ptr, uint64_t inner, uint64_t outer,
              uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer, uint32_t swizzle_bytes) {
     EncodeFn encode = encode_fn();
     if (!encode)
@@ -99,7 +100,7 @@ constexpr uint32_t bf16_smem_bytes() {
 // The checks both kernels need. The psum scheduler pairs consecutive tiles into a 2-CTA cluster; with an
 // odd number of column tiles a pair can straddle two experts (or end alone), and the kernel then waits
 // forever on its peer: a multicast variant needs an even column-tile count.
-int check_shapes(uint32_t bm, uint32_t bn, uint32_t mc, uint32_t m, uint32_t n, uint32_t g) {
+inline int check_shapes(uint32_t bm, uint32_t bn, uint32_t mc, uint32_t m, uint32_t n, uint32_t g) {
     if (m % bm || n % 8 || g > MOE_DG_MAX_GROUPS)
         return fail("shapes: M must be a multiple of 128, N of 8, at most 1024 experts", -3);
     if (mc > 1 && (n + bn - 1) / bn % 2)
