@@ -44,13 +44,14 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens of ``dtype`` ("fp8_block" or "bf16").
 
     The cutlass table (``tuning_configs.CUTLASS_TABLE``) holds, per T, which path measured fastest, the
-    Triton configs it was measured with (FP8: two-accumulator GEMM1 for the checkpoint layout; bf16:
-    triton's own, on the interleaved layout) and the fastest kernels of each grouped GEMM
-    (``cutlass_variants``, ``deepgemm_variants``: indices into their variant lists); without one:
-    triton's table, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their default kernels
-    (DeepGEMM's where its library can be built; bf16 has no other). A "deepgemm" entry runs CUTLASS
-    (FP8) or Triton (bf16) where DeepGEMM cannot. ``min_rows`` >= 0 overrides the path (grouped from
-    that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM.
+    fastest kernels of each grouped GEMM (``cutlass_variants``, ``deepgemm_variants``: indices into
+    their variant lists) and, FP8, the Triton path's two-accumulator configs for the checkpoint layout;
+    without one: triton's table, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their default
+    kernels (DeepGEMM's where its library can be built; bf16 has no other). bf16's Triton path is
+    always the triton backend's own configs for T (same kernels, same layout: never slower than it).
+    A "deepgemm" entry runs CUTLASS (FP8) or Triton (bf16) where DeepGEMM cannot. ``min_rows`` >= 0
+    overrides the path (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or
+    "deepgemm") the grouped GEMM.
     """
     from moe_plugin_cuda import cutlass_lib, deepgemm_lib, tuning_configs
 
@@ -59,10 +60,12 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     grouped = "deepgemm" if deepgemm else ("cutlass" if fp8 else "triton")
     entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir or None,
                                      tuning_configs.CUTLASS_TABLE)
+    triton_cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
     if entry is None:
-        cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
-        entry = {**(tuning_configs.as_two_acc(cfg, keep_tma=True) if fp8 else cfg),
+        entry = {**(tuning_configs.as_two_acc(triton_cfg, keep_tma=True) if fp8 else triton_cfg),
                  "path": grouped if T * K >= MIN_ROWS * E else "triton"}
+    elif not fp8:
+        entry = {**entry, **triton_cfg}
     path = entry.get("path", "triton")
     if min_rows >= 0:
         path = grouped if T * K >= min_rows * E else "triton"

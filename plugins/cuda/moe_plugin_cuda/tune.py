@@ -319,6 +319,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                 if t_g < t:
                     chosen, t = {**chosen, "path": gemm_name}, t_g
         table[M] = chosen
+        if triton_own:  # (the backend runs triton's table at every T: no copy of its configs)
+            table[M] = {k: v for k, v in chosen.items() if k not in ("gemm1", "gemm2")}
         log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us, mean of {ROUTING_DRAWS} routings (searched {t_best * 1e3:.1f}, "
             f"heuristic {t_heur * 1e3:.1f}"
             f"{note}) {chosen.get('path', 'triton')} {chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")

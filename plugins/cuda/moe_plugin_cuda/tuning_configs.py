@@ -9,9 +9,10 @@ num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback
 share BLOCK_M (the alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
 i.e. BLOCK_N/2 output columns. Lookup takes the nearest M, as SGLang does.
 
-The ``cutlass`` backend keeps its own tables (``kernel=cutlass-v1``, same content on the checkpoint
-w13 layout, i.e. two-accumulator GEMM1 configs) whose entries may add ``"path": "cutlass"``: at
-that M its CUTLASS grouped GEMMs measured faster than its Triton kernels.
+The ``cutlass`` backend keeps its own tables (``kernel=cutlass-v1``; FP8: the same content on the
+checkpoint w13 layout, i.e. two-accumulator GEMM1 configs) whose entries add ``"path": "triton" |
+"cutlass" | "deepgemm"`` (which ran fastest at that M) and the grouped GEMMs' kernels; its bf16 tables
+hold the path and DeepGEMM's kernels only (its Triton path runs the triton table's configs).
 
 ``KERNEL_VERSION`` changes whenever a config's meaning or the best configs change with the
 kernels (v2: one-accumulator GEMM1 over interleaved gate/up rows); files of other versions are
@@ -126,7 +127,7 @@ def lookup(M: int, E: int, inter: int, H: int, dtype: str, device_name: Optional
                 cfg = table[min(table, key=lambda m: abs(m - M))]
                 entry: dict[str, Any] = {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
                                              **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
-                                         for k in ("gemm1", "gemm2")}
+                                         for k in ("gemm1", "gemm2") if k in cfg}
                 if "path" in cfg:  # the cutlass table's: which path, and which CUTLASS kernels
                     entry["path"] = str(cfg["path"])
                 for key in ("cutlass_variants", "deepgemm_variants"):

@@ -268,12 +268,15 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         assert path == ("deepgemm" if can_build else "triton") and "TWO_ACC" not in cfg["gemm1"]
         assert cfg == tuning_configs.heuristic(9000, E, K, inter, H + 128, False)
         assert choose(1, -1, "", "bf16", h=H + 128)[0] == "triton"
+    # bf16 table: the path and DeepGEMM's kernels; the Triton path is the triton table's config for T
     one_acc = {**big, "TWO_ACC": 0}
     tuning_configs.save_table(tmp_path / name.replace("fp8_block", "bf16"), {
-        64: {"gemm1": one_acc, "gemm2": big, "path": "triton", "deepgemm_variants": [2, 3]},
-        8192: {"gemm1": one_acc, "gemm2": big, "path": "deepgemm", "deepgemm_variants": [4, 7]}})
+        64: {"path": "triton", "deepgemm_variants": [2, 3]}, 8192: {"path": "deepgemm", "deepgemm_variants": [4, 7]}})
+    tuning_configs.save_table(tmp_path / tuning_configs.config_file_name(E, inter, H, dev, "bf16"), {
+        1: {"gemm1": c, "gemm2": c}, 100: {"gemm1": one_acc, "gemm2": big}})
+    assert choose(1, -1, "", "bf16")[:2] == ("triton", {"gemm1": c, "gemm2": c})
     path, cfg, _ = choose(100, -1, "", "bf16")
-    assert path == "triton" and cfg["gemm1"] == one_acc  # the triton backend's kernels, as the table measured them
+    assert path == "triton" and cfg["gemm1"] == one_acc  # the triton backend's own kernels at that T
     assert choose(9000, -1, "", "bf16")[::2] == ("deepgemm", (4, 7))
     monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no headers")
     assert choose(9000, -1, "", "bf16")[0] == "triton"  # no CUTLASS bf16 kernels to fall back on
