@@ -322,7 +322,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
         if triton_own:  # (the backend runs triton's table at every T: no copy of its configs)
             table[M] = {k: v for k, v in chosen.items() if k not in ("gemm1", "gemm2")}
         log(f"  {name} {quant} T={M}: {t * 1e3:.1f} us, mean of {ROUTING_DRAWS} routings (searched {t_best * 1e3:.1f}, "
-            f"heuristic {t_heur * 1e3:.1f}"
+            f"{'triton table' if triton_own else 'heuristic'} {t_heur * 1e3:.1f}"
             f"{note}) {chosen.get('path', 'triton')} {chosen['gemm1']} / {chosen['gemm2']}  [{time.time() - t0:.0f}s]")
         tuning_configs.save_table(path, table)  # after every T: a cut-off run keeps what it found
     return path
