@@ -60,7 +60,8 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     grouped = "deepgemm" if deepgemm else ("cutlass" if fp8 else "triton")
     entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir or None,
                                      tuning_configs.CUTLASS_TABLE)
-    triton_cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
+    if entry is None or not fp8:
+        triton_cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
     if entry is None:
         entry = {**(tuning_configs.as_two_acc(triton_cfg, keep_tma=True) if fp8 else triton_cfg),
                  "path": grouped if T * K >= MIN_ROWS * E else "triton"}
