@@ -103,20 +103,12 @@ def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Option
 
     G, N, Kd = b.shape
     R = a.shape[0]
-    variant = deepgemm_lib.DEFAULT_FP8_VARIANTS[0] if variant is None else variant
-    if not 0 <= variant < len(deepgemm_lib.FP8_VARIANTS):
-        raise ValueError(f"no DeepGEMM variant {variant}: see deepgemm_lib.FP8_VARIANTS")
-    if not deepgemm_lib.runnable(variant, N):
-        variant = 0
+    variant = _deepgemm_variant(variant, N, deepgemm_lib.FP8_VARIANTS, deepgemm_lib.DEFAULT_FP8_VARIANTS)
     if d.dtype != torch.bfloat16 or a_scale.stride() != (1, R) or R % deepgemm_lib.ROW_ALIGN:
         raise ValueError("DeepGEMM's layout: bf16 d, MN-major a_scale, rows a multiple of 128")
-    lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)
     psum = _psum(m_sizes, row_start)
-    rc = lib.moe_dg_fp8_grouped_gemm(variant, a.data_ptr(), a_scale.data_ptr(), b.data_ptr(), b_scale.data_ptr(),
-                                     d.data_ptr(), psum.data_ptr(), R, N, Kd, G,
-                                     torch.cuda.current_stream(a.device).cuda_stream)
-    if rc:
-        raise RuntimeError(f"DeepGEMM grouped GEMM failed ({rc}): {lib.moe_dg_last_error().decode()}")
+    _deepgemm_run("moe_dg_fp8_grouped_gemm", a.device, variant, a.data_ptr(), a_scale.data_ptr(), b.data_ptr(),
+                  b_scale.data_ptr(), d.data_ptr(), psum.data_ptr(), R, N, Kd, G)
 
 
 def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
@@ -127,21 +119,34 @@ def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: O
 
     G, N, Kd = b.shape
     R = a.shape[0]
-    variant = deepgemm_lib.DEFAULT_BF16_VARIANTS[0] if variant is None else variant
-    if not 0 <= variant < len(deepgemm_lib.BF16_VARIANTS):
-        raise ValueError(f"no DeepGEMM bf16 variant {variant}: see deepgemm_lib.BF16_VARIANTS")
-    if not deepgemm_lib.runnable(variant, N, deepgemm_lib.BF16_VARIANTS):
-        variant = 0
+    variant = _deepgemm_variant(variant, N, deepgemm_lib.BF16_VARIANTS, deepgemm_lib.DEFAULT_BF16_VARIANTS)
     if a_scale is not None or b_scale is not None or {a.dtype, b.dtype, d.dtype} != {torch.bfloat16} \
             or R % deepgemm_lib.ROW_ALIGN:
         raise ValueError("DeepGEMM's bf16 layout: bf16 a, b and d, no scales, rows a multiple of 128")
-    lib = deepgemm_lib.library(torch.cuda.get_device_properties(a.device).multi_processor_count)
     psum = _psum(m_sizes, row_start)
-    rc = lib.moe_dg_bf16_grouped_gemm(variant, a.data_ptr(), b.data_ptr(), d.data_ptr(), psum.data_ptr(), R, N, Kd,
-                                      G,
-                                      torch.cuda.current_stream(a.device).cuda_stream)
+    _deepgemm_run("moe_dg_bf16_grouped_gemm", a.device, variant, a.data_ptr(), b.data_ptr(), d.data_ptr(),
+                  psum.data_ptr(), R, N, Kd, G)
+
+
+def _deepgemm_variant(variant: Optional[int], n: int, variants: tuple, defaults: tuple[int, int]) -> int:
+    """The kernel to launch: ``variant`` (default: GEMM1's default), or variant 0 where its multicast
+    cannot run N = ``n`` columns."""
+    from moe_plugin_cuda import deepgemm_lib
+
+    variant = defaults[0] if variant is None else variant
+    if not 0 <= variant < len(variants):
+        raise ValueError(f"no DeepGEMM variant {variant} among {len(variants)}: see deepgemm_lib")
+    return variant if deepgemm_lib.runnable(variant, n, variants) else 0
+
+
+def _deepgemm_run(entry: str, device: torch.device, *args) -> None:
+    """Call the library's ``entry`` on the current stream; a nonzero return raises with its error text."""
+    from moe_plugin_cuda import deepgemm_lib
+
+    lib = deepgemm_lib.library(torch.cuda.get_device_properties(device).multi_processor_count)
+    rc = getattr(lib, entry)(*args, torch.cuda.current_stream(device).cuda_stream)
     if rc:
-        raise RuntimeError(f"DeepGEMM bf16 grouped GEMM failed ({rc}): {lib.moe_dg_last_error().decode()}")
+        raise RuntimeError(f"DeepGEMM {entry} failed ({rc}): {lib.moe_dg_last_error().decode()}")
 
 
 def _psum(m_sizes: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
