@@ -7,7 +7,12 @@ Pipeline for STANDARD / EP_NORMAL (T tokens, top-k K, E local experts):
    M-block and the padded total. Slots with id -1 (or an id >= E) get no bucket at all: they are
    skipped by both GEMMs and masked out by the reduction. No host sync: the GEMM grids are sized
    from an upper bound and blocks past the padded total return at once. Small T*K: one program
-   does histogram, scan and scatter (one launch); larger: count / scan / scatter kernels.
+   does histogram, scan and scatter (one launch). Larger: two launches over chunks of the slots,
+   a per-chunk histogram, then one program per chunk that re-reads the small [chunks, E] counts
+   (from L2), rebuilds the bucket starts and its chunk's cursors, scatters its slots and writes
+   its share of the M-block experts and padding sentinels: no serial single-program step. The same
+   kernels with ``ROW_MAP`` give the CUTLASS/DeepGEMM layout (``triton_ops.expert_rows``): the row
+   of each slot instead of the slot of each row.
 2. ``gemm`` (gated): ``act(a @ gate.T) * (a @ up.T)`` per slot, so the [T*K, 2I] intermediate
    never exists. Default (``GATE == 1``): ``w13`` rows are interleaved by ``process_weights``
    (row 2j = gate j, row 2j+1 = up j), one accumulator covers BLOCK_N/2 (gate, up) pairs and the
@@ -53,51 +58,46 @@ def _align_count_kernel(ids_ptr, numel, chunk_counts_ptr, E: tl.constexpr, E_POW
 
 
 @triton.jit
-def _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
-                   BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
-    """From per-expert counts: padded total, expert of each M-block, padding sentinels.
-    Returns each bucket's start."""
-    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
-    cum = tl.cumsum(padded, axis=0)
-    starts = cum - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(post_pad_ptr, total)
-    # padding slots of each bucket get the sentinel (at most BLOCK_M - 1 per expert)
-    pad = tl.arange(0, BLOCK_M)
-    pos = (starts + counts)[:, None] + pad[None, :]
-    tl.store(sorted_ptr + pos, numel, mask=pos < (starts + padded)[:, None])
-    # expert of each M-block: the bucket whose [start, end) holds block*BLOCK_M (-1 past the end)
-    for b0 in range(0, max_blocks, BLOCKS_TILE):
+def _pick(vec, idx, bins):
+    """``vec[idx]`` for a short index vector (register tensors cannot be indexed: a one-hot sum)."""
+    return tl.sum(tl.where(bins[None, :] == idx[:, None], vec[None, :], 0), axis=1)
+
+
+@triton.jit
+def _block_experts(cum, total, expert_ids_ptr, b_lo, b_hi, BLOCK_M: tl.constexpr, BLOCKS_TILE: tl.constexpr):
+    """Expert of M-blocks [b_lo, b_hi): the bucket whose [start, end) holds block*BLOCK_M (-1 past the
+    padded total); ``cum`` is the buckets' inclusive end."""
+    for b0 in range(b_lo, b_hi, BLOCKS_TILE):
         blk = b0 + tl.arange(0, BLOCKS_TILE)
         row = blk * BLOCK_M
         e = tl.sum((cum[None, :] <= row[:, None]).to(tl.int32), axis=1)
-        e = tl.where(row < total, e, -1)
-        tl.store(expert_ids_ptr + blk, e, mask=blk < max_blocks)
-    return starts
+        tl.store(expert_ids_ptr + blk, tl.where(row < total, e, -1), mask=blk < b_hi)
 
 
 @triton.jit
-def _align_scan_kernel(chunk_counts_ptr, n_chunks, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr,
-                       numel, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       CHUNKS_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr):
-    """One program: bucket starts, per-chunk cursors, expert id of each M-block, padding sentinels."""
-    bins = tl.arange(0, E_POW2)
-    crow = tl.arange(0, CHUNKS_POW2)
-    cmask = crow[:, None] < n_chunks
-    cc = tl.load(chunk_counts_ptr + crow[:, None] * E_POW2 + bins[None, :], mask=cmask, other=0)
-    counts = tl.sum(cc, axis=0)  # [E_POW2]
-    starts = _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
-                            BLOCK_M, BLOCKS_TILE)
-    # cursor of chunk c for expert e: bucket start + slots of e in earlier chunks
-    before = tl.cumsum(cc, axis=0) - cc
-    tl.store(cursor_ptr + crow[:, None] * E_POW2 + bins[None, :], starts[None, :] + before, mask=cmask)
+def _pad_sentinels(sorted_ptr, lo, hi, numel, BLOCK_M: tl.constexpr):
+    """``sorted[lo[i]:hi[i]] = numel``: a bucket's padding (fewer than BLOCK_M slots past its last slot)."""
+    pos = lo[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ptr + pos, numel, mask=pos < hi[:, None])
 
 
 @triton.jit
-def _align_small_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, expert_ids_ptr, post_pad_ptr, max_blocks,
-                        E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, NUMEL_POW2: tl.constexpr,
-                        BLOCKS_TILE: tl.constexpr):
-    """The whole alignment in one program (small T*K): histogram, bucket layout, scatter."""
+def _write_slots(out_ptr, offs, pos, inb, valid, ROW_MAP: tl.constexpr):
+    """Slot ``offs`` goes to bucket position ``pos``: ``sorted[pos] = slot``, or with ROW_MAP
+    ``row_of_slot[slot] = pos`` (-1 for skipped slots, so no entry is left undefined)."""
+    if ROW_MAP:
+        tl.store(out_ptr + offs, tl.where(valid, pos, -1), mask=inb)
+    else:
+        tl.store(out_ptr + pos, offs, mask=valid)
+
+
+@triton.jit
+def _align_small_kernel(ids_ptr, numel, cursor_ptr, out_ptr, expert_ids_ptr, post_pad_ptr, counts_out_ptr,
+                        starts_out_ptr, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                        NUMEL_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr, ROW_MAP: tl.constexpr):
+    """The whole alignment in one program (small T*K): histogram, bucket layout, scatter. ROW_MAP
+    (``expert_rows``): each slot's row, and per expert its count and first row, instead of the
+    sorted slots, M-block experts and padded total."""
     offs = tl.arange(0, NUMEL_POW2)
     inb = offs < numel
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
@@ -106,26 +106,69 @@ def _align_small_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, expert_ids_ptr, 
     hist = tl.histogram(safe, E_POW2)
     bins = tl.arange(0, E_POW2)
     counts = hist - tl.where(bins == 0, tl.sum((~valid).to(tl.int32), axis=0), 0)
-    starts = _bucket_layout(counts, sorted_ptr, expert_ids_ptr, post_pad_ptr, numel, max_blocks,
-                            BLOCK_M, BLOCKS_TILE)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    cum = tl.cumsum(padded, axis=0)
+    starts = cum - padded
+    if ROW_MAP:
+        tl.store(counts_out_ptr + bins, counts, mask=bins < E)
+        tl.store(starts_out_ptr + bins, starts, mask=bins < E)
+    else:
+        total = tl.sum(padded, axis=0)
+        tl.store(post_pad_ptr, total)
+        _pad_sentinels(out_ptr, starts + counts, cum, numel, BLOCK_M)
+        _block_experts(cum, total, expert_ids_ptr, 0, max_blocks, BLOCK_M, BLOCKS_TILE)
     tl.store(cursor_ptr + bins, starts)
     tl.debug_barrier()  # the cursors are visible to every thread of the program before the atomics
-    pos = tl.atomic_add(cursor_ptr + safe, 1, mask=valid)
-    tl.store(sorted_ptr + pos, offs, mask=valid)
+    pos = tl.atomic_add(cursor_ptr + safe, 1, mask=valid, sem="relaxed")
+    _write_slots(out_ptr, offs, pos, inb, valid, ROW_MAP)
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, numel, cursor_ptr, sorted_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
-                          CHUNK: tl.constexpr):
-    """Write each valid slot at its chunk's cursor for its expert (order within a chunk is free:
-    each row of a GEMM tile is computed independently, so results do not depend on it)."""
+def _align_place_kernel(ids_ptr, numel, chunk_counts_ptr, n_chunks, cursor_ptr, out_ptr, expert_ids_ptr,
+                        post_pad_ptr, counts_out_ptr, starts_out_ptr, max_blocks, blocks_per_prog,
+                        E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCKS_TILE: tl.constexpr, E_SUB: tl.constexpr, ROW_MAP: tl.constexpr):
+    """One program per chunk, after ``_align_count_kernel``. Each program rebuilds the bucket layout
+    from the chunk counts (small, in L2: cheaper than a serial scan launch between the two), scatters
+    its chunk's slots from cursors of its own (bucket start + the expert's slots in earlier chunks)
+    and writes its share of the rest: M-blocks [c*blocks_per_prog, ...) and the padding of experts
+    [c*E_SUB, ...); program 0 the padded total. ROW_MAP: as in ``_align_small_kernel``."""
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     inb = offs < numel
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
     valid = inb & (ids >= 0) & (ids < E)
-    pos = tl.atomic_add(cursor_ptr + c * E_POW2 + tl.where(valid, ids, 0), 1, mask=valid)
-    tl.store(sorted_ptr + pos, offs, mask=valid)
+    bins = tl.arange(0, E_POW2)
+    counts = tl.zeros((E_POW2,), dtype=tl.int32)
+    before = tl.zeros((E_POW2,), dtype=tl.int32)  # each expert's slots in the chunks before this one
+    for r0 in range(0, n_chunks, ROWS):
+        crow = r0 + tl.arange(0, ROWS)
+        cc = tl.load(chunk_counts_ptr + crow[:, None] * E_POW2 + bins[None, :], mask=crow[:, None] < n_chunks,
+                     other=0)
+        counts += tl.sum(cc, axis=0)
+        before += tl.sum(tl.where(crow[:, None] < c, cc, 0), axis=0)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    cum = tl.cumsum(padded, axis=0)
+    starts = cum - padded
+    # cursors private to the program: its atomics only order slots of one chunk (any order within an
+    # expert is fine: each row of a GEMM tile is computed independently)
+    cur = cursor_ptr + c * E_POW2
+    tl.store(cur + bins, starts + before)
+    tl.debug_barrier()  # the cursors are visible to every thread of the program before the atomics
+    pos = tl.atomic_add(cur + tl.where(valid, ids, 0), 1, mask=valid, sem="relaxed")
+    _write_slots(out_ptr, offs, pos, inb, valid, ROW_MAP)
+    if ROW_MAP:
+        first = bins + c * E_POW2 < E  # program 0 only
+        tl.store(counts_out_ptr + bins, counts, mask=first)
+        tl.store(starts_out_ptr + bins, starts, mask=first)
+    else:
+        total = tl.sum(padded, axis=0)
+        tl.store(post_pad_ptr, total, mask=c == 0)
+        b_lo = c * blocks_per_prog
+        _block_experts(cum, total, expert_ids_ptr, b_lo, tl.minimum(b_lo + blocks_per_prog, max_blocks), BLOCK_M,
+                       BLOCKS_TILE)
+        sub = c * E_SUB + tl.arange(0, E_SUB)  # past E_POW2: picks 0, an empty range
+        _pad_sentinels(out_ptr, _pick(starts + counts, sub, bins), _pick(cum, sub, bins), numel, BLOCK_M)
 
 
 # --------------------------------------------------------------------------- grouped GEMM

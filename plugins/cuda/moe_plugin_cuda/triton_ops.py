@@ -22,6 +22,48 @@ def _pow2(n: int) -> int:
 
 
 SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment (one launch)
+# chunk counts every place program re-reads (64 KB, from L2): bounds the programs for large E
+PLACE_MAX_COUNTS = 16384
+PLACE_MAX_PROGRAMS = 256
+
+
+def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    return flat if flat.dtype == torch.int32 else flat.to(torch.int32)
+
+
+def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor, *, expert_ids=None,
+            post_pad=None, counts=None, starts=None, max_blocks: int = 1) -> None:
+    """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'."""
+    numel = flat.numel()
+    dev = flat.device
+    row_map = counts is not None
+    dummy = out
+    e_pow2 = max(16, _pow2(num_experts))
+    ptrs = (expert_ids if expert_ids is not None else dummy, post_pad if post_pad is not None else dummy,
+            counts if counts is not None else dummy, starts if starts is not None else dummy)
+    if numel <= SMALL_ALIGN_MAX:
+        cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
+        K._align_small_kernel[(1,)](flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts, E_POW2=e_pow2,
+                                    BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
+                                    BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map)
+        return
+    # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
+    # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
+    progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
+    chunk = min(4096, max(256, _pow2(triton.cdiv(numel, progs))))
+    n_chunks = triton.cdiv(numel, chunk)
+    chunk_counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
+    cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
+    warps = 8 if chunk >= 2048 else 4
+    K._align_count_kernel[(n_chunks,)](flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk,
+                                       num_warps=warps)
+    blocks_per_prog = triton.cdiv(max_blocks, n_chunks)
+    K._align_place_kernel[(n_chunks,)](
+        flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
+        E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
+        BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
+        E_SUB=max(2, _pow2(triton.cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, num_warps=8)
 
 
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -30,39 +72,40 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
     Returns ``(sorted_ids [max_len] int32, expert_ids [max_blocks] int32, post_pad [1] int32,
     max_blocks)``. Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding
     entries hold ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot.
-    Up to ``SMALL_ALIGN_MAX`` slots it is one launch, above that three (count, scan, scatter).
+    Up to ``SMALL_ALIGN_MAX`` slots it is one launch, above that two (count, place).
     """
-    flat = ids.reshape(-1)
-    if flat.dtype != torch.int32:
-        flat = flat.to(torch.int32)
+    flat = _int32_ids(ids)
     numel = flat.numel()
     dev = flat.device
     # at most min(numel, E) buckets are non-empty, each padded by < block_m
     max_len = numel + min(numel, num_experts) * (block_m - 1)
     max_blocks = max(1, triton.cdiv(max_len, block_m))
     max_len = max_blocks * block_m
-    e_pow2 = max(16, _pow2(num_experts))
-    blocks_tile = 64 if e_pow2 <= 256 else 16
     sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     post_pad = torch.empty(1, dtype=torch.int32, device=dev)
-    if numel <= SMALL_ALIGN_MAX:
-        cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
-        K._align_small_kernel[(1,)](flat, numel, cursor, sorted_ids, expert_ids, post_pad, max_blocks,
-                                    E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
-                                    NUMEL_POW2=max(16, _pow2(numel)), BLOCKS_TILE=blocks_tile)
-        return sorted_ids, expert_ids, post_pad, max_blocks
-    chunk = max(256, min(8192, _pow2(triton.cdiv(numel, 32))))  # <= 32 chunks
-    n_chunks = max(1, triton.cdiv(numel, chunk))
-    counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
-    cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
-    K._align_count_kernel[(n_chunks,)](flat, numel, counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk)
-    K._align_scan_kernel[(1,)](counts, n_chunks, cursor, sorted_ids, expert_ids, post_pad, numel, max_blocks,
-                               E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNKS_POW2=max(2, _pow2(n_chunks)),
-                               BLOCKS_TILE=blocks_tile)
-    K._align_scatter_kernel[(n_chunks,)](flat, numel, cursor, sorted_ids, E=num_experts, E_POW2=e_pow2,
-                                         CHUNK=chunk)
+    _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad, max_blocks=max_blocks)
     return sorted_ids, expert_ids, post_pad, max_blocks
+
+
+def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
+    """The (token, slot) pairs grouped by expert, in ``cutlass_ops.sorted_rows``' layout: (rows per
+    expert [E], each expert's first row [E], the row of every slot [T*K], the rows to allocate), the
+    tensors int32. Each expert's rows start on a multiple of ``row_align`` (1: packed); the order of
+    the slots within an expert is unspecified (any is fine: GEMM rows are independent). Ids outside
+    [0, E) get no row (their entry is -1). The row count is a bound for any routing: ``T*K``, or
+    with padding ``T*K + min(T*K, E) * (row_align - 1)`` rounded up to ``row_align`` (at most
+    min(T*K, E) experts are non-empty). Same kernels as ``align_block_size``: one launch up to
+    ``SMALL_ALIGN_MAX`` slots, two beyond; no host sync (graph-safe)."""
+    flat = _int32_ids(topk_ids)
+    numel, dev = flat.numel(), flat.device
+    rows = numel if row_align == 1 else triton.cdiv(numel + min(numel, num_experts) * (row_align - 1),
+                                                   row_align) * row_align
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    row_of_slot = torch.empty(numel, dtype=torch.int32, device=dev)
+    _bucket(flat, num_experts, row_align, row_of_slot, counts=counts, starts=starts)
+    return counts, starts, row_of_slot, rows
 
 
 def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

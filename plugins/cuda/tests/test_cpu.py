@@ -241,26 +241,85 @@ def test_gemm2_fp8_scales_interpreter():
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (100, 256, 16), (204, 37, 64), (3000, 37, 16),
-                                               (700, 256, 64)])
+@pytest.mark.parametrize("numel_tokens,E,bm", [
+    (1, 8, 16), (100, 256, 16), (204, 37, 64), (700, 256, 64),  # up to SMALL_ALIGN_MAX: one program
+    (205, 37, 16), (1000, 8, 16), (1000, 37, 128), (1000, 128, 64), (1000, 256, 128), (3000, 37, 16),
+    (8000, 8, 128), (8000, 37, 16), (8000, 128, 128), (8000, 256, 64)])
 def test_align_block_size(numel_tokens, E, bm):
-    # up to SMALL_ALIGN_MAX (1024) slots: the one-program kernel; beyond: count / scan / scatter
+    """Up to SMALL_ALIGN_MAX (1024) slots the one-program kernel; beyond, count + place over chunks
+    (1025 .. 40000 slots: 5 to 157 place programs, each writing its share of the M-block experts and
+    sentinels, with more programs than experts and more experts than programs): every valid slot
+    once, in a block of its expert, padding holds the sentinel, blocks past the total -1."""
     from moe_plugin_cuda import triton_ops
 
     ids = torch.randint(-1, E, (numel_tokens, 5), dtype=torch.int32)
     sorted_ids, expert_ids, post_pad, max_blocks = triton_ops.align_block_size(ids, E, bm)
     flat = ids.reshape(-1)
+    n = flat.numel()
+    counts = torch.bincount(flat[flat >= 0].long(), minlength=E)
     total = int(post_pad)
-    assert total == sum((int((flat == e).sum()) + bm - 1) // bm * bm for e in range(E))
+    assert total == int(((counts + bm - 1) // bm * bm).sum())
+    assert max_blocks * bm == sorted_ids.numel() >= total and expert_ids.numel() == max_blocks
     seen = sorted_ids[:total]
-    assert (seen <= flat.numel()).all() and (seen >= 0).all()  # slots or the sentinel, nothing undefined
-    real = seen[seen < flat.numel()]
-    assert sorted(real.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()  # every valid slot once, no -1
-    for b in range(total // bm):
-        rows = sorted_ids[b * bm:(b + 1) * bm]
-        rows = rows[rows < flat.numel()].long()
-        assert (flat[rows] == expert_ids[b]).all()
-    assert (expert_ids[total // bm:max_blocks] == -1).all()
+    assert (seen <= n).all() and (seen >= 0).all()  # slots or the sentinel, nothing undefined
+    real = seen[seen < n]
+    assert torch.equal(real.sort().values, torch.nonzero(flat >= 0).flatten().int())  # every valid slot once
+    blk = torch.arange(total) // bm
+    ok = seen < n
+    assert torch.equal(flat[seen[ok].long()], expert_ids[blk[ok]])  # in a block of its expert
+    assert (expert_ids[:total // bm] >= 0).all() and (expert_ids[total // bm:] == -1).all()
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("row_align", [1, 128])
+@pytest.mark.parametrize("T,K,E", [(0, 4, 8), (1, 8, 16), (77, 3, 5), (333, 3, 37), (1111, 4, 37), (2501, 8, 256),
+                                   (5001, 1, 8)])
+def test_expert_rows_matches_sorted_rows(T, K, E, row_align):
+    """``triton_ops.expert_rows`` (one program up to 1024 slots, count + place beyond) gives
+    ``cutlass_ops.sorted_rows``' counts and first rows; each valid slot (ids -1 and >= E are not)
+    a distinct row inside its expert's [start, start + count), skipped slots -1; a row bound that
+    holds every expert's padded rows and is never above ``sorted_rows``'."""
+    from moe_plugin_cuda import cutlass_ops, triton_ops
+
+    ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
+    counts, start, row_of_slot, rows = triton_ops.expert_rows(ids, E, row_align)
+    want_counts, want_start, _, want_rows = cutlass_ops.sorted_rows(ids, E, row_align)
+    assert {counts.dtype, start.dtype, row_of_slot.dtype} == {torch.int32} and row_of_slot.shape == (T * K,)
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < E)
+    assert torch.equal(counts.long(), want_counts) and torch.equal(start.long(), want_start)
+    ref_counts = torch.bincount(flat[valid], minlength=E)  # an oracle of its own too (sorted_rows may become this)
+    padded = (ref_counts + row_align - 1) // row_align * row_align
+    assert torch.equal(counts.long(), ref_counts) and torch.equal(start.long(), torch.cumsum(padded, 0) - padded)
+    r, e = row_of_slot[valid].long(), flat[valid]
+    assert r.unique().numel() == r.numel()  # one row per slot
+    assert bool(((r >= start[e]) & (r < start[e] + counts[e])).all())
+    assert bool((row_of_slot[~valid] == -1).all())
+    assert rows % row_align == 0 and rows >= int((start.long() + padded).max())
+    assert rows <= want_rows and (row_align > 1 or rows == T * K)
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("row_align", [1, 128])
+def test_cutlass_pipeline_on_expert_rows_interpreter(monkeypatch, row_align):
+    """The CUTLASS/DeepGEMM pipeline (row quantizer, torch GEMMs, mapped reduce) on ``expert_rows``'
+    layout: int32 counts, first rows and slot rows (-1 for skipped slots) are read as its own."""
+    from moe_plugin_cuda import cutlass_ops, triton_ops
+
+    T, E, K, H, inter = 21, 4, 2, 128, 128
+    monkeypatch.setattr(cutlass_ops, "sorted_rows", triton_ops.expert_rows)
+    x = torch.randn(T, H)
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    ids[torch.rand(T, K) < 0.2] = -1
+    ids[ids == E - 1] = -1  # an expert without rows
+    w = torch.rand(T, K)
+    gemm = cutlass_ops.REFERENCE._replace(row_align=row_align, mn_major_scales=row_align > 1)
+    out = cutlass_ops.fused_experts(x, None, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.5,
+                                    out_dtype=torch.float32, gemm=gemm, code_dtype=torch.float32)
+    ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
+    assert relative_error(out, ref) < 1e-4
 
 
 def test_interleave_gate_up_layout():
