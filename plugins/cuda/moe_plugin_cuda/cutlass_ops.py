@@ -6,8 +6,8 @@ quantized once (FP8; bf16: copied) and written to the rows of its slots -> GEMM1
 slab already holds each expert's rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in
 place of the sort.
 
-Everything is shape-driven: the sort (``argsort``), counts (``scatter_add_``) and the GEMMs'
-per-expert row counts and pointers stay on the device, so no call syncs with the host and the
+Everything is shape-driven: the grouping by expert (``triton_ops.expert_rows``, two Triton launches)
+and the GEMMs' per-expert row counts and pointers stay on the device, so no call syncs with the host and the
 pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
 (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
 kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
@@ -25,7 +25,7 @@ import torch
 import triton
 
 from moe_plugin_cuda import triton_kernels as K
-from moe_plugin_cuda.triton_ops import FP8, quantize_fp8_groups
+from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups
 
 GemmFn = Callable[..., None]
 BLOCK = 128
@@ -276,26 +276,6 @@ def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], to
     return a, s
 
 
-def sorted_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
-    """The (token, slot) pairs sorted by expert: (rows per expert, each expert's first row, the row of
-    every slot, the rows to allocate). Each expert's rows start on a multiple of ``row_align``; the
-    row count is the bound for any routing (graph-safe: no sync). Ids outside [0, E) get no row."""
-    E = num_experts
-    ids = topk_ids.reshape(-1).to(torch.int64)
-    key = torch.where((ids >= 0) & (ids < E), ids, E)  # skipped slots sort last, into no expert
-    order = torch.argsort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, key, torch.ones_like(key))[:E]
-    packed_start = torch.cumsum(counts, 0) - counts
-    sorted_pos = torch.arange(order.numel(), device=order.device)
-    if row_align == 1:
-        return counts, packed_start, torch.empty_like(order).scatter_(0, order, sorted_pos), ids.numel()
-    padded = (counts + row_align - 1) // row_align * row_align
-    row_start = torch.cumsum(padded, 0) - padded
-    e = key[order].clamp(max=E - 1)  # (skipped slots: a row past every expert's, never written)
-    row_of_slot = torch.empty_like(order).scatter_(0, order, row_start[e] + sorted_pos - packed_start[e])
-    return counts, row_start, row_of_slot, _cdiv(ids.numel() + E * (row_align - 1), row_align) * row_align
-
-
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
@@ -314,7 +294,7 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
     out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
         return out
-    counts, row_start, row_of_slot, rows = sorted_rows(topk_ids, E, gemm.row_align)
+    counts, row_start, row_of_slot, rows = expert_rows(topk_ids, E, gemm.row_align)
     a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales,
                                 quantize=w13_scale is not None)
     y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants,

@@ -89,7 +89,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
-    """The (token, slot) pairs grouped by expert, in ``cutlass_ops.sorted_rows``' layout: (rows per
+    """The (token, slot) pairs grouped by expert, the grouped-GEMM pipeline's row layout: (rows per
     expert [E], each expert's first row [E], the row of every slot [T*K], the rows to allocate), the
     tensors int32. Each expert's rows start on a multiple of ``row_align`` (1: packed); the order of
     the slots within an expert is unspecified (any is fine: GEMM rows are independent). Ids outside

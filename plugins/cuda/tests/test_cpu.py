@@ -274,21 +274,21 @@ def test_align_block_size(numel_tokens, E, bm):
 @pytest.mark.parametrize("row_align", [1, 128])
 @pytest.mark.parametrize("T,K,E", [(0, 4, 8), (1, 8, 16), (77, 3, 5), (333, 3, 37), (1111, 4, 37), (2501, 8, 256),
                                    (5001, 1, 8)])
-def test_expert_rows_matches_sorted_rows(T, K, E, row_align):
-    """``triton_ops.expert_rows`` (one program up to 1024 slots, count + place beyond) gives
-    ``cutlass_ops.sorted_rows``' counts and first rows; each valid slot (ids -1 and >= E are not)
-    a distinct row inside its expert's [start, start + count), skipped slots -1; a row bound that
-    holds every expert's padded rows and is never above ``sorted_rows``'."""
-    from moe_plugin_cuda import cutlass_ops, triton_ops
+def test_expert_rows_layout(T, K, E, row_align):
+    """``triton_ops.expert_rows`` (one program up to 1024 slots, count + place beyond): per-expert
+    counts, first rows on multiples of ``row_align`` without overlap; each valid slot (ids -1 and >= E
+    are not) a distinct row inside its expert's [start, start + count), skipped slots -1; a row bound
+    that holds every expert's padded rows for any routing."""
+    from moe_plugin_cuda import triton_ops
 
     ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
+    if T > 2:
+        ids[ids == 2] = 3  # expert 2: empty
     counts, start, row_of_slot, rows = triton_ops.expert_rows(ids, E, row_align)
-    want_counts, want_start, _, want_rows = cutlass_ops.sorted_rows(ids, E, row_align)
     assert {counts.dtype, start.dtype, row_of_slot.dtype} == {torch.int32} and row_of_slot.shape == (T * K,)
     flat = ids.flatten().long()
     valid = (flat >= 0) & (flat < E)
-    assert torch.equal(counts.long(), want_counts) and torch.equal(start.long(), want_start)
-    ref_counts = torch.bincount(flat[valid], minlength=E)  # an oracle of its own too (sorted_rows may become this)
+    ref_counts = torch.bincount(flat[valid], minlength=E)
     padded = (ref_counts + row_align - 1) // row_align * row_align
     assert torch.equal(counts.long(), ref_counts) and torch.equal(start.long(), torch.cumsum(padded, 0) - padded)
     r, e = row_of_slot[valid].long(), flat[valid]
@@ -296,30 +296,7 @@ def test_expert_rows_matches_sorted_rows(T, K, E, row_align):
     assert bool(((r >= start[e]) & (r < start[e] + counts[e])).all())
     assert bool((row_of_slot[~valid] == -1).all())
     assert rows % row_align == 0 and rows >= int((start.long() + padded).max())
-    assert rows <= want_rows and (row_align > 1 or rows == T * K)
-
-
-@pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("row_align", [1, 128])
-def test_cutlass_pipeline_on_expert_rows_interpreter(monkeypatch, row_align):
-    """The CUTLASS/DeepGEMM pipeline (row quantizer, torch GEMMs, mapped reduce) on ``expert_rows``'
-    layout: int32 counts, first rows and slot rows (-1 for skipped slots) are read as its own."""
-    from moe_plugin_cuda import cutlass_ops, triton_ops
-
-    T, E, K, H, inter = 21, 4, 2, 128, 128
-    monkeypatch.setattr(cutlass_ops, "sorted_rows", triton_ops.expert_rows)
-    x = torch.randn(T, H)
-    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
-    w2, s2, w2_full = _block_scaled(E, H, inter)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
-    ids[torch.rand(T, K) < 0.2] = -1
-    ids[ids == E - 1] = -1  # an expert without rows
-    w = torch.rand(T, K)
-    gemm = cutlass_ops.REFERENCE._replace(row_align=row_align, mn_major_scales=row_align > 1)
-    out = cutlass_ops.fused_experts(x, None, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.5,
-                                    out_dtype=torch.float32, gemm=gemm, code_dtype=torch.float32)
-    ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
-    assert relative_error(out, ref) < 1e-4
+    assert rows == (T * K if row_align == 1 else -(-(T * K + min(T * K, E) * (row_align - 1)) // row_align) * row_align)
 
 
 def test_interleave_gate_up_layout():

@@ -180,27 +180,6 @@ def test_silu_mul_quant_scales_interpreter():
         assert relative_error(q * s.repeat_interleave(128, 1)[:, :200], h) < 1e-6
 
 
-@pytest.mark.parametrize("align", [1, 128])
-def test_sorted_rows_layout(align):
-    """Each expert's rows: start on a multiple of ``align``, hold exactly its slots, do not overlap
-    the next expert's, and fit the allocation bound; skipped slots (ids -1, >= E) get no row."""
-    from moe_plugin_cuda import cutlass_ops
-
-    E, T, K = 7, 300, 3
-    ids = torch.randint(-1, E + 1, (T, K), dtype=torch.int32)
-    ids[ids == 2] = 3  # expert 2: empty
-    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(ids, E, align)
-    flat = ids.flatten().long()
-    valid = (flat >= 0) & (flat < E)
-    assert torch.equal(counts, torch.bincount(flat[valid], minlength=E))
-    assert bool((start % align == 0).all()) and bool((start[1:] >= start[:-1] + counts[:-1]).all())
-    assert rows >= int(start[-1] + counts[-1]) and rows % align == 0 and rows <= T * K + E * align
-    r = row_of_slot[valid]
-    assert r.unique().numel() == r.numel()  # one row per slot
-    e = flat[valid]
-    assert bool(((r >= start[e]) & (r < start[e] + counts[e])).all())
-
-
 def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     from moe_plugin_cuda import cutlass_lib, probes
 

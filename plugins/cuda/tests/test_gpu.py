@@ -230,10 +230,10 @@ def test_triton_process_weights_once(quant):
 
 
 @pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (100, 256, 16), (128, 256, 64), (129, 128, 16),
-                                               (3000, 37, 16), (5000, 256, 64)])
+                                               (3000, 37, 16), (5000, 256, 64), (4096, 8, 64), (16384, 128, 128)])
 def test_triton_align_on_device(numel_tokens, E, bm):
     """Both alignment paths on the GPU (one program up to 1024 slots, with atomics after a
-    barrier; count / scan / scatter beyond): every valid slot once, in a block of its expert."""
+    barrier; count + place beyond): every valid slot once, in a block of its expert."""
     from moe_plugin_cuda import triton_ops
 
     ids = torch.randint(-1, E, (numel_tokens, 8), dtype=torch.int32, device="cuda")
@@ -250,6 +250,25 @@ def test_triton_align_on_device(numel_tokens, E, bm):
     ok = rows < flat.numel()
     assert (flat[rows[ok]] == expert_ids[blk[ok]]).all()
     assert (expert_ids[total // bm:max_blocks] == -1).all()
+
+
+@pytest.mark.parametrize("T,K,E", [(1, 8, 256), (333, 8, 37), (16384, 8, 128), (32768, 8, 256), (32768, 2, 8)])
+@pytest.mark.parametrize("row_align", [1, 128])
+def test_expert_rows_on_device(T, K, E, row_align):
+    """The grouped GEMMs' row layout on the GPU, up to T*K = 262144 slots: per-expert counts, first
+    rows on multiples of ``row_align``, each valid slot a distinct row of its expert, skipped slots -1."""
+    from moe_plugin_cuda import triton_ops
+
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32, device="cuda")
+    counts, start, row_of_slot, rows = triton_ops.expert_rows(ids, E, row_align)
+    flat = ids.flatten().long()
+    valid = flat >= 0
+    padded = (counts.long() + row_align - 1) // row_align * row_align
+    assert torch.equal(counts.long(), torch.bincount(flat[valid], minlength=E))
+    assert torch.equal(start.long(), torch.cumsum(padded, 0) - padded) and rows >= int(padded.sum())
+    r, e = row_of_slot[valid].long(), flat[valid]
+    assert r.unique().numel() == r.numel() and bool(((r >= start[e]) & (r < start[e] + counts[e])).all())
+    assert bool((row_of_slot[~valid] == -1).all())
 
 
 @pytest.mark.parametrize("M,H", [(0, 256), (1, 7168), (37, 1000), (300, 128), (5, 200)])
@@ -319,7 +338,7 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
     """DeepGEMM's kernel, every variant, against the torch emulation on its layout (experts from
     multiples of 128, one empty, N not a multiple of the tile, rows past each expert's end), and the
     pipeline on it against the core's float64 MoE and the CUTLASS pipeline."""
-    from moe_plugin_cuda import cutlass_ops, deepgemm_lib
+    from moe_plugin_cuda import cutlass_ops, deepgemm_lib, triton_ops
 
     from moe_core.quant import dequantize_fp8_per_token_group, dequantize_weights, quantize_fp8_per_token_group
     from moe_core.reference.oracle import moe_float64
@@ -331,7 +350,7 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
     cfg = _cfg("cutlass", "fp8_block", E=E, K=K, H=H, inter=inter)
     topk = _topk(T, cfg)
     topk.ids[topk.ids == E - 1] = -1  # expert E-1: empty
-    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
+    counts, start, row_of_slot, rows = triton_ops.expert_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
     a, a_s = cutlass_ops.quantize_into_rows(x.to(torch.bfloat16), None, topk.ids, row_of_slot, E, rows=rows,
                                             mn_major=True)
     d_ref = torch.zeros(rows, 2 * inter, dtype=torch.float32, device="cuda")
@@ -378,7 +397,7 @@ def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     topk = _topk(T, _cfg("cutlass", "unquantized", E=E, K=K, H=H, inter=inter))
     topk.ids[topk.ids == E - 1] = -1  # expert E-1: empty
-    counts, start, row_of_slot, rows = cutlass_ops.sorted_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
+    counts, start, row_of_slot, rows = triton_ops.expert_rows(topk.ids, E, deepgemm_lib.ROW_ALIGN)
     a, _ = cutlass_ops.quantize_into_rows(x, None, topk.ids, row_of_slot, E, rows=rows, quantize=False)
     real = row_of_slot[(topk.ids.flatten() >= 0)]
     assert torch.equal(a[real], x.repeat_interleave(K, 0)[topk.ids.flatten() >= 0])
