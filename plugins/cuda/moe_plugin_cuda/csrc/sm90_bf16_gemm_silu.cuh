@@ -331,8 +331,9 @@ moe_sm90_bf16_gemm_silu_impl(int* grouped_layout,
                     #pragma unroll
                     for (uint32_t i = 0; i < WGMMA::kNumAccum / 4; ++ i) {
                         const float g0 = shifted_accum[i * 4 + 0], g1 = shifted_accum[i * 4 + 2];
-                        const float h0 = g0 / (1.0f + __expf(-g0)) * shifted_accum[i * 4 + 1];
-                        const float h1 = g1 / (1.0f + __expf(-g1)) * shifted_accum[i * 4 + 3];
+                        // (fast reciprocal: the epilogue is on the tile's critical path; 1 + e^-g > 2^126 gives 0)
+                        const float h0 = g0 * __fdividef(1.0f, 1.0f + __expf(-g0)) * shifted_accum[i * 4 + 1];
+                        const float h1 = g1 * __fdividef(1.0f, 1.0f + __expf(-g1)) * shifted_accum[i * 4 + 3];
                         const float other = __shfl_xor_sync(0xffffffff, odd_lane ? h0 : h1, 1);
                         const auto pair = odd_lane ? __float22bfloat162_rn({other, h1}) : __float22bfloat162_rn({h0, other});
                         // column n of the tile -> swizzle atom n / TMA_D_BLOCK_N, byte b of its row
