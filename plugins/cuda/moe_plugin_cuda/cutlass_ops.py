@@ -11,14 +11,12 @@ and the GEMMs' per-expert row counts and pointers stay on the device, so no call
 pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
 (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
 kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
-``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows; with gate/up-interleaved w13 GEMM1 runs our
-copy of it that applies SiLU x up in its epilogue), or the torch emulation for CI without a GPU
-(``REFERENCE``, in any of these layouts; ``reference_gated_gemm`` for the gated GEMM1).
+``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch emulation for CI without a GPU
+(``REFERENCE``, in any of these layouts).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -113,33 +111,21 @@ def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Option
                   b_scale.data_ptr(), d.data_ptr(), psum.data_ptr(), R, N, Kd, G)
 
 
-def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None,
-                       gated: bool = False) -> None:
+def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
     """``d[rows of g] = a[rows of g] @ b[g].T`` (bf16 operands, fp32 accumulation, bf16 ``d``) on
     DeepGEMM's SM90 bf16 kernel, in ``deepgemm_gemm``'s row layout; ``a_scale`` and ``b_scale`` are
-    None. ``variant`` indexes ``deepgemm_lib.BF16_VARIANTS``. ``gated``: ``b`` is w13 with gate/up rows
-    interleaved and ``d`` ``[R, N/2]`` gets ``silu(gate) * up`` from the fp32 accumulators (our copy of
-    the kernel with that epilogue), so GEMM1's ``[R, N]`` output is never written."""
+    None. ``variant`` indexes ``deepgemm_lib.BF16_VARIANTS``."""
     from moe_plugin_cuda import deepgemm_lib
 
     G, N, Kd = b.shape
     R = a.shape[0]
     variant = _deepgemm_variant(variant, N, deepgemm_lib.BF16_VARIANTS, deepgemm_lib.DEFAULT_BF16_VARIANTS)
     if a_scale is not None or b_scale is not None or {a.dtype, b.dtype, d.dtype} != {torch.bfloat16} \
-            or R % deepgemm_lib.ROW_ALIGN or d.shape != (R, N // 2 if gated else N):
-        raise ValueError("DeepGEMM's bf16 layout: bf16 a, b and d, no scales, rows a multiple of 128, d [R, N] "
-                         "([R, N/2] gated)")
+            or R % deepgemm_lib.ROW_ALIGN:
+        raise ValueError("DeepGEMM's bf16 layout: bf16 a, b and d, no scales, rows a multiple of 128")
     psum = _psum(m_sizes, row_start)
-    _deepgemm_run("moe_dg_bf16_gated_grouped_gemm" if gated else "moe_dg_bf16_grouped_gemm", a.device, variant,
-                  a.data_ptr(), b.data_ptr(), d.data_ptr(), psum.data_ptr(), R, N, Kd, G)
-
-
-def reference_gated_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
-    """``deepgemm_bf16_gemm(gated=True)`` in torch (``b``'s rows gate/up interleaved, ``d`` ``[R, N/2]``;
-    SiLU x up on the float32 products, one rounding to ``d``'s dtype): for CI."""
-    products = torch.zeros((d.shape[0], b.shape[1]), dtype=torch.float32, device=d.device)
-    reference_gemm(a, a_scale, b, b_scale, products, m_sizes, row_start)
-    d.copy_(torch.nn.functional.silu(products[:, 0::2]) * products[:, 1::2])
+    _deepgemm_run("moe_dg_bf16_grouped_gemm", a.device, variant, a.data_ptr(), b.data_ptr(), d.data_ptr(),
+                  psum.data_ptr(), R, N, Kd, G)
 
 
 def _deepgemm_variant(variant: Optional[int], n: int, variants: tuple, defaults: tuple[int, int]) -> int:
@@ -177,8 +163,6 @@ class GroupedGemm(NamedTuple):
     row_align: int = 1  # each expert's rows start on a multiple of this
     mn_major_scales: bool = False  # activation scales stored [K/128, R] (viewed as [R, K/128])
     gemm1_dtype: torch.dtype = torch.float32  # GEMM1's output, before SiLU x up and FP8
-    # bf16 GEMM1 with SiLU x up in its epilogue (w13 gate/up interleaved, writes [R, N/2]), if there is one
-    gated: Optional[GemmFn] = None
 
 
 CUTLASS = GroupedGemm(cutlass_gemm)
@@ -186,7 +170,7 @@ REFERENCE = GroupedGemm(reference_gemm)
 # bf16 GEMM1 output (the kernel writes bf16 only): h is rounded to bf16 before its FP8 requantization,
 # as SGLang's DeepGEMM runner does
 DEEPGEMM = GroupedGemm(deepgemm_gemm, 128, True, torch.bfloat16)
-DEEPGEMM_BF16 = GroupedGemm(deepgemm_bf16_gemm, 128, False, torch.bfloat16, partial(deepgemm_bf16_gemm, gated=True))
+DEEPGEMM_BF16 = GroupedGemm(deepgemm_bf16_gemm, 128, False, torch.bfloat16)
 
 
 def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
@@ -231,16 +215,12 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
     ``[R, H]`` -> ``[R, H]``."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
-    if w13_scale is None and w13_interleaved and gemm.gated is not None:  # GEMM1 writes silu(gate) * up itself
-        h, h_scale = torch.empty((R, w13.shape[1] // 2), dtype=a.dtype, device=a.device), None
-        gemm.gated(a, None, w13, None, h, m_sizes, row_start, variant=v1)
+    d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
+    gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
+    if w13_scale is None:
+        h, h_scale = silu_mul(d1, a.dtype, w13_interleaved), None
     else:
-        d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
-        gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
-        if w13_scale is None:
-            h, h_scale = silu_mul(d1, a.dtype, w13_interleaved), None
-        else:
-            h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
+        h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
     gemm.run(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2

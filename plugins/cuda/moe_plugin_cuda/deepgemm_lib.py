@@ -21,11 +21,9 @@ from moe_plugin_cuda import nvcc_build
 from moe_plugin_cuda.nvcc_build import nvcc
 
 SOURCE = Path(__file__).parent / "csrc" / "deepgemm_grouped.cu"
-GATED_KERNEL = SOURCE.parent / "sm90_bf16_gemm_silu.cuh"  # our copy of the bf16 kernel, SiLU x up epilogue
 # The kernels the source instantiates, by index (keep in step with its kFp8Variants / kBf16Variants):
 # (BLOCK_N, stages, TMA multicast of two CTAs: "1" none, "B" weight tiles to two row tiles, "A" row tiles
-# to two column tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T. Each bf16
-# variant also exists gated (GEMM1 with the SiLU x up epilogue; BLOCK_N counts w13's interleaved rows).
+# to two column tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T.
 FP8_VARIANTS = ((128, 5, "1"), (128, 5, "B"), (144, 5, "B"), (160, 5, "B"), (192, 4, "B"), (128, 5, "A"),
                 (160, 5, "A"), (192, 4, "A"))
 DEFAULT_FP8_VARIANTS = (4, 3)  # H100, session 10: the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384
@@ -82,23 +80,19 @@ def library(num_sms: int) -> ctypes.CDLL:
                  "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-DNDEBUG", f"-DMOE_DG_NUM_SMS={num_sms}",
                  f"-I{inc}"]
         out = nvcc_build.cache_path(SOURCE, inc / "deep_gemm" / "impls" / "sm90_fp8_gemm_1d2d.cuh", compiler,
-                                    f"libmoe_deepgemm_sm{num_sms}.so", includes=[GATED_KERNEL])
+                                    f"libmoe_deepgemm_sm{num_sms}.so")
         jobs = ([("api", [])] + [(f"fp8_{k}", [f"-DMOE_DG_FP8_ONLY={k}"]) for k in range(len(FP8_VARIANTS))]
-                + [(f"bf16_{k}", [f"-DMOE_DG_BF16_ONLY={k}"]) for k in range(len(BF16_VARIANTS))]
-                + [(f"bf16_gated_{k}", [f"-DMOE_DG_BF16_GATED_ONLY={k}"]) for k in range(len(BF16_VARIANTS))])
+                + [(f"bf16_{k}", [f"-DMOE_DG_BF16_ONLY={k}"]) for k in range(len(BF16_VARIANTS))])
         build = functools.partial(nvcc_build.build, source=SOURCE, compiler=compiler, flags=flags, jobs=jobs,
                                   arch="-arch=sm_90a", mem_per_job=1 << 30)
     lib = nvcc_build.load("MOE_CUDA_DEEPGEMM_LIB", out, build)
-    path = os.environ.get("MOE_CUDA_DEEPGEMM_LIB") or str(out)
-    if not hasattr(lib, "moe_dg_bf16_gated_grouped_gemm"):
-        raise RuntimeError(f"{path} predates the gated bf16 kernels: rebuild it from {SOURCE.name}")
     vp, u32 = ctypes.c_void_p, ctypes.c_uint32
     lib.moe_dg_last_error.restype = ctypes.c_char_p
     lib.moe_dg_fp8_grouped_gemm.argtypes = [ctypes.c_int, vp, vp, vp, vp, vp, vp, u32, u32, u32, u32, vp]
     lib.moe_dg_fp8_grouped_gemm.restype = ctypes.c_int
-    for bf16_entry in (lib.moe_dg_bf16_grouped_gemm, lib.moe_dg_bf16_gated_grouped_gemm):
-        bf16_entry.argtypes = [ctypes.c_int, vp, vp, vp, vp, u32, u32, u32, u32, vp]
-        bf16_entry.restype = ctypes.c_int
+    lib.moe_dg_bf16_grouped_gemm.argtypes = [ctypes.c_int, vp, vp, vp, vp, u32, u32, u32, u32, vp]
+    lib.moe_dg_bf16_grouped_gemm.restype = ctypes.c_int
+    path = os.environ.get("MOE_CUDA_DEEPGEMM_LIB") or str(out)
     have = (lib.moe_dg_num_fp8_variants(), lib.moe_dg_num_bf16_variants(), lib.moe_dg_num_sms())
     if have != (len(FP8_VARIANTS), len(BF16_VARIANTS), num_sms):
         raise RuntimeError(f"{path} has {have[0]} FP8 and {have[1]} bf16 kernel variants for {have[2]} SMs, this "

@@ -58,13 +58,10 @@ def where(prebuilt_env: str, source: Path, headers: Optional[Path]) -> str:
     return os.environ.get(prebuilt_env) or f"compiled at first use from {source.name} against {headers}"
 
 
-def cache_path(source: Path, stamp: Path, compiler: str, lib_name: str, includes: Sequence[Path] = ()) -> Path:
-    """Where the library built from ``source`` (and our ``includes`` next to it) against the headers
-    versioned by ``stamp`` is cached."""
+def cache_path(source: Path, stamp: Path, compiler: str, lib_name: str) -> Path:
+    """Where the library built from ``source`` against the headers versioned by ``stamp`` is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256(source.read_bytes())
-    for path in includes:
-        h.update(path.read_bytes())
     h.update(stamp.read_bytes())
     h.update(version.encode())
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe_plugin_cuda"

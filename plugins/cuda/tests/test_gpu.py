@@ -382,10 +382,10 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
 
 @pytest.mark.parametrize("T,E,K,H,inter", [(1, 16, 4, 256, 256), (333, 16, 4, 384, 200), (700, 64, 8, 520, 384)])
 def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
-    """DeepGEMM's bf16 kernel and our gated copy of it (SiLU x up in the epilogue), every variant,
-    against the torch emulation on its layout (one expert empty, N and K not multiples of the tile,
-    rows past each expert's end), and the bf16 pipeline on them (w13 interleaved, as the backend keeps
-    it; GEMM1 gated or not) against the core's float64 MoE and the Triton kernels."""
+    """DeepGEMM's bf16 kernel, every variant, against the torch emulation on its layout (one expert
+    empty, N and K not multiples of the tile, rows past each expert's end), and the bf16 pipeline on
+    it (w13 interleaved, as the backend keeps it) against the core's float64 MoE and the Triton
+    kernels."""
     from moe_plugin_cuda import cutlass_ops, deepgemm_lib, triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
@@ -403,28 +403,21 @@ def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
     assert torch.equal(a[real], x.repeat_interleave(K, 0)[topk.ids.flatten() >= 0])
     d_ref = torch.zeros(rows, 2 * inter, dtype=torch.float32, device="cuda")
     cutlass_ops.reference_gemm(a, None, w13, None, d_ref, counts, start)
-    w13_il = interleave_gate_up(w13)
-    h_ref = torch.zeros(rows, inter, dtype=torch.float32, device="cuda")
-    cutlass_ops.reference_gated_gemm(a, None, w13_il, None, h_ref, counts, start)
     for variant in range(len(deepgemm_lib.BF16_VARIANTS)):
         d = torch.full((rows, 2 * inter), float("nan"), dtype=torch.bfloat16, device="cuda")
         cutlass_ops.deepgemm_bf16_gemm(a, None, w13, None, d, counts, start, variant=variant)
         assert relative_error(d[real], d_ref[real]) < 5e-3, variant
-        h = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
-        cutlass_ops.deepgemm_bf16_gemm(a, None, w13_il, None, h, counts, start, variant=variant, gated=True)
-        assert relative_error(h[real], h_ref[real]) < 5e-3, ("gated", variant)
+    w13_il = interleave_gate_up(w13)
     ref = moe_float64(x, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.7)
     kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     tri = triton_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, activation="silu",
                                    cfg=_fixed(64, 128, 0, 0, False), w13_interleaved=True, **kw)
     for variants in (None, (4, 4), (0, 5), (7, 2)):
-        for gemm in (cutlass_ops.DEEPGEMM_BF16, cutlass_ops.DEEPGEMM_BF16._replace(gated=None)):
-            out = cutlass_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, gemm=gemm,
-                                            variants=variants, w13_interleaved=True, **kw)
-            err, err_tri = relative_error(out, ref), relative_error(tri, ref)
-            print(f"T={T} variants {variants} gated {gemm.gated is not None}: deepgemm bf16 {err:.2e}, "
-                  f"triton {err_tri:.2e} from the float64 MoE")
-            assert err < 1e-2 and err < 2 * err_tri + 1e-3, (variants, gemm.gated)
+        out = cutlass_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids,
+                                        gemm=cutlass_ops.DEEPGEMM_BF16, variants=variants, w13_interleaved=True, **kw)
+        err, err_tri = relative_error(out, ref), relative_error(tri, ref)
+        print(f"T={T} variants {variants}: deepgemm bf16 {err:.2e}, triton {err_tri:.2e} from the float64 MoE")
+        assert err < 1e-2 and err < 2 * err_tri + 1e-3, variants
 
 
 def test_cutlass_masked_matches_triton():

@@ -1,10 +1,8 @@
 // DeepGEMM's SM90 GEMM kernels (from the sgl-deep-gemm wheel's headers) launched as M-grouped contiguous
-// GEMMs behind a plain C ABI: no torch headers, so no torch ABI. Three kernels:
+// GEMMs behind a plain C ABI: no torch headers, so no torch ABI. Two kernels:
 //
 //   FP8 block-scaled (sm90_fp8_gemm_1d2d_impl): d[r, :] = (a[r, :] * sfa[:, r]) @ (b[g] * sfb[g]).T
 //   bf16 (sm90_bf16_gemm_impl):                 d[r, :] = a[r, :] @ b[g].T
-//   bf16 gated (our copy of it, sm90_bf16_gemm_silu.cuh): with c = a[r, :] @ b[g].T, b's rows gate/up
-//                                               interleaved, d[r, j] = silu(c[2j]) * c[2j + 1] ([M, N/2])
 // for the rows r of every expert g.
 //
 // FP8: a: e4m3 [M, K] K-major; sfa: fp32 [K/128, M] (MN-major: one row per 128-wide K group); b: e4m3
@@ -23,8 +21,6 @@
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
-#include "sm90_bf16_gemm_silu.cuh"
-
 #ifndef MOE_DG_NUM_SMS
 #define MOE_DG_NUM_SMS 132
 #endif
@@ -32,7 +28,7 @@
 
 // The last error's text: one buffer for all the objects (defined by the API object).
 extern thread_local char moe_dg_error[512];
-#if !defined(MOE_DG_FP8_ONLY) && !defined(MOE_DG_BF16_ONLY) && !defined(MOE_DG_BF16_GATED_ONLY)
+#if !defined(MOE_DG_FP8_ONLY) && !defined(MOE_DG_BF16_ONLY)
 thread_local char moe_dg_error[512] = "";
 #endif
 
@@ -158,39 +154,25 @@ int launch_fp8(const void* a, const float* sfa, const void* b, const float* sfb,
                              const_cast<float*>(sfb), const_cast<int*>(psum), m, n, k, map_a, map_b, map_d, map_sfa);
 }
 
-// GATED: the copy with the SiLU x up epilogue (d has n / 2 columns, BN / 2 per tile); else DeepGEMM's own.
-template <uint32_t BM, uint32_t BN, uint32_t STAGES, uint32_t MC, bool MC_ON_A, bool GATED>
+template <uint32_t BM, uint32_t BN, uint32_t STAGES, uint32_t MC, bool MC_ON_A>
 int launch_bf16(const void* a, const void* b, void* d, const int* psum, uint32_t m, uint32_t n, uint32_t k,
                 uint32_t g, cudaStream_t stream) {
     constexpr uint32_t kMathThreads = 256;
     constexpr uint32_t kBlockK = 64;  // one 128-byte swizzle atom of bf16
-    constexpr uint32_t kOutBN = GATED ? BN / 2 : BN;
-    constexpr uint32_t kSwizzleD = swizzle_for(kOutBN * 2);
-    constexpr uint32_t kBoxD = kSwizzleD ? kSwizzleD / 2 : kOutBN;
-    using Major = cute::UMMA::Major;
-    constexpr auto kType = deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
-    auto kernel = [] {  // (if constexpr: an object compiles only the kernel it launches)
-        if constexpr (GATED)
-            return moe_dg::moe_sm90_bf16_gemm_silu_impl<Major::K, Major::K, 0, 0, 0, MOE_DG_MAX_GROUPS, BM, BN, kBlockK,
-                                                        128, 128, kSwizzleD, STAGES, 128, kMathThreads, MC, MC_ON_A,
-                                                        MOE_DG_NUM_SMS, kType, false, cutlass::bfloat16_t, true>;
-        else
-            return deep_gemm::sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, MOE_DG_MAX_GROUPS, BM, BN, kBlockK, 128,
-                                                  128, kSwizzleD, STAGES, 128, kMathThreads, MC, MC_ON_A, MOE_DG_NUM_SMS,
-                                                  kType, false, cutlass::bfloat16_t>;
-    }();
+    constexpr uint32_t kSwizzleD = swizzle_for(BN * 2);
+    constexpr uint32_t kBoxD = kSwizzleD ? kSwizzleD / 2 : BN;
+    auto kernel = deep_gemm::sm90_bf16_gemm_impl<
+        cute::UMMA::Major::K, cute::UMMA::Major::K, 0, 0, 0, MOE_DG_MAX_GROUPS, BM, BN, kBlockK, 128, 128, kSwizzleD,
+        STAGES, 128, kMathThreads, MC, MC_ON_A, MOE_DG_NUM_SMS, deep_gemm::GemmType::MGroupedContiguousWithPsumLayout,
+        false, cutlass::bfloat16_t>;
     int rc = check_shapes(BM, BN, MC, m, n, g);
     if (!rc && k % 8)  // TMA: rows 16-byte aligned (a K tail inside the last 64-wide block reads zeros)
         rc = fail("shapes: the bf16 kernel's K must be a multiple of 8", -3);
-    if (!rc && GATED && n % 16)  // whole gate/up pairs, and d's rows 16-byte aligned
-        rc = fail("shapes: the gated bf16 kernel's N must be a multiple of 16", -3);
-    const uint32_t n_out = GATED ? n / 2 : n;
     CUtensorMap map_a, map_b, map_d;
     rc = rc ? rc : make_map(&map_a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, a, k, m, uint64_t(k) * 2, kBlockK, BM, 128);
     rc = rc ? rc : make_map(&map_b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, b, k, uint64_t(g) * n, uint64_t(k) * 2, kBlockK,
                             BN, 128);
-    rc = rc ? rc : make_map(&map_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, n_out, m, uint64_t(n_out) * 2, kBoxD, BM,
-                            kSwizzleD);
+    rc = rc ? rc : make_map(&map_d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, n, m, uint64_t(n) * 2, kBoxD, BM, kSwizzleD);
     if (rc)
         return rc;
     return launch_persistent(kernel, 128 + kMathThreads, bf16_smem_bytes<BM, BN, STAGES>(), MC, stream,
@@ -221,13 +203,12 @@ constexpr int kNumBf16Variants = sizeof(kBf16Variants) / sizeof(kBf16Variants[0]
 MOE_BF16_SMEM_CHECK(0) MOE_BF16_SMEM_CHECK(1) MOE_BF16_SMEM_CHECK(2) MOE_BF16_SMEM_CHECK(3)
 MOE_BF16_SMEM_CHECK(4) MOE_BF16_SMEM_CHECK(5) MOE_BF16_SMEM_CHECK(6) MOE_BF16_SMEM_CHECK(7)
 
-// One object per variant (MOE_DG_FP8_ONLY=i, MOE_DG_BF16_ONLY=i or MOE_DG_BF16_GATED_ONLY=i, compiled in
-// parallel) defines fp8_variant<i>, bf16_variant<i, false> or bf16_variant<i, true>; the API object (none
-// set) dispatches to them.
+// One object per variant (MOE_DG_FP8_ONLY=i or MOE_DG_BF16_ONLY=i, compiled in parallel) defines
+// fp8_variant<i> or bf16_variant<i>; the API object (neither set) dispatches to them.
 template <int I>
 int fp8_variant(const void* a, const float* sfa, const void* b, const float* sfb, void* d, const int* psum,
                 uint32_t m, uint32_t n, uint32_t k, uint32_t g, cudaStream_t stream);
-template <int I, bool GATED>
+template <int I>
 int bf16_variant(const void* a, const void* b, void* d, const int* psum, uint32_t m, uint32_t n, uint32_t k,
                  uint32_t g, cudaStream_t stream);
 
@@ -241,19 +222,10 @@ int fp8_variant<MOE_DG_FP8_ONLY>(const void* a, const float* sfa, const void* b,
 }
 #elif defined(MOE_DG_BF16_ONLY)
 template <>
-int bf16_variant<MOE_DG_BF16_ONLY, false>(const void* a, const void* b, void* d, const int* psum, uint32_t m,
-                                          uint32_t n, uint32_t k, uint32_t g, cudaStream_t stream) {
+int bf16_variant<MOE_DG_BF16_ONLY>(const void* a, const void* b, void* d, const int* psum, uint32_t m, uint32_t n,
+                                   uint32_t k, uint32_t g, cudaStream_t stream) {
     constexpr Variant v = kBf16Variants[MOE_DG_BF16_ONLY];
-    return launch_bf16<v.bm, v.bn, v.stages, v.multicast, v.multicast_on_a, false>(a, b, d, psum, m, n, k, g,
-                                                                                   stream);
-}
-#elif defined(MOE_DG_BF16_GATED_ONLY)
-template <>
-int bf16_variant<MOE_DG_BF16_GATED_ONLY, true>(const void* a, const void* b, void* d, const int* psum, uint32_t m,
-                                               uint32_t n, uint32_t k, uint32_t g, cudaStream_t stream) {
-    constexpr Variant v = kBf16Variants[MOE_DG_BF16_GATED_ONLY];
-    return launch_bf16<v.bm, v.bn, v.stages, v.multicast, v.multicast_on_a, true>(a, b, d, psum, m, n, k, g,
-                                                                                  stream);
+    return launch_bf16<v.bm, v.bn, v.stages, v.multicast, v.multicast_on_a>(a, b, d, psum, m, n, k, g, stream);
 }
 #else
 template <int... I>
@@ -267,13 +239,13 @@ int dispatch_fp8(int variant, std::integer_sequence<int, I...>, const void* a, c
     return rc;
 }
 
-template <bool GATED, int... I>
+template <int... I>
 int dispatch_bf16(int variant, std::integer_sequence<int, I...>, const void* a, const void* b, void* d,
                   const int* psum, uint32_t m, uint32_t n, uint32_t k, uint32_t g, cudaStream_t s) {
     if (variant < 0 || variant >= kNumBf16Variants)
         return fail("unknown bf16 variant", -5);
     int rc = 0;
-    ((variant == I ? (rc = bf16_variant<I, GATED>(a, b, d, psum, m, n, k, g, s), 0) : 0), ...);
+    ((variant == I ? (rc = bf16_variant<I>(a, b, d, psum, m, n, k, g, s), 0) : 0), ...);
     return rc;
 }
 
@@ -294,16 +266,8 @@ __attribute__((visibility("default"))) int moe_dg_fp8_grouped_gemm(
 __attribute__((visibility("default"))) int moe_dg_bf16_grouped_gemm(
         int variant, const void* a, const void* b, void* d, const int* psum, uint32_t m, uint32_t n, uint32_t k,
         uint32_t g, void* stream) {
-    return dispatch_bf16<false>(variant, std::make_integer_sequence<int, kNumBf16Variants>(), a, b, d, psum, m, n,
-                                k, g, static_cast<cudaStream_t>(stream));
-}
-
-// b: w13 with gate/up rows interleaved, [G, n, k]; d: [m, n / 2] = silu(gate) * up.
-__attribute__((visibility("default"))) int moe_dg_bf16_gated_grouped_gemm(
-        int variant, const void* a, const void* b, void* d, const int* psum, uint32_t m, uint32_t n, uint32_t k,
-        uint32_t g, void* stream) {
-    return dispatch_bf16<true>(variant, std::make_integer_sequence<int, kNumBf16Variants>(), a, b, d, psum, m, n,
-                               k, g, static_cast<cudaStream_t>(stream));
+    return dispatch_bf16(variant, std::make_integer_sequence<int, kNumBf16Variants>(), a, b, d, psum, m, n, k, g,
+                         static_cast<cudaStream_t>(stream));
 }
 }
 #endif
