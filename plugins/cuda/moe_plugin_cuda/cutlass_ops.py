@@ -1,18 +1,18 @@
 """MoE on grouped GEMMs (Hopper), FP8 block-scaled or bf16: the pipeline around ``cutlass_lib`` and ``deepgemm_lib``.
 
-Token list (STANDARD / EP_NORMAL): sort the (token, slot) pairs by expert -> each token's row
+Token list (STANDARD / EP_NORMAL): group the (token, slot) pairs by expert -> each token's row
 quantized once (FP8; bf16: copied) and written to the rows of its slots -> GEMM1 -> SiLU(gate) * up
 (FP8: re-quantized) -> GEMM2 -> weighted sum of each token's slots. Masked slab (EP_MASKED): the
 slab already holds each expert's rows contiguously, so GEMM1 -> activation -> GEMM2 run on it in
-place of the sort.
+place of the grouping.
 
-Everything is shape-driven: the grouping by expert (``triton_ops.expert_rows``, two Triton launches)
-and the GEMMs' per-expert row counts and pointers stay on the device, so no call syncs with the host and the
-pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and the layout it wants
-(``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
-kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
-``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch emulation for CI without a GPU
-(``REFERENCE``, in any of these layouts).
+Everything is shape-driven: the grouping by expert (``triton_ops.expert_rows``, two Triton
+launches) and the GEMMs' per-expert row counts and pointers stay on the device, so no call syncs
+with the host and the pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and
+the layout it wants (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed),
+``DEEPGEMM`` (DeepGEMM's FP8 kernel: bf16 output, each expert's rows from a multiple of 128,
+activation scales MN-major), ``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch
+emulation for CI without a GPU (``REFERENCE``, in any of these layouts).
 """
 
 from __future__ import annotations
