@@ -89,12 +89,16 @@ def _fill_weights(layer, cfg, seed: int) -> None:
 
 
 WARM_S = 0.2  # on a GPU each cell runs at least this long before it is timed
+# ... and is timed over at least this long: five samples of a heavy cell caught a few clock states of a
+# power-capped GPU (H100, qwen3-30b bf16 T=4096: the same kernels read 886-960 us across runs)
+TIMED_S = 0.1
 
 
 def _time(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
-    """Per-call times of ``iters`` calls, after ``warmup`` calls and (GPU) at least ``WARM_S`` of calls:
-    a light cell timed right after a heavy one inherits the GPU's state (H100: qwen3-235b bf16 T=1
-    read 131 us right after deepseek's T=16384 cells, 114-115 us when timed first, same kernels)."""
+    """Per-call times of at least ``iters`` calls (GPU: and of at least ``TIMED_S`` of calls), after
+    ``warmup`` calls and (GPU) at least ``WARM_S`` of calls: a light cell timed right after a heavy one
+    inherits the GPU's state (H100: qwen3-235b bf16 T=1 read 131 us right after deepseek's T=16384
+    cells, 114-115 us when timed first, same kernels)."""
     warm_s = WARM_S if device.type == "cuda" else 0.0
     t0 = time.perf_counter()
     for i in itertools.count():
@@ -106,7 +110,7 @@ def _time(fn, device: torch.device, iters: int, warmup: int) -> list[float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         out = []
-        for _ in range(iters):
+        while len(out) < iters or sum(out) < TIMED_S:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fn()
