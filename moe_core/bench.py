@@ -4,7 +4,8 @@ For each preset x quant x T and each experts backend that plans for the config (
 dispatcher, single rank), it builds a layer with random weights, routes random logits with the
 preset's router, and times ``layer.forward`` (median of device-event timings, on a GPU after
 ``WARM_S`` of warm-up calls and over at least ``TIMED_S`` of timed ones; on CUDA also a CUDA-graph
-replay when the plan is graph-safe, the best of both is reported, as SGLang's figures are). Each result carries TFLOP/s and the fraction of the floor::
+replay when the plan is graph-safe, the best of both is reported, as SGLang's figures are). Each
+result carries TFLOP/s and the fraction of the floor::
 
     floor = max(bytes / BW, flops / PEAK)
     flops = 6 * T * K * H * I                        (two GEMMs, 2I then I columns, over T*K rows)
