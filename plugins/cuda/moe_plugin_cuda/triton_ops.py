@@ -7,7 +7,7 @@ graph.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -33,20 +33,20 @@ def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor, *, expert_ids=None,
-            post_pad=None, counts=None, starts=None, max_blocks: int = 1) -> None:
+            post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1) -> None:
     """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'."""
     numel = flat.numel()
     dev = flat.device
     row_map = counts is not None
+    tails = tile_starts is not None
     dummy = out
     e_pow2 = max(16, _pow2(num_experts))
-    ptrs = (expert_ids if expert_ids is not None else dummy, post_pad if post_pad is not None else dummy,
-            counts if counts is not None else dummy, starts if starts is not None else dummy)
+    ptrs = tuple(t if t is not None else dummy for t in (expert_ids, post_pad, counts, starts, tile_starts))
     if numel <= SMALL_ALIGN_MAX:
         cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
         K._align_small_kernel[(1,)](flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts, E_POW2=e_pow2,
                                     BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
-                                    BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map)
+                                    BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails)
         return
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
@@ -63,29 +63,44 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
         flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
         E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
-        E_SUB=max(2, _pow2(triton.cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, num_warps=8)
+        E_SUB=max(2, _pow2(triton.cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
 
 
-def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int):
-    """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``.
+class Alignment(NamedTuple):
+    """``align_block_size``'s result: the GEMMs' row layout for one routing."""
 
-    Returns ``(sorted_ids [max_len] int32, expert_ids [max_blocks] int32, post_pad [1] int32,
-    max_blocks)``. Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding
-    entries hold ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot.
-    Up to ``SMALL_ALIGN_MAX`` slots it is one launch, above that two (count, place).
+    sorted_ids: torch.Tensor  # [max_blocks * block_m] int32: slot of each row (sentinel numel: padding)
+    expert_ids: torch.Tensor  # [max_blocks] int32: expert of each M-block, -1 past the last
+    post_pad: torch.Tensor  # [1] int32: rows used (entries of sorted_ids past it are undefined)
+    max_blocks: int  # the GEMM grids' M-blocks (a bound for any routing: no host sync)
+    tile_starts: Optional[torch.Tensor] = None  # tails only: each M-block's first row (+1: half tile)
+
+
+def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: bool = False) -> Alignment:
+    """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``
+    (``tails``: to ``block_m / 2``, for the GEMM kernels' half tiles, see ``_moe_gemm_kernel``).
+
+    Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding entries hold
+    ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot. Up to ``SMALL_ALIGN_MAX``
+    slots it is one launch, above that two (count, place).
     """
+    if tails and (block_m < 32 or block_m % 32):
+        raise ValueError(f"half tiles need BLOCK_M a multiple of 32 (halves of >= 16 rows), got {block_m}")
     flat = _int32_ids(ids)
     numel = flat.numel()
     dev = flat.device
-    # at most min(numel, E) buckets are non-empty, each padded by < block_m
+    # at most min(numel, E) buckets are non-empty, each padded by < block_m; with tails an expert has
+    # cdiv(count, block_m) M-blocks all the same, over fewer rows
     max_len = numel + min(numel, num_experts) * (block_m - 1)
     max_blocks = max(1, triton.cdiv(max_len, block_m))
     max_len = max_blocks * block_m
     sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     post_pad = torch.empty(1, dtype=torch.int32, device=dev)
-    _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad, max_blocks=max_blocks)
-    return sorted_ids, expert_ids, post_pad, max_blocks
+    tile_starts = torch.empty(max_blocks, dtype=torch.int32, device=dev) if tails else None
+    _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad,
+            tile_starts=tile_starts, max_blocks=max_blocks)
+    return Alignment(sorted_ids, expert_ids, post_pad, max_blocks, tile_starts)
 
 
 def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
@@ -126,7 +141,17 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
           fp8, quant_out, masked, cfg):
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
-    sorted_ids, expert_ids, post_pad = align if align is not None else (dummy, dummy, dummy)
+    tails = bool(cfg.get("TAIL_TILES", 0))
+    if align is None:
+        sorted_ids = expert_ids = tile_starts = dummy
+        if tails:
+            raise ValueError("TAIL_TILES needs an alignment (STANDARD / EP_NORMAL), not the masked slab")
+    else:
+        sorted_ids, expert_ids, tile_starts = align.sorted_ids, align.expert_ids, align.tile_starts
+        if tails != (tile_starts is not None):
+            raise ValueError(f"TAIL_TILES={int(tails)} but the alignment was made {'with' if not tails else 'without'}"
+                             " half tiles: both GEMMs share one alignment")
+        tile_starts = tile_starts if tails else dummy
     b_tma = bool(cfg.get("B_TMA", 0))
     if b_tma and gate == 2 and row_mul != 1:
         raise ValueError("B_TMA with two GEMM1 accumulators needs the checkpoint w13 layout (gate rows contiguous)")
@@ -134,7 +159,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     return K._moe_gemm_kernel[grid](
         a, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
-        sorted_ids, expert_ids, post_pad, masked_m if masked_m is not None else dummy,
+        sorted_ids, expert_ids, tile_starts, masked_m if masked_m is not None else dummy,
         N, b.shape[1], Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
@@ -143,7 +168,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=Kdim % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -235,15 +260,16 @@ def fused_experts(
         return out
     fp8 = w13.dtype == FP8
     cfg1, cfg2 = cfg["gemm1"], cfg["gemm2"]
-    bm = cfg1["BLOCK_M"]
-    assert cfg2["BLOCK_M"] == bm, "both GEMMs share the alignment's BLOCK_M"
+    bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
+    assert (cfg2["BLOCK_M"], bool(cfg2.get("TAIL_TILES", 0))) == (bm, tails), \
+        "both GEMMs share the alignment's BLOCK_M and TAIL_TILES"
     if fp8:
         _check_fp8_cfg(cfg1, cfg2)
         if hidden.dtype != FP8:
             hidden, a_scale = quantize_fp8_groups(hidden)
     ids = topk_ids.contiguous()
-    sorted_ids, expert_ids, post_pad, n_blocks = align_block_size(ids, E, bm)
-    align = (sorted_ids, expert_ids, post_pad)
+    align = align_block_size(ids, E, bm, tails)
+    n_blocks = align.max_blocks
     numel = T * top_k
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
@@ -271,7 +297,8 @@ def masked_experts(
     if E * C == 0:
         return out
     fp8 = w13.dtype == FP8
-    cfg1, cfg2 = cfg["gemm1"], cfg["gemm2"]
+    # half tiles (TAIL_TILES) belong to the token lists' alignment; a slab is C rows per expert
+    cfg1, cfg2 = ({**cfg[k], "TAIL_TILES": 0} for k in ("gemm1", "gemm2"))
     bm = cfg1["BLOCK_M"]
     a = hidden.reshape(E * C, H)
     if fp8:

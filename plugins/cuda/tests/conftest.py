@@ -51,3 +51,42 @@ def deepep_manager(deep_ep_emu):
     from moe_core.plugins import PluginManager
 
     return PluginManager()
+
+
+# --- triton: what align_block_size must produce, checked the same way in the interpreter and on the GPU
+@pytest.fixture
+def check_alignment():
+    return _check_alignment
+
+
+def _check_alignment(ids: torch.Tensor, E: int, bm: int, tails: bool, al) -> None:
+    """Every valid slot once, in a block of its expert; padding holds the sentinel; blocks past the
+    last -1. With ``tails`` (buckets padded to bm/2): each expert's blocks tile exactly its padded
+    rows, the last one a half tile where bm/2 rows are left."""
+    flat = ids.reshape(-1).cpu()
+    sorted_ids, expert_ids = al.sorted_ids.cpu(), al.expert_ids.cpu()
+    pad = bm // 2 if tails else bm
+    n = flat.numel()
+    counts = torch.bincount(flat[flat >= 0].long(), minlength=E)
+    padded = (counts + pad - 1) // pad * pad
+    total = int(al.post_pad)
+    assert total == int(padded.sum())
+    assert al.max_blocks * bm == sorted_ids.numel() >= total and expert_ids.numel() == al.max_blocks
+    seen = sorted_ids[:total]
+    assert (seen <= n).all() and (seen >= 0).all()  # slots or the sentinel, nothing undefined
+    real = seen[seen < n]
+    assert torch.equal(real.sort().values, torch.nonzero(flat >= 0).flatten().int())  # every valid slot once
+    n_blocks = int(((counts + bm - 1) // bm).sum())
+    assert (expert_ids[:n_blocks] >= 0).all() and (expert_ids[n_blocks:] == -1).all()
+    sizes = torch.full((n_blocks,), bm)
+    if tails:
+        starts = al.tile_starts.cpu()[:n_blocks].long()
+        sizes[starts % 2 == 1] = pad
+        assert torch.equal(starts - starts % 2, torch.cumsum(sizes, 0) - sizes)  # blocks in order, no gap
+    else:
+        assert al.tile_starts is None
+    assert int(sizes.sum()) == total
+    row_expert = torch.repeat_interleave(expert_ids[:n_blocks].long(), sizes)
+    assert torch.equal(torch.bincount(row_expert, minlength=E), padded)  # each expert's padded rows
+    ok = seen < n
+    assert torch.equal(flat[seen[ok].long()], row_expert[ok].int())  # every slot in a block of its expert

@@ -126,6 +126,32 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-4)
 
 
+@pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
+@pytest.mark.parametrize("layout", ["one_acc", "two_acc_checkpoint_b_tma"])
+@pytest.mark.parametrize("T", [0, 1, 37, 130])
+def test_fused_experts_half_tiles_interpreter(layout, T):
+    """TAIL_TILES: buckets padded to BLOCK_M/2, an expert's last half block run as a BLOCK_M/2-row
+    tile. With 6 experts and up to 260 slots, experts end in full and in half blocks (and -1 ids
+    skip slots); both GEMMs must read exactly their expert's rows."""
+    from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    interleaved, two_acc, b_tma = LAYOUTS[layout]
+    x, w13, w2, w, ids = _case(T, 6, 2, 64, 40, torch.float32)
+    cfg = _cfg(16, two_acc, bm=32, b_tma=b_tma)
+    cfg = {k: {**c, "TAIL_TILES": 1} for k, c in cfg.items()}
+    out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
+                                   activation="silu", routed_scaling_factor=1.5, out_dtype=torch.float32, cfg=cfg,
+                                   w13_interleaved=interleaved)
+    ref = moe_float64(x, w, ids, w13, w2, activation="silu", routed_scaling_factor=1.5)
+    assert out.shape == (T, 64) and relative_error(out, ref) < 1e-4
+    if T:
+        half = {"gemm1": cfg["gemm1"], "gemm2": {**cfg["gemm2"], "TAIL_TILES": 0}}
+        with pytest.raises(AssertionError, match="TAIL_TILES"):
+            triton_ops.fused_experts(x, None, w13, w2, None, None, w, ids, activation="silu", routed_scaling_factor=1.0,
+                                     out_dtype=torch.float32, cfg=half)
+
+
 @pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved", "two_acc_checkpoint_b_tma"])
 def test_masked_experts_interpreter(layout):
@@ -191,15 +217,15 @@ def test_gemm1_fp8_scales_and_epilogue_quant_interpreter(gate, bn):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
     ids[torch.rand(T, K) < 0.2] = -1
     cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=2, TWO_ACC=int(gate == 2))
-    sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, 16)
+    align = triton_ops.align_block_size(ids, E, 16)
     mode, row_mul, fused_quant = triton_ops.gemm1_mode(cfg, True)
     n_out = bn // 2 if mode == 1 else bn
     assert mode == gate and fused_quant == (n_out == 128)
     h = torch.zeros(T * K, inter)
     h_s = torch.zeros(T * K, -(-inter // 128))
     triton_ops._gemm(a, a_s, interleave_gate_up(w13), s13, h, h_s if fused_quant else None, None,
-                     (sorted_ids, expert_ids, post_pad), None, N=2 * inter if mode == 1 else inter, Kdim=H,
-                     num_valid=T * K, a_row_div=K, inter=inter, up_row=1, capacity=0, num_m_blocks=n_blocks,
+                     align, None, N=2 * inter if mode == 1 else inter, Kdim=H,
+                     num_valid=T * K, a_row_div=K, inter=inter, up_row=1, capacity=0, num_m_blocks=align.max_blocks,
                      gate=mode, row_mul=row_mul, act=0, mul_weight=False, fp8=True, quant_out=fused_quant,
                      masked=False, cfg=cfg)
     a_full = a * a_s.repeat_interleave(128, 1)
@@ -228,10 +254,10 @@ def test_gemm2_fp8_scales_interpreter():
     h_s = torch.rand(T * K, inter // 128) + 0.5
     ids = torch.randint(-1, E, (T, K), dtype=torch.int32)
     w = torch.rand(T * K)
-    sorted_ids, expert_ids, post_pad, n_blocks = triton_ops.align_block_size(ids, E, 16)
+    align = triton_ops.align_block_size(ids, E, 16)
     y = torch.zeros(T * K, H)
-    triton_ops.gemm2(h, h_s, w2, s2, y, w, align=(sorted_ids, expert_ids, post_pad), masked_m=None,
-                     num_rows=T * K, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=True,
+    triton_ops.gemm2(h, h_s, w2, s2, y, w, align=align, masked_m=None,
+                     num_rows=T * K, capacity=0, num_m_blocks=align.max_blocks, out_scale=1.0, fp8=True,
                      cfg2=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2))
     h_full = h * h_s.repeat_interleave(128, 1)
     for slot in (ids.reshape(-1) >= 0).nonzero().flatten().tolist():
@@ -245,29 +271,22 @@ def test_gemm2_fp8_scales_interpreter():
     (1, 8, 16), (100, 256, 16), (204, 37, 64), (700, 256, 64),  # up to SMALL_ALIGN_MAX: one program
     (205, 37, 16), (1000, 8, 16), (1000, 37, 128), (1000, 128, 64), (1000, 256, 128), (3000, 37, 16),
     (8000, 8, 128), (8000, 37, 16), (8000, 128, 128), (8000, 256, 64)])
-def test_align_block_size(numel_tokens, E, bm):
+@pytest.mark.parametrize("tails", [False, True])
+def test_align_block_size(numel_tokens, E, bm, tails, check_alignment):
     """Up to SMALL_ALIGN_MAX (1024) slots the one-program kernel; beyond, count + place over chunks
     (1025 .. 40000 slots: 5 to 157 place programs, each writing its share of the M-block experts and
-    sentinels, with more programs than experts and more experts than programs): every valid slot
-    once, in a block of its expert, padding holds the sentinel, blocks past the total -1."""
+    sentinels, with more programs than experts and more experts than programs), with and without
+    half tiles: the ``check_alignment`` fixture."""
     from moe_plugin_cuda import triton_ops
 
+    if tails and bm < 32:
+        with pytest.raises(ValueError, match="half tiles"):
+            triton_ops.align_block_size(torch.zeros(1, 1, dtype=torch.int32), E, bm, tails)
+        return
     ids = torch.randint(-1, E, (numel_tokens, 5), dtype=torch.int32)
-    sorted_ids, expert_ids, post_pad, max_blocks = triton_ops.align_block_size(ids, E, bm)
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    counts = torch.bincount(flat[flat >= 0].long(), minlength=E)
-    total = int(post_pad)
-    assert total == int(((counts + bm - 1) // bm * bm).sum())
-    assert max_blocks * bm == sorted_ids.numel() >= total and expert_ids.numel() == max_blocks
-    seen = sorted_ids[:total]
-    assert (seen <= n).all() and (seen >= 0).all()  # slots or the sentinel, nothing undefined
-    real = seen[seen < n]
-    assert torch.equal(real.sort().values, torch.nonzero(flat >= 0).flatten().int())  # every valid slot once
-    blk = torch.arange(total) // bm
-    ok = seen < n
-    assert torch.equal(flat[seen[ok].long()], expert_ids[blk[ok]])  # in a block of its expert
-    assert (expert_ids[:total // bm] >= 0).all() and (expert_ids[total // bm:] == -1).all()
+    if numel_tokens > 100:
+        ids[ids == 3] = 2  # an empty expert
+    check_alignment(ids, E, bm, tails, triton_ops.align_block_size(ids, E, bm, tails))
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
@@ -417,6 +436,30 @@ def test_tuned_config_files_carry_the_kernel_version(tmp_path):
     cfg, src = tuning_configs.get_config(90, 8, 2, 64, 128, "bf16", "Some GPU", str(tmp_path))
     assert src == name and cfg["gemm1"]["TWO_ACC"] == 1 and cfg["gemm2"]["TWO_ACC"] == 0
     assert cfg["gemm1"]["BLOCK_M"] == 32
+
+
+def test_shipped_tables_follow_the_kernels_rules():
+    """Every shipped table entry: both GEMMs share BLOCK_M and TAIL_TILES (one alignment), half tiles
+    only where BLOCK_M >= 32, and the lookup reads TAIL_TILES back (0 where an entry has none)."""
+    import json
+
+    from moe_plugin_cuda import tuning_configs
+
+    files = sorted(tuning_configs.CONFIG_DIR.glob("*.json"))
+    assert files
+    for f in files:
+        for m, entry in json.loads(f.read_text()).items():
+            if "gemm1" not in entry:
+                continue
+            g1, g2 = entry["gemm1"], entry["gemm2"]
+            assert g1["BLOCK_M"] == g2["BLOCK_M"], (f.name, m)
+            assert g1.get("TAIL_TILES", 0) == g2.get("TAIL_TILES", 0), (f.name, m)
+            assert not g1.get("TAIL_TILES", 0) or g1["BLOCK_M"] >= 32, (f.name, m)
+    name = next(f.name for f in files if f.name.endswith(f"kernel={tuning_configs.TRITON_TABLE}.json"))
+    E, inter, H = (int(name.split(f"{k}=")[1].split(",")[0]) for k in ("E", "N", "H"))
+    dtype, device = name.split("dtype=")[1].split(",")[0], name.split("device_name=")[1].split(",")[0]
+    entry, _ = tuning_configs.lookup(4096, E, inter, H, dtype, device)
+    assert entry["gemm1"]["TAIL_TILES"] in (0, 1)
 
 
 def test_as_two_acc_keeps_output_width():

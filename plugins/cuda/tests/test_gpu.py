@@ -5,6 +5,8 @@ Run on the device: ``python -m pytest plugins/cuda/tests -m gpu``. Skipped witho
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -192,6 +194,39 @@ def test_triton_gemm1_variants(quant, inter, bm, bn, two_acc, b_tma):
     assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
 
 
+def _half_tiles(bm, bn, two_acc, b_tma, fp8):
+    return {k: {**c, "TAIL_TILES": 1} for k, c in _fixed(bm, bn, two_acc, b_tma, fp8).items()}
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("bm,bn,two_acc,b_tma", [(128, 256, 0, 1), (64, 256, 0, 1), (128, 128, 1, 0), (32, 128, 0, 0)])
+def test_triton_half_tiles(quant, bm, bn, two_acc, b_tma):
+    """TAIL_TILES (an expert's last BLOCK_M/2 rows as a half tile) through the whole layer against the
+    reference: T=1 (one half tile per expert), T=700 and 1031 (E=16, K=4: 140-260 rows per expert, so
+    experts end in full and in half tiles), -1 ids; and the EP_MASKED slab on the same config (no
+    alignment there: the option is ignored)."""
+    fp8 = quant == "fp8_block"
+    cfg, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=320,
+                              backend_options={"triton": {"config": _half_tiles(bm, bn, two_acc, b_tma, fp8)}})
+    for T in (1, 700, 1031):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+        topk = _topk(T, cfg)
+        assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+    from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    E, C, H, inter = 4, 64, 384, 320
+    w = _weights(_cfg("triton", quant, E=E, H=H, inter=inter), torch.Generator(device="cuda").manual_seed(3))
+    x = torch.randn(E, C, H, device="cuda").to(torch.bfloat16)
+    mm = torch.tensor([0, 64, 3, 33], dtype=torch.int32, device="cuda")
+    run = partial(triton_ops.masked_experts, x, None, mm, interleave_gate_up(w["w13"]), w["w2"], w.get("w13_scale"),
+                  w.get("w2_scale"), activation="silu", routed_scaling_factor=1.7, out_dtype=torch.bfloat16,
+                  w13_interleaved=True)
+    got, want = run(cfg=_half_tiles(bm, bn, two_acc, b_tma, fp8)), run(cfg=_fixed(bm, bn, two_acc, b_tma, fp8))
+    for e in range(E):
+        assert torch.equal(got[e, :int(mm[e])], want[e, :int(mm[e])])
+
+
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 def test_triton_gemm1_two_acc_option(quant):
     """backend option gemm1_two_acc: the fallback kernel on every config (tuned or heuristic)."""
@@ -231,25 +266,16 @@ def test_triton_process_weights_once(quant):
 
 @pytest.mark.parametrize("numel_tokens,E,bm", [(1, 8, 16), (100, 256, 16), (128, 256, 64), (129, 128, 16),
                                                (3000, 37, 16), (5000, 256, 64), (4096, 8, 64), (16384, 128, 128)])
-def test_triton_align_on_device(numel_tokens, E, bm):
+@pytest.mark.parametrize("tails", [False, True])
+def test_triton_align_on_device(numel_tokens, E, bm, tails, check_alignment):
     """Both alignment paths on the GPU (one program up to 1024 slots, with atomics after a
-    barrier; count + place beyond): every valid slot once, in a block of its expert."""
+    barrier; count + place beyond), with and without half tiles: the ``check_alignment`` fixture."""
     from moe_plugin_cuda import triton_ops
 
+    if tails and bm < 32:
+        pytest.skip("half tiles need BLOCK_M >= 32")
     ids = torch.randint(-1, E, (numel_tokens, 8), dtype=torch.int32, device="cuda")
-    sorted_ids, expert_ids, post_pad, max_blocks = triton_ops.align_block_size(ids, E, bm)
-    flat = ids.reshape(-1).cpu()
-    sorted_ids, expert_ids, total = sorted_ids.cpu(), expert_ids.cpu(), int(post_pad)
-    assert total == sum((int((flat == e).sum()) + bm - 1) // bm * bm for e in range(E))
-    seen = sorted_ids[:total]
-    assert (seen <= flat.numel()).all() and (seen >= 0).all()
-    real = seen[seen < flat.numel()]
-    assert sorted(real.tolist()) == torch.nonzero(flat >= 0).flatten().tolist()
-    blk = torch.arange(total) // bm
-    rows = seen.long()
-    ok = rows < flat.numel()
-    assert (flat[rows[ok]] == expert_ids[blk[ok]]).all()
-    assert (expert_ids[total // bm:max_blocks] == -1).all()
+    check_alignment(ids, E, bm, tails, triton_ops.align_block_size(ids, E, bm, tails))
 
 
 @pytest.mark.parametrize("T,K,E", [(1, 8, 256), (333, 8, 37), (16384, 8, 128), (32768, 8, 256), (32768, 2, 8)])
@@ -446,7 +472,8 @@ def test_cutlass_masked_matches_triton():
 # large T; its descriptors are built on the host per call and must replay / compile like the rest)
 # cutlass: at the tests' T (< 128 rows per expert) its Triton path; "gemms": its CUTLASS GEMMs at every T
 # ("deepgemm": the same on DeepGEMM's kernel)
-VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in ("unquantized", "fp8_block")]
+VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, v) for q in ("unquantized", "fp8_block")
+                                                  for v in ("b_tma", "half_tiles")]
             + [("cutlass", "fp8_block", "gemms"), ("cutlass", "fp8_block", "deepgemm"),
                ("cutlass", "unquantized", "deepgemm")])
 
@@ -454,6 +481,8 @@ VARIANTS = ([(b, q, None) for b, q in CASES] + [("triton", q, "b_tma") for q in 
 def _variant_options(quant, variant):
     if variant == "b_tma":
         return {"backend_options": {"triton": {"config": _fixed(64, 256, 0, 1, quant == "fp8_block")}}}
+    if variant == "half_tiles":
+        return {"backend_options": {"triton": {"config": _half_tiles(64, 256, 0, 1, quant == "fp8_block")}}}
     if variant == "gemms":
         return {"backend_options": {"cutlass": {"min_rows": 0, "grouped_gemm": "cutlass"}}}
     if variant == "deepgemm":
