@@ -5,6 +5,7 @@ Triton path's shipped config, the same with TAIL_TILES=1, and a few BLOCK_M=128 
 """
 import statistics, sys, torch, triton, triton.testing
 from functools import partial
+from moe_core.bench import balanced_correction_bias
 from moe_core.config import preset
 from moe_core.quant import quantize_weights
 from moe_core.router import route
@@ -42,9 +43,10 @@ for name, quant, tokens in CELLS:
     else:
         w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16); interleave_gate_up_(w13); s13 = s2 = None
     torch.cuda.empty_cache()
+    bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     for T in tokens:
         x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
-        topk = route(torch.randn((T, E), generator=g, device=dev), K, cfg.router, None)
+        topk = route(torch.randn((T, E), generator=g, device=dev), K, cfg.router, bias)
         path, tcfg, _ = cutlass_experts.choose_path(T, E, K, I, H, devname, "", -1, "", "fp8_block" if fp8 else "bf16")
         if fp8:
             tcfg = {k: tcfg[k] for k in ("gemm1", "gemm2")}
