@@ -180,10 +180,11 @@ def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
     return torch.empty((rows, groups), dtype=torch.float32, device=device)
 
 
-def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8,
-                   mn_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8, mn_major: bool = False,
+                   rows_used: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GEMM1's ``[R, 2I]`` output (gate | up) -> (``silu(gate) * up`` as codes [R, I], fp32 scales
-    [R, I/128]), per row and 128-column group (``code_dtype`` fp32 keeps the unrounded values: CI)."""
+    [R, I/128]), per row and 128-column group (``code_dtype`` fp32 keeps the unrounded values: CI).
+    ``rows_used`` ([1] int32 on the device): rows at and past it are left undefined."""
     R, two_i = d1.shape
     inter = two_i // 2
     g = _cdiv(inter, BLOCK)
@@ -191,36 +192,46 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8,
     s = _scales(R, g, mn_major, d1.device)
     if R:
         groups = min(8, triton.next_power_of_2(g))
-        K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](d1, q, s, inter, d1.stride(0), q.stride(0), s.stride(0),
-                                                              s.stride(1), GROUPS=groups)
+        K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](
+            d1, q, s, rows_used if rows_used is not None else d1, inter, d1.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), GROUPS=groups, BOUNDED=rows_used is not None)
     return q, s
 
 
-def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False) -> torch.Tensor:
+def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False,
+             rows_used: Optional[torch.Tensor] = None) -> torch.Tensor:
     """GEMM1's ``[R, 2I]`` output (gate | up, or gate/up pairs when ``interleaved``) -> ``silu(gate) * up``
-    ``[R, I]`` in ``out_dtype`` (the bf16 pipeline's GEMM2 input)."""
+    ``[R, I]`` in ``out_dtype`` (the bf16 pipeline's GEMM2 input); rows at and past ``rows_used``
+    ([1] int32 on the device) are left undefined."""
     R, two_i = d1.shape
     inter = two_i // 2
     h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
     if R:
         block = min(1024, triton.next_power_of_2(inter))
-        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](d1, h, inter, d1.stride(0), h.stride(0), BLOCK=block,
-                                                           INTERLEAVED=interleaved)
+        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](
+            d1, h, rows_used if rows_used is not None else d1, inter, d1.stride(0), h.stride(0), BLOCK=block,
+            INTERLEAVED=interleaved, BOUNDED=rows_used is not None)
     return h
 
 
 def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
-             variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False):
+             variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False, sorted_rows: bool = False):
     """GEMM1 -> activation (+ FP8 when the weights have scales) -> GEMM2 over rows grouped by expert:
-    ``[R, H]`` -> ``[R, H]``."""
+    ``[R, H]`` -> ``[R, H]``. ``sorted_rows``: experts in order, each from ``row_start`` (``expert_rows``'
+    layout), so the activation pass stops at the last expert's padded end instead of R (the bound for
+    any routing: 10% more rows at deepseek T=16384)."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
     d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
     gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
+    used = None
+    if sorted_rows:
+        align = gemm.row_align
+        used = (row_start[-1:] + (m_sizes[-1:] + align - 1) // align * align).to(torch.int32)
     if w13_scale is None:
-        h, h_scale = silu_mul(d1, a.dtype, w13_interleaved), None
+        h, h_scale = silu_mul(d1, a.dtype, w13_interleaved, used), None
     else:
-        h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales)
+        h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales, used)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
     gemm.run(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2
@@ -278,7 +289,7 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
     a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales,
                                 quantize=w13_scale is not None)
     y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants,
-                 w13_interleaved)
+                 w13_interleaved, sorted_rows=True)
     block_h = min(1024, triton.next_power_of_2(H))
     K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,

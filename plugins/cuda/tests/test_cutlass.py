@@ -170,6 +170,33 @@ def test_silu_mul_quant_scales_interpreter():
         assert relative_error(q * s.repeat_interleave(128, 1)[:, :200], h) < 1e-6
 
 
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("inter", [200, 2048])
+def test_silu_mul_layouts_and_row_bound_interpreter(inter):
+    """SiLU x up over both GEMM1 output layouts (gate | up, and interleaved pairs read as one run and
+    split), a partial last block (I=200), and ``rows_used``: rows past it are not written (the FP8
+    kernel: rows before it as without the bound)."""
+    import triton
+    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda import triton_kernels as K
+
+    d1 = torch.randn(7, 2 * inter) * 2
+    want = torch.nn.functional.silu(d1[:, :inter].double()) * d1[:, inter:].double()
+    pairs = torch.stack([d1[:, :inter], d1[:, inter:]], -1).reshape(7, 2 * inter)  # gate j, up j adjacent
+    used = torch.tensor([5], dtype=torch.int32)
+    for interleaved, src in ((False, d1), (True, pairs)):
+        assert relative_error(cutlass_ops.silu_mul(src, torch.float32, interleaved), want) < 1e-6, interleaved
+        assert relative_error(cutlass_ops.silu_mul(src, torch.float32, interleaved, used)[:5], want[:5]) < 1e-6
+        h = torch.full((7, inter), 7.0)  # the launcher allocates with empty: the kernel itself, on marked rows
+        block = min(1024, triton.next_power_of_2(inter))
+        K._silu_mul_kernel[(7, triton.cdiv(inter, block))](src, h, used, inter, src.stride(0), h.stride(0),
+                                                           BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
+        assert relative_error(h[:5], want[:5]) < 1e-6 and bool((h[5:] == 7.0).all())
+    q, s = cutlass_ops.silu_mul_quant(d1, torch.float32, False, used)
+    full_q, full_s = cutlass_ops.silu_mul_quant(d1, torch.float32, False)
+    assert torch.equal(q[:5], full_q[:5]) and torch.equal(s[:5], full_s[:5])
+
+
 def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     from moe_plugin_cuda import cutlass_lib, probes
 
