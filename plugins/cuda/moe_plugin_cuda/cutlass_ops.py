@@ -218,16 +218,14 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
              variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False, sorted_rows: bool = False):
     """GEMM1 -> activation (+ FP8 when the weights have scales) -> GEMM2 over rows grouped by expert:
     ``[R, H]`` -> ``[R, H]``. ``sorted_rows``: experts in order, each from ``row_start`` (``expert_rows``'
-    layout), so the activation pass stops at the last expert's padded end instead of R (the bound for
-    any routing: 10% more rows at deepseek T=16384)."""
+    layout, int32), so the activation pass stops after the last expert's last row instead of at R (the
+    bound for any routing: 10% more rows at deepseek T=16384); rows past it, like the padding rows
+    within experts, only feed GEMM2 output rows that no slot reads."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
     d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
     gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
-    used = None
-    if sorted_rows:
-        align = gemm.row_align
-        used = (row_start[-1:] + (m_sizes[-1:] + align - 1) // align * align).to(torch.int32)
+    used = row_start[-1:] + m_sizes[-1:] if sorted_rows else None
     if w13_scale is None:
         h, h_scale = silu_mul(d1, a.dtype, w13_interleaved, used), None
     else:
