@@ -47,6 +47,10 @@ REFERENCE_EXPERTS = "reference.reference"
 # Planner verdicts that mean "not on this machine / not this shape": the case is skipped with the
 # reason. Anything else rejecting a *claimed* capability contradicts the declaration: a failure.
 EXACT_SLACK = 1.5  # a backend may be up to 1.5x as far from the exact math as the reference
+# ... except over 1-4 token slots, where one realized rounding error is a noisy estimate: an FP8
+# backend as precise as the reference but on another grid (AITER's e4m3fnuz, emulated) measured up
+# to 1.62x at T=1 over 200 seeds (failing CI ~1% of runs at 1.5x), at most 1.10x from T=37 on
+EXACT_SLACK_FEW_SLOTS, FEW_SLOTS = 2.0, 4
 
 SKIP_CODES = frozenset({Code.NOT_INSTALLED, Code.NO_DEVICE, Code.UNSUPPORTED_ARCH, Code.UNSUPPORTED_SHAPE,
                         Code.DISABLED})
@@ -321,12 +325,13 @@ class ExpertsHarness:
             # it passes if it is no further from the exact float64 math than the reference is.
             exact = self.exact()
             e_out, e_ref = rel_error(out, exact), rel_error(ref, exact)
-            if e_out <= EXACT_SLACK * e_ref:
+            slack = EXACT_SLACK_FEW_SLOTS if self.tokens * self.top_k <= FEW_SLOTS else EXACT_SLACK
+            if e_out <= slack * e_ref:
                 self._check_empty_tokens(out, where)
                 return err
             exact_note = (f"; vs the exact float64 computation (dequantized weights, no activation rounding) the "
                           f"backend's error is {_fmt(e_out)}, the reference's {_fmt(e_ref)} (allowed: "
-                          f"{EXACT_SLACK:g}x the reference's)")
+                          f"{slack:g}x the reference's)")
         if err <= self.tol:
             self._check_empty_tokens(out, where)
             return err
