@@ -81,6 +81,28 @@ class NotIdempotent(ReferenceExperts):
         return dataclasses.replace(out, hidden=out.hidden / 2)
 
 
+class MirroredRounding(ReferenceExperts):
+    """Not broken: an FP8 backend whose error against the exact float64 math is exactly ``FACTOR``
+    times the reference's, mirrored (``exact - FACTOR * (ref - exact)``), so it is far from the
+    reference (``(1 + FACTOR)`` times the reference's error) and the kit must decide by its
+    exact-math rule: the allowed ratio is 2x over 1-4 token slots, 1.5x beyond."""
+
+    FACTOR = 1.8
+
+    def apply(self, layer, dispatched):
+        from moe_core.reference.oracle import moe_float64
+
+        out = super().apply(layer, dispatched)
+        w13, w2 = quant.dequantize_weights(layer.weight_tensors(), self.config.quant)
+        cfg = self.config
+        exact = moe_float64(dispatched.hidden.dequantize(torch.float32), dispatched.topk.weights,
+                            dispatched.topk.ids, w13, w2, activation=cfg.activation,
+                            routed_scaling_factor=cfg.routed_scaling_factor,
+                            apply_router_weight_on_input=cfg.apply_router_weight_on_input)
+        mirrored = exact - self.FACTOR * (out.hidden.double() - exact)
+        return StandardCombine(mirrored.to(out.hidden.dtype))
+
+
 class OffByOneDispatcher(TorchA2ADispatcher):
     """torch_a2a whose EP_NORMAL expert_counts are off by one for local expert 0."""
 
@@ -108,6 +130,8 @@ class BrokenPlugin(BackendPlugin):
                      quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK})),
             _experts("unwritten_rows", "UnwrittenRows"),
             _experts("not_idempotent", "NotIdempotent"),
+            _experts("mirrored_rounding", "MirroredRounding", wire_dtypes=(WireDtype.FP8,),
+                     quant_schemes=frozenset({QuantScheme.FP8_BLOCK})),
             BackendSpec(name="bad_counts", role=Role.DISPATCHER, impl=f"{HERE}:OffByOneDispatcher",
                         formats=(Format.EP_NORMAL,), devices=frozenset({"cpu"}), wire_dtypes=(WireDtype.BF16,),
                         ep="required"),
