@@ -84,7 +84,7 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: b
     ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot. Up to ``SMALL_ALIGN_MAX``
     slots it is one launch, above that two (count, place).
     """
-    if tails and (block_m < 32 or block_m % 32):
+    if tails and block_m % 32:
         raise ValueError(f"half tiles need BLOCK_M a multiple of 32 (halves of >= 16 rows), got {block_m}")
     flat = _int32_ids(ids)
     numel = flat.numel()
