@@ -200,7 +200,7 @@ def _quant_groups(x):
 # row counts change with T: not specialized on them (one compiled kernel per config, not several)
 @triton.jit(do_not_specialize=["num_valid", "a_row_div", "inter", "up_row", "capacity", "num_m_blocks"])
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
+    a_ptr, a_desc, a_desc_half, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr,
     sorted_ptr, expert_ids_ptr, tile_starts_ptr, masked_m_ptr,
     N, b_rows, K, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
@@ -208,7 +208,7 @@ def _moe_gemm_kernel(
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, TAILS: tl.constexpr,
+    EVEN_K: tl.constexpr, TAILS: tl.constexpr, ROW_ORDER: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """C = A[rows] @ B[e].T per M-block of one expert. ``N`` is the number of B rows the grid spans.
 
@@ -224,6 +224,12 @@ def _moe_gemm_kernel(
     all that is left of it, run as a tile of BLOCK_M/2 rows (``tile_starts``: each M-block's first
     row, plus 1 for such a half tile). With about 2 full tiles per expert, a whole tile for a few
     rows past them was ~20% of the tensor-core work (qwen3-30b at T=4096: 256 +- 15 rows per expert).
+    ROW_ORDER (token lists): C is stored at the sorted rows (one per row of ``sorted_ids``, padding rows
+    as zeros) instead of the slots' rows, so GEMM2 reads its A rows contiguously. A_TMA: A rows are
+    contiguous (a ROW_ORDER GEMM1's output, or the masked slab) and come through ``a_desc``
+    (``a_desc_half`` for half tiles), unmasked: rows past the tile's valid ones only feed output rows
+    that are not stored. (Triton 3.6's warp specialization of the K loop, tried on top: no faster on
+    the H100, and it fails to compile on this kernel's early returns.)
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -256,29 +262,32 @@ def _moe_gemm_kernel(
         row0 = start - start % 2
     if half:
         _gemm_tile(
-            a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
+            a_ptr, a_desc_half, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
             expert, row0, rows_left, pid_n, N, b_rows, K, num_valid, a_row_div, inter, up_row, out_scale,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
-            GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
+            GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
+            ROW_ORDER, A_TMA)
     else:
         _gemm_tile(
-            a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
+            a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
             expert, row0, rows_left, pid_n, N, b_rows, K, num_valid, a_row_div, inter, up_row, out_scale,
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
-            GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+            ROW_ORDER, A_TMA)
 
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
+    a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
     expert, row0, rows_left, pid_n, N, b_rows, K, num_valid, a_row_div, inter, up_row, out_scale,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ROW_ORDER: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N output tile of ``_moe_gemm_kernel`` (see there) for ``expert``: rows
     ``row0 ...`` of the sorted slots, or MASKED, slab rows ``row0 ...`` of which ``rows_left`` hold tokens."""
@@ -290,10 +299,17 @@ def _gemm_tile(
     else:
         rows = tl.load(sorted_ptr + row0 + arange_m)
         row_mask = rows < num_valid
-        a_rows = rows // a_row_div
+        if A_TMA:
+            a_rows = row0 + arange_m
+        else:
+            a_rows = rows // a_row_div
     expert = expert.to(tl.int64)
     rows = rows.to(tl.int64)
     a_rows = a_rows.to(tl.int64)
+    if ROW_ORDER:
+        c_rows = (row0 + arange_m).to(tl.int64)
+    else:
+        c_rows = rows
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -322,7 +338,10 @@ def _gemm_tile(
             k_mask = tl.full((BLOCK_K,), 1, tl.int1)
         else:
             k_mask = offs_k < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        if A_TMA:
+            a = a_desc.load([row0.to(tl.int32), k * BLOCK_K])
+        else:
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if B_TMA:
             b = b_desc.load([(expert * b_rows).to(tl.int32) + pid_n * BLOCK_N, k * BLOCK_K]).T
         else:
@@ -371,14 +390,18 @@ def _gemm_tile(
         acc = acc * w[:, None]
     acc = acc * out_scale
 
-    c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_o[None, :] * stride_cn
-    c_mask = row_mask[:, None] & o_mask[None, :]
+    c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_o[None, :] * stride_cn
+    if ROW_ORDER:  # padding rows too (zeros: their A rows were masked), so an A_TMA GEMM2 reads no garbage
+        store_rows = c_rows >= 0
+    else:
+        store_rows = row_mask
+    c_mask = store_rows[:, None] & o_mask[None, :]
     if QUANT_OUT:
         # this program owns exactly one 128-column output group of each row (checked by the
         # launcher): quantize it to FP8 with a per-(row, group) scale, as the activation quantizer does
         q, scale = _quant_groups(tl.where(c_mask, acc, 0.0))
         tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(c_scale_ptr + rows * stride_csm + pid_n * stride_csk, scale, mask=row_mask)
+        tl.store(c_scale_ptr + c_rows * stride_csm + pid_n * stride_csk, scale, mask=store_rows)
     else:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 

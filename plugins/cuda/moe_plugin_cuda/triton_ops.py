@@ -138,7 +138,8 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
           inter=0, up_row=0, capacity, num_m_blocks, out_scale=1.0, gate=0, row_mul=1, act=0, mul_weight,
-          fp8, quant_out, masked, cfg):
+          fp8, quant_out, masked, cfg, row_order=False):
+    """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2)."""
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
@@ -156,8 +157,14 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     if b_tma and gate == 2 and row_mul != 1:
         raise ValueError("B_TMA with two GEMM1 accumulators needs the checkpoint w13 layout (gate rows contiguous)")
     b_desc = _b_descriptor(b, cfg) if b_tma else None
+    a_tma = bool(cfg.get("A_TMA", 0))
+    a_desc = a_desc_half = None
+    if a_tma:
+        a_desc = _a_descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"])
+        # the half-tile branch is compiled even without TAILS (never run then): its descriptor must fit it
+        a_desc_half = _a_descriptor(a, max(1, cfg["BLOCK_M"] // 2), cfg["BLOCK_K"])
     return K._moe_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
+        a, a_desc, a_desc_half, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, tile_starts, masked_m if masked_m is not None else dummy,
         N, b.shape[1], Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
@@ -168,8 +175,19 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, ROW_ORDER=row_order and not masked, A_TMA=a_tma,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def _a_descriptor(a: torch.Tensor, block_m: int, block_k: int):
+    """Host-side TMA descriptor over contiguous A rows [rows, K] (``A_TMA``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if a.stride(1) != 1 or a.stride(0) * a.element_size() % 16:
+        raise ValueError(f"A_TMA needs rows of a multiple of 16 bytes, contiguous (TMA), got {tuple(a.shape)} "
+                         f"strides {a.stride()} x {a.element_size()} bytes")
+    return TensorDescriptor.from_tensor(a, [block_m, block_k])
 
 
 def _b_descriptor(b: torch.Tensor, cfg: dict):
@@ -205,9 +223,11 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 
 
 def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
-          activation, fp8, w13_interleaved, out_dtype, cfg1):
-    """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``. FP8: ``h`` is e4m3 with
-    per-(row, 128-column) scales (quantized in the epilogue or, for other tile widths, by
+          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False):
+    """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h
+    at the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
+    last M-block unwritten). FP8: ``h`` is
+    e4m3 with per-(row, 128-column) scales (quantized in the epilogue or, for other tile widths, by
     ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype`` and ``h_scale`` None."""
     E, n1, H = w13.shape
     inter = n1 // 2
@@ -216,14 +236,15 @@ def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, c
     # FP8 without the fused epilogue: h stays fp32 until it is quantized, as the scheme defines it (a
     # bf16 copy first would round twice and flip e4m3 values: the conformance kit caught 4.9% at T=1)
     h_dtype = FP8 if fused_quant else (torch.float32 if fp8 else out_dtype)
-    h = torch.empty((num_rows, inter), dtype=h_dtype, device=a.device)
-    h_scale = (torch.empty((num_rows, triton.cdiv(inter, 128)), dtype=torch.float32, device=a.device)
+    h_rows = align.sorted_ids.numel() if row_order else num_rows
+    h = torch.empty((h_rows, inter), dtype=h_dtype, device=a.device)
+    h_scale = (torch.empty((h_rows, triton.cdiv(inter, 128)), dtype=torch.float32, device=a.device)
                if fused_quant else None)
     _gemm(a, a_scale, w13, w13_scale, h, h_scale, None, align, masked_m,
           N=n1 if gate == 1 else inter, Kdim=H, num_valid=num_rows, a_row_div=a_row_div, inter=inter,
           up_row=1 if w13_interleaved else inter, capacity=capacity, num_m_blocks=num_m_blocks,
           gate=gate, row_mul=row_mul, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant,
-          masked=masked_m is not None, cfg=cfg1)
+          masked=masked_m is not None, cfg=cfg1, row_order=row_order)
     if fp8 and not fused_quant:  # rows never computed hold garbage here; their quantized copies are never read
         h, h_scale = quantize_fp8_groups(h)
     return h, h_scale
@@ -259,7 +280,8 @@ def fused_experts(
     if T == 0:
         return out
     fp8 = w13.dtype == FP8
-    cfg1, cfg2 = cfg["gemm1"], cfg["gemm2"]
+    # GEMM1 gathers token rows: A_TMA (contiguous A rows) is only GEMM2's here (a slab has them in both)
+    cfg1, cfg2 = {**cfg["gemm1"], "A_TMA": 0}, cfg["gemm2"]
     bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
     assert (cfg2["BLOCK_M"], bool(cfg2.get("TAIL_TILES", 0))) == (bm, tails), \
         "both GEMMs share the alignment's BLOCK_M and TAIL_TILES"
@@ -271,9 +293,11 @@ def fused_experts(
     align = align_block_size(ids, E, bm, tails)
     n_blocks = align.max_blocks
     numel = T * top_k
+    # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
-                         w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1)
+                         w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
+                         row_order=bool(cfg2.get("A_TMA", 0)))
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8, cfg2=cfg2)

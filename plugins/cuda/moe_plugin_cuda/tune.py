@@ -19,7 +19,9 @@ H100's 227 KB of shared memory (stages x (BM + BN) x BK x bytes) and keep GEMM1'
 streaming) wants narrow N, deep K and more stages, large BLOCK_M wants wide N and 8 warps. About
 5 candidates per GEMM per BLOCK_M and 2 BLOCK_M per T keep the 4 presets x 2 quants x 7 T within
 ~10 minutes on an H100 (compiles are cached across T and presets); on Hopper every one-accumulator
-candidate is also tried with TMA weight loads (``B_TMA``). An existing table in ``--out-dir``
+candidate is also tried with TMA weight loads (``B_TMA``), and the winner once with half tiles
+(``TAIL_TILES``) and once with GEMM2 reading h through TMA (``A_TMA``, as is and one stage deeper),
+each kept if the whole pipeline runs faster. An existing table in ``--out-dir``
 keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 ``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
 two-accumulator kernel still yields a table.
@@ -309,6 +311,14 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             t_halves = pipeline(halves)
             if t_halves < t_best:
                 best, t_best = (best[0], halves), t_halves
+        if best[1] is not None and tma:
+            # GEMM2 streaming h through TMA (GEMM1 writing it in row order): no per-row gather, which
+            # frees registers for one more stage; on the H100 it paid at T >= 4096, not below
+            g2 = best[1]["gemm2"]
+            for stages in (g2["num_stages"], g2["num_stages"] + 1):
+                a_tma = {**best[1], "gemm2": {**g2, "A_TMA": 1, "num_stages": stages}}
+                if (t_a := pipeline(a_tma)) < t_best:
+                    best, t_best = (best[0], a_tma), t_a
         chosen, t = (best[1], t_best) if t_best < t_heur else (heur, t_heur)
         if chosen is None or t == float("inf"):
             log(f"  {name} {quant} T={M}: nothing ran, no entry")

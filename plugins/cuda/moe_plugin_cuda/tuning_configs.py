@@ -5,9 +5,10 @@ File name: ``E={E},N={inter},H={H},device_name={device},dtype={dtype},kernel={KE
 directory given in ``backend_options={"triton": {"config_dir": ...}}``. Content: ``{"<M>": {"gemm1":
 {...}, "gemm2": {...}}}`` for token counts M, each a dict of BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/
 num_warps/num_stages (GEMM1 may add ``TWO_ACC: 1``, the two-accumulator fallback; either GEMM
-``B_TMA: 1``, weight tiles through a TMA descriptor, Hopper and later); both GEMMs
-share BLOCK_M and ``TAIL_TILES`` (1: each expert's last BLOCK_M/2 rows as a half tile; the
-alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
+``B_TMA: 1``, weight tiles through a TMA descriptor, Hopper and later; GEMM2 ``A_TMA: 1``, GEMM1
+writes its output in the sorted rows' order and GEMM2 reads it through TMA instead of gathering
+rows); both GEMMs share BLOCK_M and ``TAIL_TILES`` (1: each expert's last BLOCK_M/2 rows as a half
+tile; the alignment is done once). GEMM1's BLOCK_N counts rows of the interleaved w13,
 i.e. BLOCK_N/2 output columns. Lookup takes the nearest M, as SGLang does.
 
 The ``cutlass`` backend keeps its own tables (``kernel=cutlass-v1``; FP8: the same content on the
@@ -31,7 +32,7 @@ from typing import Any, Optional
 CONFIG_DIR = Path(__file__).parent / "configs"
 KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0, "TAIL_TILES": 0}
+OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0, "TAIL_TILES": 0, "A_TMA": 0}
 TRITON_TABLE = f"v{KERNEL_VERSION}"
 CUTLASS_TABLE = "cutlass-v1"
 

@@ -89,17 +89,20 @@ def _case(T, E, K, H, inter, dtype):
     return x, w13, w2, torch.rand(T, K), ids
 
 
-def _cfg(bn1=16, two_acc=0, bm=16, b_tma=0):
+def _cfg(bn1=16, two_acc=0, bm=16, b_tma=0, a_tma=0):
     return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=2, TWO_ACC=two_acc,
-                          B_TMA=b_tma),
-            "gemm2": dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2, B_TMA=b_tma)}
+                          B_TMA=b_tma, A_TMA=a_tma),
+            "gemm2": dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=2, B_TMA=b_tma,
+                          A_TMA=a_tma)}
 
 
 # GEMM1 variants: one accumulator over interleaved w13 (the backend's default), the same with weight
 # tiles through TMA descriptors, the two-accumulator fallback over interleaved and over checkpoint rows
-# (the cutlass backend's small-T path; there TMA can load the gate and up tiles too)
-LAYOUTS = {"one_acc": (True, 0, 0), "one_acc_b_tma": (True, 0, 1), "two_acc_interleaved": (True, 1, 0),
-           "two_acc_checkpoint": (False, 1, 0), "two_acc_checkpoint_b_tma": (False, 1, 1)}
+# (the cutlass backend's small-T path; there TMA can load the gate and up tiles too); "a_tma": GEMM1
+# writes h in the sorted rows' order and GEMM2 reads it through TMA (a slab: both GEMMs' A through TMA)
+LAYOUTS = {"one_acc": (True, 0, 0, 0), "one_acc_b_tma": (True, 0, 1, 0), "two_acc_interleaved": (True, 1, 0, 0),
+           "two_acc_checkpoint": (False, 1, 0, 0), "two_acc_checkpoint_b_tma": (False, 1, 1, 0),
+           "one_acc_a_tma": (True, 0, 1, 1), "two_acc_checkpoint_a_tma": (False, 1, 0, 1)}
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
@@ -111,13 +114,13 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    interleaved, two_acc, b_tma = LAYOUTS[layout]
+    interleaved, two_acc, b_tma, a_tma = LAYOUTS[layout]
     x, w13, w2, w, ids = _case(T, E, K, H, inter, dtype)
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
     run = partial(triton_ops.fused_experts, x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
                   w, ids, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
-                  cfg=_cfg(bn1, two_acc, b_tma=b_tma), w13_interleaved=interleaved)
-    if b_tma and T and inter * w2.element_size() % 16:  # w2 rows of 37 x 4 bytes: TMA cannot address them
+                  cfg=_cfg(bn1, two_acc, b_tma=b_tma, a_tma=a_tma), w13_interleaved=interleaved)
+    if (b_tma or a_tma) and T and inter * w2.element_size() % 16:  # rows of 37 x 4 bytes: TMA cannot address them
         with pytest.raises(ValueError, match="16 bytes"):
             run()
         return
@@ -127,7 +130,7 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
-@pytest.mark.parametrize("layout", ["one_acc", "two_acc_checkpoint_b_tma"])
+@pytest.mark.parametrize("layout", ["one_acc", "two_acc_checkpoint_b_tma", "one_acc_a_tma"])
 @pytest.mark.parametrize("T", [0, 1, 37, 130])
 def test_fused_experts_half_tiles_interpreter(layout, T):
     """TAIL_TILES: buckets padded to BLOCK_M/2, an expert's last half block run as a BLOCK_M/2-row
@@ -136,9 +139,9 @@ def test_fused_experts_half_tiles_interpreter(layout, T):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    interleaved, two_acc, b_tma = LAYOUTS[layout]
+    interleaved, two_acc, b_tma, a_tma = LAYOUTS[layout]
     x, w13, w2, w, ids = _case(T, 6, 2, 64, 40, torch.float32)
-    cfg = _cfg(16, two_acc, bm=32, b_tma=b_tma)
+    cfg = _cfg(16, two_acc, bm=32, b_tma=b_tma, a_tma=a_tma)
     cfg = {k: {**c, "TAIL_TILES": 1} for k, c in cfg.items()}
     out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                    activation="silu", routed_scaling_factor=1.5, out_dtype=torch.float32, cfg=cfg,
@@ -153,7 +156,8 @@ def test_fused_experts_half_tiles_interpreter(layout, T):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved", "two_acc_checkpoint_b_tma"])
+@pytest.mark.parametrize("layout", ["one_acc", "one_acc_b_tma", "two_acc_interleaved", "two_acc_checkpoint_b_tma",
+                                    "one_acc_a_tma"])
 def test_masked_experts_interpreter(layout):
     from moe_plugin_cuda import triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
@@ -162,11 +166,10 @@ def test_masked_experts_interpreter(layout):
     x = torch.randn(E, C, H)
     w13, w2 = torch.randn(E, 2 * inter, H) / 7, torch.randn(E, H, inter) / 6
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
-    interleaved = LAYOUTS[layout][0]
+    interleaved, two_acc, b_tma, a_tma = LAYOUTS[layout]
     out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
                                     activation="silu", routed_scaling_factor=2.0, out_dtype=torch.float32,
-                                    cfg=_cfg(32, LAYOUTS[layout][1], b_tma=LAYOUTS[layout][2]),
-                                    w13_interleaved=interleaved)
+                                    cfg=_cfg(32, two_acc, b_tma=b_tma, a_tma=a_tma), w13_interleaved=interleaved)
     for e in range(E):
         m = int(mm[e])
         if m:
@@ -440,7 +443,8 @@ def test_tuned_config_files_carry_the_kernel_version(tmp_path):
 
 def test_shipped_tables_follow_the_kernels_rules():
     """Every shipped table entry: both GEMMs share BLOCK_M and TAIL_TILES (one alignment), half tiles
-    only where BLOCK_M >= 32, and the lookup reads TAIL_TILES back (0 where an entry has none)."""
+    only where BLOCK_M >= 32, A_TMA on GEMM2 only (GEMM1 gathers token rows), and the lookup reads
+    TAIL_TILES and A_TMA back (0 where an entry has none)."""
     import json
 
     from moe_plugin_cuda import tuning_configs
@@ -455,11 +459,12 @@ def test_shipped_tables_follow_the_kernels_rules():
             assert g1["BLOCK_M"] == g2["BLOCK_M"], (f.name, m)
             assert g1.get("TAIL_TILES", 0) == g2.get("TAIL_TILES", 0), (f.name, m)
             assert not g1.get("TAIL_TILES", 0) or g1["BLOCK_M"] >= 32, (f.name, m)
+            assert not g1.get("A_TMA", 0), (f.name, m)
     name = next(f.name for f in files if f.name.endswith(f"kernel={tuning_configs.TRITON_TABLE}.json"))
     E, inter, H = (int(name.split(f"{k}=")[1].split(",")[0]) for k in ("E", "N", "H"))
     dtype, device = name.split("dtype=")[1].split(",")[0], name.split("device_name=")[1].split(",")[0]
     entry, _ = tuning_configs.lookup(4096, E, inter, H, dtype, device)
-    assert entry["gemm1"]["TAIL_TILES"] in (0, 1)
+    assert entry["gemm1"]["TAIL_TILES"] in (0, 1) and entry["gemm2"]["A_TMA"] in (0, 1)
 
 
 def test_as_two_acc_keeps_output_width():

@@ -236,7 +236,8 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
     from moe_plugin_cuda import cutlass_experts, cutlass_lib, deepgemm_lib, tuning_configs
 
     E, K, inter, H, dev = 16, 4, 256, 512, "Some GPU"
-    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, TWO_ACC=1, B_TMA=1, TAIL_TILES=0)
+    c = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, TWO_ACC=1, B_TMA=1, TAIL_TILES=0,
+             A_TMA=0)
     big = {**c, "BLOCK_M": 64, "GROUP_M": 8}
     name = tuning_configs.config_file_name(E, inter, H, dev, "fp8_block", tuning_configs.CUTLASS_TABLE)
     assert "kernel=cutlass-v1" in name

@@ -228,6 +228,47 @@ def test_triton_half_tiles(quant, bm, bn, two_acc, b_tma):
 
 
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("bm,bn,two_acc,tails", [(128, 256, 0, 1), (64, 256, 0, 0), (128, 128, 1, 1), (16, 128, 0, 0)])
+def test_triton_a_tma(quant, bm, bn, two_acc, tails):
+    """A_TMA: GEMM1 writes h in the sorted rows' order and GEMM2 streams it through TMA (a slab: both
+    GEMMs' A through TMA). Same tiles, same K order as the gathering kernels: bit for bit their
+    output, at T=1, 700 and 1031 (E=16, K=4: experts ending in full and half tiles, -1 ids) and on the
+    slab; and through the layer against the reference."""
+    from moe_plugin_cuda import triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    fp8 = quant == "fp8_block"
+    base = _fixed(bm, bn, two_acc, 0 if two_acc else 1, fp8)  # (two accumulators: interleaved w13, no B_TMA)
+    if tails:
+        base = {k: {**c, "TAIL_TILES": 1} for k, c in base.items()}
+    a_tma = {k: {**c, "A_TMA": 1} for k, c in base.items()}
+    cfg = _cfg("triton", quant, E=16, K=4, H=384, inter=320)
+    w = _weights(cfg, torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31))
+    w13 = interleave_gate_up(w["w13"])
+    for T in (1, 700, 1031):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+        topk = _topk(T, cfg)
+        run = partial(triton_ops.fused_experts, x, None, w13, w["w2"], w.get("w13_scale"), w.get("w2_scale"),
+                      topk.weights, topk.ids, activation="silu", routed_scaling_factor=1.7,
+                      out_dtype=torch.bfloat16, w13_interleaved=True)
+        assert torch.equal(run(cfg=a_tma), run(cfg=base)), T
+    C = 64
+    slab = torch.randn(16, C, cfg.hidden_size, device="cuda").to(torch.bfloat16)
+    mm = torch.randint(0, C + 1, (16,), dtype=torch.int32, device="cuda")
+    mm[0], mm[1] = 0, C
+    run = partial(triton_ops.masked_experts, slab, None, mm, w13, w["w2"], w.get("w13_scale"), w.get("w2_scale"),
+                  activation="silu", routed_scaling_factor=1.7, out_dtype=torch.bfloat16, w13_interleaved=True)
+    got, want = run(cfg=a_tma), run(cfg=base)
+    for e in range(16):
+        assert torch.equal(got[e, :int(mm[e])], want[e, :int(mm[e])])
+    _, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=320,
+                            backend_options={"triton": {"config": a_tma}})
+    x = torch.randn(1031, 384, device="cuda").to(torch.bfloat16)
+    topk = _topk(1031, cfg)
+    assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 def test_triton_gemm1_two_acc_option(quant):
     """backend option gemm1_two_acc: the fallback kernel on every config (tuned or heuristic)."""
     cfg, layer, ref = _layers("triton", quant, E=16, K=4, H=384, inter=320,
