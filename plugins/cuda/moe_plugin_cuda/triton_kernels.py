@@ -392,7 +392,7 @@ def _gemm_tile(
 
     c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_o[None, :] * stride_cn
     if ROW_ORDER:  # padding rows too (zeros: their A rows were masked), so an A_TMA GEMM2 reads no garbage
-        store_rows = c_rows >= 0
+        store_rows = tl.full((BLOCK_M,), 1, tl.int1)
     else:
         store_rows = row_mask
     c_mask = store_rows[:, None] & o_mask[None, :]

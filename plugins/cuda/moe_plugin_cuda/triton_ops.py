@@ -224,11 +224,11 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 
 def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
           activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False):
-    """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h
-    at the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
-    last M-block unwritten). FP8: ``h`` is
-    e4m3 with per-(row, 128-column) scales (quantized in the epilogue or, for other tile widths, by
-    ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype`` and ``h_scale`` None."""
+    """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h at
+    the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
+    last M-block unwritten). FP8: ``h`` is e4m3 with per-(row, 128-column) scales (quantized in the
+    epilogue or, for other tile widths, by ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype``
+    and ``h_scale`` None."""
     E, n1, H = w13.shape
     inter = n1 // 2
     gate, row_mul, can_fuse = gemm1_mode(cfg1, w13_interleaved)
