@@ -6,7 +6,7 @@
 #            versions, nvidia-smi, `moe-core backends`
 #   tests    pytest plugins/cuda/tests -m gpu                        -> OUT/gpu_tests.log
 #   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
-#            (TUNE_BACKEND=cutlass: the cutlass experts' table, FP8 block only)
+#            (TUNE_BACKEND=cutlass: the cutlass experts' tables)
 #   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
 #            (best of eager and CUDA-graph replay at every T, as the issue's SGLang bar is measured)
 #   profile  PROFILE_CELL (default qwen3-30b-a3b fp8_block 4096): ncu (SOL, launch stats, occupancy) or torch.profiler,

@@ -1,4 +1,4 @@
-"""The CUTLASS FP8 block-scaled grouped GEMM (``csrc/fp8_blockwise_grouped.cu``): find, build, load.
+"""The CUTLASS grouped GEMMs, FP8 block-scaled and bf16 (``csrc/cutlass_grouped.cu``): find, build, load.
 
 The library is compiled with nvcc at first use, against the CUTLASS headers of the
 ``nvidia-cutlass`` wheel (or ``$CUTLASS_DIR``), into a per-user cache keyed by the source, the
@@ -17,20 +17,25 @@ from typing import Optional
 from moe_plugin_cuda import nvcc_build
 from moe_plugin_cuda.nvcc_build import nvcc
 
-SOURCE = Path(__file__).parent / "csrc" / "fp8_blockwise_grouped.cu"
-# The kernels the source instantiates, by index: (schedule and tile, cluster, D's dtype). Each compiles as its
-# own object, in parallel. GEMM1 runs an fp32 one, GEMM2 a bf16 one; the tuned table picks which, per T.
-VARIANTS = (("coop 128x128x128", "1x1", "bf16"), ("coop 128x128x128", "1x1", "fp32"),
-            ("ping 64x128x128", "1x1", "bf16"), ("coop 128x128x128", "1x2", "bf16"),
-            ("ping 64x128x128", "1x1", "fp32"), ("coop 128x128x128", "2x1", "bf16"),
-            ("coop 128x128x128", "2x1", "fp32"), ("ping 64x128x128", "2x1", "fp32"),
-            ("ping 64x128x128", "2x1", "bf16"))
-DEFAULT_VARIANTS = (1, 0)  # (GEMM1, GEMM2) without a tuned choice: the cooperative 128x128 kernels
+SOURCE = Path(__file__).parent / "csrc" / "cutlass_grouped.cu"
+# The kernels the source instantiates, by index: (operands' dtype, schedule and tile, cluster, D's dtype). Each
+# compiles as its own object, in parallel. FP8: GEMM1 runs an fp32-D one, GEMM2 a bf16-D one; bf16: bf16 D
+# both; the tuned table picks which, per T.
+VARIANTS = (("fp8", "coop 128x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x1", "fp32"),
+            ("fp8", "ping 64x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x2", "bf16"),
+            ("fp8", "ping 64x128x128", "1x1", "fp32"), ("fp8", "coop 128x128x128", "2x1", "bf16"),
+            ("fp8", "coop 128x128x128", "2x1", "fp32"), ("fp8", "ping 64x128x128", "2x1", "fp32"),
+            ("fp8", "ping 64x128x128", "2x1", "bf16"), ("bf16", "coop 128x256x64", "1x1", "bf16"),
+            ("bf16", "ping 64x256x64", "1x1", "bf16"), ("bf16", "coop 128x256x64", "2x1", "bf16"),
+            ("bf16", "coop 128x128x64", "1x1", "bf16"))
+# (GEMM1, GEMM2) without a tuned choice: FP8 the cooperative 128x128 kernels; bf16 the kernels the session-14
+# probe measured fastest on ~256-row experts (cooperative 128x256, ping-pong 64x256)
+DEFAULT_VARIANTS = {"fp8": (1, 0), "bf16": (9, 10)}
 
 
-def variants_with_output(dtype: str) -> list[int]:
-    """The variants writing D in ``dtype`` ("bf16" or "fp32")."""
-    return [k for k, v in enumerate(VARIANTS) if v[2] == dtype]
+def variants_for(operands: str, output: str) -> list[int]:
+    """The variants reading ``operands`` ("fp8" or "bf16") and writing D in ``output`` ("bf16" or "fp32")."""
+    return [k for k, v in enumerate(VARIANTS) if v[0] == operands and v[3] == output]
 
 
 def cutlass_dir() -> Optional[Path]:
@@ -64,20 +69,22 @@ def library() -> ctypes.CDLL:
             raise RuntimeError(f"the cutlass experts cannot run: {why}")
         cdir, compiler = cutlass_dir(), nvcc()
         out = nvcc_build.cache_path(SOURCE, cdir / "include" / "cutlass" / "version.h", compiler,
-                                    "libmoe_cutlass_fp8.so")
+                                    "libmoe_cutlass.so")
         jobs = [("api", ["-DMOE_VARIANT_MASK=0"])] + [(f"v{k}", [f"-DMOE_VARIANT_MASK={1 << k}", "-DMOE_NO_API"])
                                                        for k in range(len(VARIANTS))]
         build = functools.partial(nvcc_build.build, source=SOURCE, compiler=compiler, flags=_flags(cdir), jobs=jobs,
                                   arch="-arch=sm_90a")
     lib = nvcc_build.load("MOE_CUDA_CUTLASS_LIB", out, build)
     path = os.environ.get("MOE_CUDA_CUTLASS_LIB") or str(out)
+    count = getattr(lib, "moe_cutlass_num_variants", None)  # absent: a library from before the bf16 kernels
+    if count is None or count() != len(VARIANTS):
+        found = f"{count()} kernel variants" if count else "the older FP8-only API"
+        raise RuntimeError(f"{path} has {found}, this plugin expects {len(VARIANTS)} variants: rebuild it "
+                           f"from {SOURCE.name}")
     ci, cs, vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
-    lib.moe_fp8_blockwise_last_error.restype = ctypes.c_char_p
-    lib.moe_fp8_blockwise_workspace_size.argtypes = [ci, ci]
-    lib.moe_fp8_blockwise_workspace_size.restype = cs
-    lib.moe_fp8_blockwise_grouped_gemm.argtypes = [ci, vp, vp, vp, vp, vp, vp, vp, vp, cs, vp, ci, ci]
-    lib.moe_fp8_blockwise_grouped_gemm.restype = ci
-    if lib.moe_fp8_blockwise_num_variants() != len(VARIANTS):  # e.g. an old MOE_CUDA_CUTLASS_LIB
-        raise RuntimeError(f"{path} has {lib.moe_fp8_blockwise_num_variants()} kernel variants, this plugin expects "
-                           f"{len(VARIANTS)}: rebuild it from {SOURCE.name}")
+    lib.moe_cutlass_last_error.restype = ctypes.c_char_p
+    lib.moe_cutlass_workspace_size.argtypes = [ci, ci]
+    lib.moe_cutlass_workspace_size.restype = cs
+    lib.moe_cutlass_grouped_gemm.argtypes = [ci, vp, vp, vp, vp, vp, vp, vp, vp, cs, vp, ci, ci]
+    lib.moe_cutlass_grouped_gemm.restype = ci
     return lib

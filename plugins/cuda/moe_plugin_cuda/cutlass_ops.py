@@ -10,9 +10,10 @@ Everything is shape-driven: the grouping by expert (``triton_ops.expert_rows``, 
 launches) and the GEMMs' per-expert row counts and pointers stay on the device, so no call syncs
 with the host and the pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and
 the layout it wants (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed),
-``DEEPGEMM`` (DeepGEMM's FP8 kernel: bf16 output, each expert's rows from a multiple of 128,
-activation scales MN-major), ``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch
-emulation for CI without a GPU (``REFERENCE``, in any of these layouts).
+``CUTLASS_BF16`` (CUTLASS's bf16 kernels: bf16 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
+kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
+``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch emulation for CI without a GPU
+(``REFERENCE``, in any of these layouts).
 """
 
 from __future__ import annotations
@@ -40,18 +41,25 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     """``d[rows of g] = (a * a_scale)[rows of g] @ (b[g] * b_scale[g]).T`` for every expert g, where
     the rows of g are ``row_start[g] .. row_start[g] + m_sizes[g]`` (device int tensors).
 
-    a: e4m3 [R, K], a_scale: fp32 [R, K/128]; b: e4m3 [G, N, K], b_scale: fp32 [G, N/128, K/128];
-    d: bf16 or fp32 [R, N]. Rows of ``d`` outside every group are not written. ``variant``: which
-    of the library's kernels (``cutlass_lib.VARIANTS``; its output dtype must be d's), default
-    the cooperative 128x128 one.
+    FP8: a e4m3 [R, K], a_scale fp32 [R, K/128]; b e4m3 [G, N, K], b_scale fp32 [G, N/128, K/128];
+    d bf16 or fp32 [R, N]. bf16: a, b and d bf16, ``a_scale`` and ``b_scale`` None. Rows of ``d``
+    outside every group are not written. ``variant``: which of the library's kernels
+    (``cutlass_lib.VARIANTS``; it must read a's dtype and write d's), default
+    ``cutlass_lib.DEFAULT_VARIANTS`` (FP8: GEMM1's for an fp32 d, GEMM2's for bf16; bf16: GEMM1's).
     """
     from moe_plugin_cuda import cutlass_lib
 
+    operands = "bf16" if a.dtype == torch.bfloat16 else "fp8"
     out = "fp32" if d.dtype == torch.float32 else "bf16"
+    bf16 = operands == "bf16"
+    if (a_scale is None, b_scale is None) != (bf16, bf16) or b.dtype != a.dtype:
+        raise ValueError(f"CUTLASS grouped GEMM: FP8 (e4m3) operands with scales or bf16 ones without, not "
+                         f"{a.dtype} x {b.dtype} with{'out' if a_scale is None else ''} scales")
     if variant is None:
-        variant = cutlass_lib.DEFAULT_VARIANTS[0 if out == "fp32" else 1]
-    if not 0 <= variant < len(cutlass_lib.VARIANTS) or cutlass_lib.VARIANTS[variant][2] != out:
-        raise ValueError(f"no CUTLASS variant {variant} writing {d.dtype}: see cutlass_lib.VARIANTS")
+        variant = cutlass_lib.DEFAULT_VARIANTS[operands][0 if out == "fp32" or bf16 else 1]
+    if not 0 <= variant < len(cutlass_lib.VARIANTS) or cutlass_lib.VARIANTS[variant][0::3] != (operands, out):
+        raise ValueError(f"no CUTLASS variant {variant} reading {a.dtype} and writing {d.dtype}: see "
+                         "cutlass_lib.VARIANTS")
     lib = cutlass_lib.library()
     G, N, Kd = b.shape
     dev = a.device
@@ -64,22 +72,24 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
         a.data_ptr() + start * Kd * a.element_size(),
         b.data_ptr() + experts * N * Kd * b.element_size(),
         d.data_ptr() + start * N * d.element_size(),
+    ] + ([] if a_scale is None else [  # the bf16 kernels read no scales
         a_scale.data_ptr() + start * kb * 4,
         b_scale.data_ptr() + experts * nb * kb * 4,
-    ]).contiguous()
+    ])).contiguous()
+    scale_ptrs = (None, None) if a_scale is None else (ptrs[3].data_ptr(), ptrs[4].data_ptr())
     key = (G, variant, dev.index)
     if key not in _WORKSPACE:  # host-side size query (depends on the SM count), once per shape
-        _WORKSPACE[key] = int(lib.moe_fp8_blockwise_workspace_size(G, variant))
+        _WORKSPACE[key] = int(lib.moe_cutlass_workspace_size(G, variant))
     ws = torch.empty(_WORKSPACE[key], dtype=torch.uint8, device=dev)
-    rc = lib.moe_fp8_blockwise_grouped_gemm(
-        G, problems.data_ptr(), None, ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), ptrs[3].data_ptr(),
-        ptrs[4].data_ptr(), ws.data_ptr(), ws.numel(), torch.cuda.current_stream(dev).cuda_stream, variant, 0)
+    rc = lib.moe_cutlass_grouped_gemm(
+        G, problems.data_ptr(), None, ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), *scale_ptrs,
+        ws.data_ptr(), ws.numel(), torch.cuda.current_stream(dev).cuda_stream, variant, 0)
     if rc:
-        raise RuntimeError(f"CUTLASS FP8 grouped GEMM failed ({rc}): {lib.moe_fp8_blockwise_last_error().decode()}")
+        raise RuntimeError(f"CUTLASS grouped GEMM failed ({rc}): {lib.moe_cutlass_last_error().decode()}")
 
 
 def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
-    """``cutlass_gemm`` (or with ``a_scale`` and ``b_scale`` None ``deepgemm_bf16_gemm``) in torch
+    """``cutlass_gemm`` (FP8, or bf16 with ``a_scale`` and ``b_scale`` None) in torch
     (float32 math on the dequantized operands; reads the row counts on the host, which the real ones
     never do; every variant computes the same): what CI runs the pipeline against."""
     from moe_core.quant import dequantize_fp8_per_token_group
@@ -166,6 +176,7 @@ class GroupedGemm(NamedTuple):
 
 
 CUTLASS = GroupedGemm(cutlass_gemm)
+CUTLASS_BF16 = GroupedGemm(cutlass_gemm, gemm1_dtype=torch.bfloat16)  # bf16 operands: bf16 GEMM1 output
 REFERENCE = GroupedGemm(reference_gemm)
 # bf16 GEMM1 output (the kernel writes bf16 only): h is rounded to bf16 before its FP8 requantization,
 # as SGLang's DeepGEMM runner does
@@ -274,7 +285,7 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
 
     FP8: ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
     (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. bf16 (``w13_scale``
-    None, ``gemm`` ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the checkpoint layout or gate/up
+    None, ``gemm`` ``CUTLASS_BF16`` or ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the checkpoint layout or gate/up
     interleaved (``w13_interleaved``). ``variants``: the kernels of GEMM1 and GEMM2 (indices into
     ``cutlass_lib.VARIANTS``, ``deepgemm_lib.FP8_VARIANTS`` or ``deepgemm_lib.BF16_VARIANTS``).
     """

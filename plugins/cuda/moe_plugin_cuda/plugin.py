@@ -17,7 +17,7 @@ PRIORITY_TRITON = 30
 # cutlass (SM90) outranks triton: FP8 block: from 128 rows per expert its CUTLASS/DeepGEMM GEMMs made the
 # layer up to 18% faster than the Triton kernels (7 of 8 cells at T >= 4096); below that it runs the tuned
 # Triton kernels on the checkpoint layout, 0-1% slower than triton's own at T <= 256. bf16: triton's own
-# kernels and configs wherever its table does not measure DeepGEMM faster (H100, benchmarks/cuda/RESULTS.md)
+# kernels and configs wherever its table does not measure a grouped GEMM faster (H100, benchmarks/cuda/RESULTS.md)
 PRIORITY_CUTLASS = 35
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
@@ -47,7 +47,7 @@ class CudaPlugin(BackendPlugin):
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
                 priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
-                description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled, DeepGEMM bf16; "
+                description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled and bf16; "
                             "Triton below the tuned crossover",
             ),
             BackendSpec(

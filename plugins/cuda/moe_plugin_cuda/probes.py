@@ -89,8 +89,8 @@ def probe_cutlass() -> Reason:
     if why:
         return why
     if cap != (9, 0):
-        return unavailable(Code.UNSUPPORTED_ARCH, f"compute capability {cap[0]}.{cap[1]}: the CUTLASS FP8 grouped GEMM "
-                           "is built for SM90a (Hopper wgmma/TMA) only", "use the triton experts on this GPU")
+        return unavailable(Code.UNSUPPORTED_ARCH, f"compute capability {cap[0]}.{cap[1]}: the CUTLASS grouped GEMMs "
+                           "are built for SM90a (Hopper wgmma/TMA) only", "use the triton experts on this GPU")
     triton, why = _import("triton", "pip install triton (a version matching your torch)")
     if why:
         return why
@@ -103,7 +103,8 @@ def probe_cutlass() -> Reason:
     from moe_plugin_cuda import deepgemm_lib
 
     deepgemm = deepgemm_lib.missing()
-    return available(f"CUTLASS FP8 grouped GEMM on SM90 (library: {cutlass_lib.where()}); DeepGEMM's SM90 kernel: "
+    return available(f"CUTLASS FP8 block-scaled and bf16 grouped GEMMs on SM90 (library: {cutlass_lib.where()}); "
+                     "DeepGEMM's SM90 kernels: "
                      + (f"not used ({deepgemm})" if deepgemm else f"library {deepgemm_lib.where()}"))
 
 
@@ -173,16 +174,9 @@ def check_cutlass(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
                    else "16-byte rows for the bf16 grouped GEMM's TMA loads")
             out.append(unavailable(Code.UNSUPPORTED_SHAPE, f"{name}={getattr(config, name)} is not a multiple of "
                                    f"{align} ({why})", "use the triton experts"))
-    if not fp8:
-        from moe_plugin_cuda import deepgemm_lib
-
-        if config.params_dtype is not torch.bfloat16:
-            out.append(unavailable(Code.UNSUPPORTED_QUANT, f"unquantized cutlass experts run DeepGEMM's bf16 kernel "
-                                   f"(params_dtype={config.params_dtype})", "use bf16 params or the triton experts"))
-        elif deepgemm_lib.missing():
-            out.append(unavailable(Code.NOT_INSTALLED, f"unquantized cutlass experts run DeepGEMM's bf16 grouped GEMM: "
-                                   f"{deepgemm_lib.missing()}", "pip install 'moe-plugin-cuda[deepgemm]', or use the "
-                                   "triton experts (the same kernels below the crossover)"))
+    if not fp8 and config.params_dtype is not torch.bfloat16:
+        out.append(unavailable(Code.UNSUPPORTED_QUANT, f"unquantized cutlass experts run bf16 grouped GEMMs "
+                               f"(params_dtype={config.params_dtype})", "use bf16 params or the triton experts"))
     return out
 
 

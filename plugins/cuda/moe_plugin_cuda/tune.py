@@ -26,14 +26,13 @@ keeps its entries for the T not tuned this time. Each GEMM1 list holds one
 ``TWO_ACC`` candidate: if the one-accumulator epilogue fails to compile on some Triton, the
 two-accumulator kernel still yields a table.
 
-``--backend cutlass`` tunes the ``cutlass`` experts (FP8 block) instead: the same search for its
-Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1), then its grouped pipelines are
-timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on DeepGEMM's, each
-on its fastest kernel pair, and the table entry says which path ran fastest at that T (``"path":
-"triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see ``tuning_configs``).
-The CUTLASS library must build on this machine. bf16 (``--quant unquantized``): no search, its Triton
-path is the triton backend's own table (tune that first); only DeepGEMM's bf16 pipeline is timed
-against it.
+``--backend cutlass`` tunes the ``cutlass`` experts instead: FP8 block, the same search for its
+Triton kernels on the checkpoint w13 layout (two-accumulator GEMM1); bf16 (``--quant unquantized``),
+no search: its Triton path is the triton backend's own table (tune that first). Then its grouped
+pipelines are timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on
+DeepGEMM's, each on its fastest kernel pair, and the table entry says which path ran fastest at
+that T (``"path": "triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see
+``tuning_configs``). The CUTLASS library must build on this machine.
 """
 
 from __future__ import annotations
@@ -161,15 +160,17 @@ def _make_weights(E, H, inter, fp8, g, dev, interleave):
 
 def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[int, int],
                     log=None, fp8: bool = True) -> tuple[tuple[int, int], float]:
-    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm"; bf16:
-    "deepgemm" only) for the grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time:
+    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time:
     GEMM1's with GEMM2's default, then GEMM2's with that one. Only the default pair is timed where it
     is far (25%) behind the Triton path's ``t_triton``: the kernels differ by less."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
 
-    if gemm_name == "cutlass":  # GEMM1 writes fp32, GEMM2 bf16
-        gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS
-        choices = (cutlass_lib.variants_with_output("fp32"), cutlass_lib.variants_with_output("bf16"))
+    if gemm_name == "cutlass" and fp8:  # GEMM1 writes fp32, GEMM2 bf16
+        gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS["fp8"]
+        choices = (cutlass_lib.variants_for("fp8", "fp32"), cutlass_lib.variants_for("fp8", "bf16"))
+    elif gemm_name == "cutlass":
+        gemm, best = cutlass_ops.CUTLASS_BF16, cutlass_lib.DEFAULT_VARIANTS["bf16"]
+        choices = (cutlass_lib.variants_for("bf16", "bf16"),) * 2
     else:  # (a variant that cannot run N columns would run as variant 0: not a candidate)
         gemm, best, variants = ((cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_FP8_VARIANTS, deepgemm_lib.FP8_VARIANTS)
                                 if fp8 else (cutlass_ops.DEEPGEMM_BF16, deepgemm_lib.DEFAULT_BF16_VARIANTS,
@@ -197,7 +198,7 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
 
 
 def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, verbose: bool = False,
-                backend: str = "triton") -> Optional[Path]:
+                backend: str = "triton") -> Path:
     import triton.testing
 
     from moe_core.bench import balanced_correction_bias
@@ -208,9 +209,6 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
 
     fp8 = quant == "fp8_block"
     interleaved = backend == "triton" or not fp8  # the cutlass backend keeps FP8 in the checkpoint layout
-    if backend == "cutlass" and not fp8 and deepgemm_lib.missing():
-        log(f"  {name} {quant}: the cutlass backend's bf16 path needs DeepGEMM ({deepgemm_lib.missing()}), skipped")
-        return None
     cfg = preset(name, quant=quant, device="cuda")
     E, K, H, inter = cfg.num_experts, cfg.top_k, cfg.hidden_size, cfg.intermediate_size
     dev = torch.device("cuda")
@@ -325,8 +323,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
             continue
         note = ""
         if backend == "cutlass":  # the grouped GEMMs this machine can run, each on its fastest kernels
-            gemms = (["cutlass"] if fp8 else []) + (["deepgemm"] if deepgemm_lib.missing() is None
-                                                    and E <= deepgemm_lib.MAX_EXPERTS else [])
+            gemms = ["cutlass"] + (["deepgemm"] if deepgemm_lib.missing() is None
+                                   and E <= deepgemm_lib.MAX_EXPERTS else [])
             for gemm_name in gemms:
                 variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, (2 * inter, H), log if verbose else None,
                                                 fp8)
@@ -373,8 +371,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             path = tune_preset(name, quant, args.tokens, Path(args.out_dir), args.rep_ms, log, args.verbose,
                                args.backend)
             torch.cuda.empty_cache()  # this preset's weights are gone: room for the next one's
-            if path is not None:
-                log(f"wrote {path} [{time.time() - t0:.0f}s total]")
+            log(f"wrote {path} [{time.time() - t0:.0f}s total]")
     return 0
 
 

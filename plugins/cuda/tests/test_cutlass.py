@@ -71,14 +71,16 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized, layout):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("row_align", [1, 128], ids=["packed", "deepgemm"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["checkpoint_w13", "interleaved_w13"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T,E,K,H,inter", [(0, 4, 2, 128, 128), (1, 8, 3, 256, 128), (37, 6, 2, 384, 200),
                                            (130, 5, 4, 200, 384)])
-def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved):
-    """The bf16 pipeline (no scales) in DeepGEMM's row layout, GEMM1 written in the activation dtype
-    as DeepGEMM's bf16 kernel writes it, w13 in either layout: gather -> GEMM1 -> SiLU x up -> GEMM2
-    -> weighted reduce, vs float64 (fp32: exact but for float32 math; bf16: five roundings)."""
+def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved, row_align):
+    """The bf16 pipeline (no scales) in CUTLASS's (rows packed) or DeepGEMM's row layout, GEMM1 written
+    in the activation dtype as both bf16 kernels write it, w13 in either layout: gather -> GEMM1 ->
+    SiLU x up -> GEMM2 -> weighted reduce, vs float64 (fp32: exact but for float32 math; bf16: five
+    roundings)."""
     from moe_plugin_cuda import cutlass_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
@@ -90,7 +92,7 @@ def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved)
         ids[torch.rand(T, K) < 0.2] = -1
         ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
     w = torch.rand(T, K)
-    gemm = cutlass_ops.REFERENCE._replace(row_align=128, gemm1_dtype=dtype)
+    gemm = cutlass_ops.REFERENCE._replace(row_align=row_align, gemm1_dtype=dtype)
     out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                     routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm,
                                     w13_interleaved=interleaved)
@@ -213,18 +215,17 @@ def test_cutlass_probe_and_checks(monkeypatch, tmp_path):
     cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=200, intermediate_size=256, quant="fp8_block", device="cuda")
     reasons = probes.check_cutlass(cfg, None)
     assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "hidden_size=200" in reasons[0].message
-    # bf16 runs DeepGEMM's kernel: 16-byte rows, bf16 params, and the headers (else the plan says why)
+    # bf16 runs CUTLASS's (or DeepGEMM's) bf16 kernels: 16-byte rows and bf16 params (else the plan says why);
+    # the DeepGEMM headers are optional
     from moe_plugin_cuda import deepgemm_lib
 
     bf16 = cfg.replace(quant="unquantized", hidden_size=200, intermediate_size=100)
-    monkeypatch.setattr(deepgemm_lib, "missing", lambda: None)
+    monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no DeepGEMM headers")
     reasons = probes.check_cutlass(bf16, None)
     assert [r.code for r in reasons] == [Code.UNSUPPORTED_SHAPE] and "intermediate_size=100" in reasons[0].message
-    assert [r.code for r in probes.check_cutlass(bf16.replace(params_dtype=torch.float16), None)] == \
-        [Code.UNSUPPORTED_SHAPE, Code.UNSUPPORTED_QUANT]
-    monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no DeepGEMM headers")
-    r = probes.check_cutlass(bf16.replace(intermediate_size=104), None)
-    assert [x.code for x in r] == [Code.NOT_INSTALLED] and "DeepGEMM" in r[0].message and "triton" in r[0].hint
+    r = probes.check_cutlass(bf16.replace(params_dtype=torch.float16), None)
+    assert [x.code for x in r] == [Code.UNSUPPORTED_SHAPE, Code.UNSUPPORTED_QUANT] and "triton" in r[1].hint
+    assert probes.check_cutlass(bf16.replace(intermediate_size=104), None) == []
 
 
 def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
@@ -255,7 +256,7 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         monkeypatch.setattr(deepgemm_lib, "missing", lambda ok=can_build: None if ok else "no headers")
         path, cfg, variants = choose(3, -1)
         assert path == "triton" and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
-        assert variants == cutlass_lib.DEFAULT_VARIANTS
+        assert variants == cutlass_lib.DEFAULT_VARIANTS["fp8"]
         assert choose(900, -1)[::2] == ("cutlass", (4, 2))
         assert choose(9000, -1)[::2] == (("deepgemm", (4, 5)) if can_build else ("cutlass", (6, 3)))
         assert choose(9000, -1, "cutlass")[::2] == ("cutlass", (6, 3))
@@ -269,24 +270,29 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
         path, _, variants = choose(rows, -1, h=H + 128)
         assert (path, variants) == (("deepgemm", deepgemm_lib.DEFAULT_FP8_VARIANTS) if can_build
-                                    else ("cutlass", cutlass_lib.DEFAULT_VARIANTS))
-        # bf16: its own table (triton's one-accumulator configs as measured), DeepGEMM or Triton only
-        path, cfg, _ = choose(9000, -1, "", "bf16", h=H + 128)  # no table: triton's configs as they are
-        assert path == ("deepgemm" if can_build else "triton") and "TWO_ACC" not in cfg["gemm1"]
-        assert cfg == tuning_configs.heuristic(9000, E, K, inter, H + 128, False)
+                                    else ("cutlass", cutlass_lib.DEFAULT_VARIANTS["fp8"]))
+        # bf16: its own table (triton's one-accumulator configs as measured); untuned, CUTLASS's bf16 kernels
+        path, cfg, variants = choose(9000, -1, "", "bf16", h=H + 128)  # no table: triton's configs as they are
+        assert (path, variants) == ("cutlass", cutlass_lib.DEFAULT_VARIANTS["bf16"])
+        assert "TWO_ACC" not in cfg["gemm1"] and cfg == tuning_configs.heuristic(9000, E, K, inter, H + 128, False)
         assert choose(1, -1, "", "bf16", h=H + 128)[0] == "triton"
-    # bf16 table: the path and DeepGEMM's kernels; the Triton path is the triton table's config for T
+        assert choose(9000, -1, "deepgemm", "bf16", h=H + 128)[0] == "deepgemm"  # (the backend checks it can)
+    # bf16 table: the path and each grouped GEMM's kernels; the Triton path is the triton table's config for T
     one_acc = {**big, "TWO_ACC": 0}
     tuning_configs.save_table(tmp_path / name.replace("fp8_block", "bf16"), {
-        64: {"path": "triton", "deepgemm_variants": [2, 3]}, 8192: {"path": "deepgemm", "deepgemm_variants": [4, 7]}})
+        64: {"path": "triton", "deepgemm_variants": [2, 3], "cutlass_variants": [9, 9]},
+        4096: {"path": "cutlass", "deepgemm_variants": [1, 1], "cutlass_variants": [9, 10]},
+        16384: {"path": "deepgemm", "deepgemm_variants": [4, 7], "cutlass_variants": [11, 9]}})
     tuning_configs.save_table(tmp_path / tuning_configs.config_file_name(E, inter, H, dev, "bf16"), {
         1: {"gemm1": c, "gemm2": c}, 100: {"gemm1": one_acc, "gemm2": big}})
     assert choose(1, -1, "", "bf16")[:2] == ("triton", {"gemm1": c, "gemm2": c})
     path, cfg, _ = choose(100, -1, "", "bf16")
     assert path == "triton" and cfg["gemm1"] == one_acc  # the triton backend's own kernels at that T
-    assert choose(9000, -1, "", "bf16")[::2] == ("deepgemm", (4, 7))
+    assert choose(4000, -1, "", "bf16")[::2] == ("cutlass", (9, 10))
+    assert choose(16000, -1, "", "bf16")[::2] == ("deepgemm", (4, 7))
+    assert choose(16000, -1, "cutlass", "bf16")[::2] == ("cutlass", (11, 9))
     monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no headers")
-    assert choose(9000, -1, "", "bf16")[0] == "triton"  # no CUTLASS bf16 kernels to fall back on
+    assert choose(16000, -1, "", "bf16")[::2] == ("cutlass", (11, 9))  # CUTLASS where DeepGEMM cannot build
     cutlass_experts.choose_path.cache_clear()
 
 
@@ -332,23 +338,45 @@ def test_deepgemm_variants_match_the_source(monkeypatch, tmp_path):
 
 
 def test_cutlass_kernel_variants_match_the_source():
-    """The plugin's list of CUTLASS kernels is the source's (count, order and output dtype), and each
-    GEMM has a default of the right output dtype: a kernel added to one and not the other fails here,
-    not as a wrong-dtype launch on the GPU."""
+    """The plugin's list of CUTLASS kernels is the source's (count, order, operands, schedule, tile,
+    cluster and output dtype, in both the kernel names and the template instances), and each GEMM has
+    a default of the right dtypes: a kernel added to one and not the other fails here, not as a
+    wrong-dtype launch on the GPU."""
     import re
 
     from moe_plugin_cuda import cutlass_lib
 
     src = cutlass_lib.SOURCE.read_text()
-    names = re.findall(r'"v(\d+)_(\w+?)_(\d+x\d+x\d+)_c(\dx\d)_(bf16|fp32)out"', src)
+    names = re.findall(r'"v(\d+)_(?:(bf16)_)?(\w+?)_(\d+x\d+x\d+)_c(\dx\d)_(bf16|fp32)out"', src)
     assert int(re.search(r"#define MOE_NUM_VARIANTS (\d+)", src).group(1)) == len(cutlass_lib.VARIANTS) == len(names)
-    for k, (idx, sched, tile, cluster, out) in enumerate(names):
-        assert int(idx) == k and cutlass_lib.VARIANTS[k] == (f"{sched} {tile}", cluster, out)
-    g1, g2 = cutlass_lib.DEFAULT_VARIANTS
-    assert g1 in cutlass_lib.variants_with_output("fp32") and g2 in cutlass_lib.variants_with_output("bf16")
+    for k, (idx, bf16, sched, tile, cluster, out) in enumerate(names):
+        assert int(idx) == k and cutlass_lib.VARIANTS[k] == (bf16 or "fp8", f"{sched} {tile}", cluster, out)
+    configs = re.findall(r"using Cfg(\d+) = Config<Shape<_(\d+), _(\d+), _(\d+)>, Shape<_(\d), _(\d), _1>, "
+                         r"(Coop|Ping)(?:Bf16)?, Epi(?:Coop|Ping), (E4M3|Bf16), (Bf16|float)>;", src)
+    assert len(configs) == len(cutlass_lib.VARIANTS)
+    for k, (idx, m, n, kt, cm, cn, sched, ab, out) in enumerate(configs):
+        operands, tile, cluster, d = cutlass_lib.VARIANTS[k]
+        assert int(idx) == k and (operands, tile, cluster, d) == (
+            "fp8" if ab == "E4M3" else "bf16", f"{sched.lower()} {m}x{n}x{kt}", f"{cm}x{cn}",
+            "fp32" if out == "float" else "bf16")
+    fp8_g1, fp8_g2 = cutlass_lib.DEFAULT_VARIANTS["fp8"]
+    assert fp8_g1 in cutlass_lib.variants_for("fp8", "fp32") and fp8_g2 in cutlass_lib.variants_for("fp8", "bf16")
+    assert set(cutlass_lib.DEFAULT_VARIANTS["bf16"]) <= set(cutlass_lib.variants_for("bf16", "bf16"))
     from moe_plugin_cuda import cutlass_ops
 
-    d = torch.empty(4, 8)  # fp32: a bf16 kernel, or one past the list, is refused before any launch
-    for bad in (0, len(cutlass_lib.VARIANTS)):
-        with pytest.raises(ValueError, match=f"no CUTLASS variant {bad} writing torch.float32"):
-            cutlass_ops.cutlass_gemm(None, None, None, None, d, None, None, variant=bad)
+    # refused before any launch: a kernel of the wrong output or operand dtype, one past the list, scales
+    # with bf16 operands or none with FP8 ones
+    fp8 = (torch.empty(4, 16, dtype=torch.float8_e4m3fn), torch.empty(4, 1), torch.empty(1, 8, 16, dtype=torch.float8_e4m3fn),
+           torch.empty(1, 1, 1))
+    bf16 = (torch.empty(4, 16, dtype=torch.bfloat16), None, torch.empty(1, 8, 16, dtype=torch.bfloat16), None)
+    d32, d16 = torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bfloat16)
+    bf16_kernel = cutlass_lib.DEFAULT_VARIANTS["bf16"][0]
+    for args, d, bad, what in ((fp8, d32, 0, "torch.float8_e4m3fn and writing torch.float32"),
+                               (fp8, d16, bf16_kernel, "torch.float8_e4m3fn and writing torch.bfloat16"),
+                               (bf16, d16, fp8_g2, "torch.bfloat16 and writing torch.bfloat16"),
+                               (fp8, d32, len(cutlass_lib.VARIANTS), "torch.float8_e4m3fn and writing torch.float32")):
+        with pytest.raises(ValueError, match=f"no CUTLASS variant {bad} reading {what}"):
+            cutlass_ops.cutlass_gemm(*args, d, None, None, variant=bad)
+    for a, a_s, b, b_s in (fp8[:1] + (None,) + fp8[2:], bf16[:1] + (torch.empty(4, 1),) + bf16[2:]):
+        with pytest.raises(ValueError, match="FP8 .e4m3. operands with scales or bf16 ones without"):
+            cutlass_ops.cutlass_gemm(a, a_s, b, b_s, d16, None, None)

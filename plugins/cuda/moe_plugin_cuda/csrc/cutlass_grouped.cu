@@ -1,14 +1,15 @@
-// fp8_blockwise_grouped.cu -- CUTLASS 3.x-API (CUTLASS 4.2.0 headers) Hopper sm_90a grouped GEMM
-// with DeepSeek-style FP8 block scaling, behind a plain C ABI (no torch headers).
+// cutlass_grouped.cu -- CUTLASS 3.x-API (CUTLASS 4.2.0 headers) Hopper sm_90a ptr-array grouped GEMMs behind a
+// plain C ABI (no torch headers): FP8 with DeepSeek-style block scaling, and bf16.
 //
-//   D[g] (bf16 or fp32, row-major M_g x N_g) = sum_k  A[g][m,k] * SFA[g](m, k/128) * B[g][n,k] * SFB[g](n/128, k/128)
+//   FP8:  D[g] (bf16 or fp32, row-major M_g x N) = sum_k  A[g][m,k] * SFA[g](m, k/128) * B[g][n,k] * SFB[g](n/128, k/128)
+//   bf16: D[g] (bf16, row-major M_g x N)         = sum_k  A[g][m,k] * B[g][n,k]           (fp32 accumulation)
 //
 // Operands, per group g (all pointers are DEVICE pointers, read from device pointer arrays):
-//   A[g]   e4m3 (float8_e4m3fn), row-major [M_g, K]   (K contiguous, "T")
-//   B[g]   e4m3, each expert's weight row-major [N, K] (K contiguous, "N" in BLAS terms => "TN")
+//   A[g]   e4m3 (float8_e4m3fn) or bf16 (per variant), row-major [M_g, K]   (K contiguous, "T")
+//   B[g]   as A, each expert's weight row-major [N, K] (K contiguous, "N" in BLAS terms => "TN")
 //   D[g]   bf16 or fp32 (per variant), row-major [M_g, N] (N contiguous); no C operand (beta = 0, C is never read)
-//   SFA[g] fp32 activation scales, one per (token, 128-wide K group)
-//   SFB[g] fp32 weight scales, one per 128x128 (N, K) block
+//   SFA[g] fp32 activation scales, one per (token, 128-wide K group)     (FP8 variants; bf16 ones ignore it)
+//   SFB[g] fp32 weight scales, one per 128x128 (N, K) block               (FP8 variants; bf16 ones ignore it)
 //
 // Scale layouts (verified against include/cutlass/detail/blockwise_scale_layout.hpp,
 // Sm1xxBlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB, CUTLASS 4.2.0):
@@ -20,66 +21,70 @@
 //        sfa_ptrs[g] = base + row_offset_g * ceil(K/128). (SGLang's sgl-kernel uses this layout on sm90:
 //        Sm90BlockwiseScaleConfig<1,128,128,GMMA::Major::K,GMMA::Major::K>.)
 //
-// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, sessions 7 and 9):
-//   0: tile 128x128x128, KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, cluster 1x1x1, bf16 D
+// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, sessions 7, 9, 14, 15):
+//   0: FP8, tile 128x128x128, KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, cluster 1x1x1, bf16 D
 //   1: as 0 with an fp32 D
-//   2: tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
-//   3: tile 128x128x128, cooperative, cluster 1x2x1 (TMA multicast of A; SGLang's H100 config), bf16 D
+//   2: FP8, tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
+//   3: FP8, tile 128x128x128, cooperative, cluster 1x2x1 (TMA multicast of A; SGLang's H100 config), bf16 D
 //   4: as 2 with an fp32 D (pingpong: one warpgroup's epilogue overlaps the other's mainloop, which the
 //      cooperative kernel's fp32 stores do not)
-//   5: tile 128x128x128, cooperative, cluster 2x1x1 (TMA multicast of B: two M tiles share each weight tile), bf16 D
+//   5: FP8, tile 128x128x128, cooperative, cluster 2x1x1 (TMA multicast of B: two M tiles share each weight tile), bf16 D
 //   6: as 5 with an fp32 D
-//   7: tile  64x128x128, pingpong, cluster 2x1x1, fp32 D
+//   7: FP8, tile  64x128x128, pingpong, cluster 2x1x1, fp32 D
 //   8: as 7 with a bf16 D
+//   9: bf16, tile 128x256x64, KernelPtrArrayTmaWarpSpecializedCooperative, cluster 1x1x1, bf16 D
+//  10: bf16, tile  64x256x64, KernelPtrArrayTmaWarpSpecializedPingpong,    cluster 1x1x1, bf16 D
+//  11: bf16, tile 128x256x64, cooperative, cluster 2x1x1, bf16 D
+//  12: bf16, tile 128x128x64, cooperative, cluster 1x1x1, bf16 D
+// (bf16 tiles: the session-14 probe, benchmarks/cuda/h100_session14/probe_bf16_grouped.log, found 128x256 and
+// 64x256 6-21% faster than DeepGEMM's bf16 kernels on ~256-row experts; 128x128 is there for narrow N.)
 //
 // Per-group CUTLASS stride/layout arrays are built ON DEVICE by a tiny kernel (one thread per group) from
 // problem_sizes_dev, inside the caller-provided workspace, on the caller's stream: nothing syncs to the host.
-// Pass flags bit 0 (MOE_FP8BW_FLAG_REUSE_META) to skip that kernel when the SAME workspace was used by the
+// Pass flags bit 0 (MOE_CUTLASS_FLAG_REUSE_META) to skip that kernel when the SAME workspace was used by the
 // previous call with the same num_groups, same variant and the same N,K per group (strides depend on N,K
 // only; M is read by CUTLASS from problem_sizes_dev directly).
 //
 // Requirements / limitations:
-//   * K % 16 == 0 and N % 8 == 0 (16-byte TMA row alignment for e4m3 A/B and bf16 D);
-//     K and N need NOT be multiples of 128 (scale tensors use ceil_div; partial tiles are predicated).
+//   * K % 16 == 0 and N % 8 == 0 (16-byte TMA row alignment for e4m3 / bf16 A/B and bf16 D);
+//     K and N need NOT be multiples of the tile (scale tensors use ceil_div; partial tiles are predicated).
 //   * every A/B/D pointer 16-byte aligned; scale pointers 4-byte aligned.
 //   * M_g may be 0 (group is skipped; its pointers are never dereferenced).
 //   * problem_sizes_dev: int32 [G, 3] = (M, N, K) per group, device memory, must stay valid until the
 //     kernel has run (stream order).  Pointer arrays: device arrays of G 64-bit pointers.
-//   * Output bf16 or fp32 (per variant); accumulation fp32, scales applied per 128-K block in fp32 ("software" promotion).
+//   * Accumulation fp32; FP8 scales applied per 128-K block in fp32 ("software" promotion).
 //
-// Build (one TU, ~1m40s on 2 cores with nvcc 13.0):
-//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -shared -Xcompiler -fPIC -cudart static -DNDEBUG
-//        -I<cutlass>/include -I<cutlass>/tools/util/include -L<cuda>/lib -o libmoe_cutlass_fp8.so fp8_blockwise_grouped.cu
-// The shipped .so files come from build.sh instead: one object per variant (-DMOE_VARIANT_MASK=<bit>
-// -DMOE_NO_API) + one API object (-DMOE_VARIANT_MASK=0), -fvisibility=hidden, and for the static-cudart
-// build -Xlinker --exclude-libs,ALL -Bsymbolic, so only moe_* is exported and this library's cudart
-// calls can never bind to another copy of cudart loaded in the process (e.g. torch's).
+// Build: moe_plugin_cuda.cutlass_lib compiles one object per variant (-DMOE_VARIANT_MASK=<bit> -DMOE_NO_API)
+// + one API object (-DMOE_VARIANT_MASK=0), -fvisibility=hidden, and links them with a static cudart and
+// -Xlinker --exclude-libs,ALL -Bsymbolic, so only moe_* is exported and this library's cudart calls can never
+// bind to another copy of cudart loaded in the process (e.g. torch's). ~1-2 min per object on one core.
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <type_traits>
 #include <string>
 #include <cuda_runtime.h>
 #include "cutlass/version.h"
 
 #ifndef MOE_VARIANT_MASK
-#define MOE_VARIANT_MASK 0x1FF
+#define MOE_VARIANT_MASK 0x1FFF
 #endif
 
-#define MOE_NUM_VARIANTS 9
+#define MOE_NUM_VARIANTS 13
 #define MOE_API __attribute__((visibility("default")))
-#define MOE_FP8BW_FLAG_REUSE_META 1
+#define MOE_CUTLASS_FLAG_REUSE_META 1
 
 // Internal per-variant entry points (C linkage so separately-compiled objects link without name issues).
 #define MOE_RUN_ARGS                                                                                      \
   int, const int*, const int*, const void* const*, const void* const*, void* const*, const float* const*, \
       const float* const*, void*, size_t, cudaStream_t, int, char*, size_t
 #define MOE_DECLARE_VARIANT(k)            \
-  int moe_fp8bw_run_v##k(MOE_RUN_ARGS);   \
-  size_t moe_fp8bw_ws_v##k(int, int);
+  int moe_cutlass_run_v##k(MOE_RUN_ARGS);   \
+  size_t moe_cutlass_ws_v##k(int, int);
 extern "C" {
-typedef int (*moe_fp8bw_run_fn)(MOE_RUN_ARGS);
-typedef size_t (*moe_fp8bw_ws_fn)(int, int);
+typedef int (*moe_cutlass_run_fn)(MOE_RUN_ARGS);
+typedef size_t (*moe_cutlass_ws_fn)(int, int);
 MOE_DECLARE_VARIANT(0)
 MOE_DECLARE_VARIANT(1)
 MOE_DECLARE_VARIANT(2)
@@ -89,6 +94,10 @@ MOE_DECLARE_VARIANT(5)
 MOE_DECLARE_VARIANT(6)
 MOE_DECLARE_VARIANT(7)
 MOE_DECLARE_VARIANT(8)
+MOE_DECLARE_VARIANT(9)
+MOE_DECLARE_VARIANT(10)
+MOE_DECLARE_VARIANT(11)
+MOE_DECLARE_VARIANT(12)
 }
 
 #if MOE_VARIANT_MASK != 0
@@ -109,15 +118,17 @@ MOE_DECLARE_VARIANT(8)
 
 using namespace cute;
 
-namespace moe_fp8bw {
+namespace moe_cutlass {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // <M,N,K> per group
 
-template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
-          cute::GMMA::Major SFAMajor_, class ElementD_>
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_, class ElementAB_,
+          class ElementD_>
 struct Config {
-  using ElementA = cutlass::float_e4m3_t;
-  using ElementB = cutlass::float_e4m3_t;
+  // FP8 operands carry block scales (the mainloop reads SFA/SFB), bf16 ones none
+  static constexpr bool kBlockScaled = std::is_same_v<ElementAB_, cutlass::float_e4m3_t>;
+  using ElementA = ElementAB_;
+  using ElementB = ElementAB_;
   using ElementC = void;                    // no C operand
   using ElementD = ElementD_;
   using ElementAccumulator = float;
@@ -133,7 +144,7 @@ struct Config {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
 
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, SFAMajor_, cute::GMMA::Major::K>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -150,8 +161,10 @@ struct Config {
       EpilogueSchedule_, FusionOp>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      ArchTag, OperatorClass, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, AlignmentA, ElementB,
-      cute::tuple<LayoutB*, LayoutSFB*>, AlignmentB, ElementAccumulator, TileShape, ClusterShape,
+      ArchTag, OperatorClass, ElementA,
+      std::conditional_t<kBlockScaled, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>, AlignmentA, ElementB,
+      std::conditional_t<kBlockScaled, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>, AlignmentB, ElementAccumulator,
+      TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule_>::CollectiveOp;
@@ -228,10 +241,14 @@ typename Cfg::Gemm::Arguments make_args(int G, const int* ps_dev, const int* ps_
   cudaGetDevice(&hw.device_id);
   hw.sm_count = sm_count_cached();
 
-  typename Gemm::GemmKernel::MainloopArguments mainloop{
-      reinterpret_cast<const typename Cfg::ElementA**>(const_cast<const void**>(a)), sa,
-      reinterpret_cast<const typename Cfg::ElementB**>(const_cast<const void**>(b)), sb,
-      const_cast<const float**>(sfa), lsfa, const_cast<const float**>(sfb), lsfb};
+  [[maybe_unused]] auto* a_ptrs = reinterpret_cast<const typename Cfg::ElementA**>(const_cast<const void**>(a));
+  [[maybe_unused]] auto* b_ptrs = reinterpret_cast<const typename Cfg::ElementB**>(const_cast<const void**>(b));
+  typename Gemm::GemmKernel::MainloopArguments mainloop;
+  if constexpr (Cfg::kBlockScaled) {
+    mainloop = {a_ptrs, sa, b_ptrs, sb, const_cast<const float**>(sfa), lsfa, const_cast<const float**>(sfb), lsfb};
+  } else {
+    mainloop = {a_ptrs, sa, b_ptrs, sb};
+  }
   typename Gemm::GemmKernel::EpilogueArguments epilogue{
       {}, nullptr, sd, reinterpret_cast<typename Cfg::ElementD**>(const_cast<void**>(d)), sd};
 
@@ -273,7 +290,7 @@ int run(int G, const int* ps_dev, const int* ps_host, const void* const* a, cons
   uint8_t* meta = base;
   uint8_t* cutlass_ws = base + Meta<Cfg>::bytes(G);
 
-  if (!(flags & MOE_FP8BW_FLAG_REUSE_META)) {
+  if (!(flags & MOE_CUTLASS_FLAG_REUSE_META)) {
     using M = Meta<Cfg>;
     int threads = 128, blocks = (G + threads - 1) / threads;
     build_meta_kernel<Cfg><<<blocks, threads, 0, stream>>>(
@@ -312,33 +329,42 @@ int run(int G, const int* ps_dev, const int* ps_host, const void* const* a, cons
 
 using Coop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
 using Ping = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+using CoopBf16 = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+using PingBf16 = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+using E4M3 = cutlass::float_e4m3_t;
+using Bf16 = cutlass::bfloat16_t;
 using EpiCoop = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 using EpiPing = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 
 // moe-plugin-cuda runs an fp32-D variant for GEMM1 (its output is quantized again after the activation, as the
 // reference does: a bf16 rounding first could flip FP8 codes) and a bf16-D one for GEMM2; which ones, per T, is
 // in its tuned table (default 1 and 0)
-using Cfg0 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
-using Cfg1 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
-using Cfg2 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
-using Cfg3 = Config<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
-using Cfg4 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, float>;
-using Cfg5 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, cutlass::bfloat16_t>;
-using Cfg6 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, cute::GMMA::Major::K, float>;
-using Cfg7 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, float>;
-using Cfg8 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, cute::GMMA::Major::K, cutlass::bfloat16_t>;
+using Cfg0 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, E4M3, Bf16>;
+using Cfg1 = Config<Shape<_128, _128, _128>, Shape<_1, _1, _1>, Coop, EpiCoop, E4M3, float>;
+using Cfg2 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, E4M3, Bf16>;
+using Cfg3 = Config<Shape<_128, _128, _128>, Shape<_1, _2, _1>, Coop, EpiCoop, E4M3, Bf16>;
+using Cfg4 = Config<Shape<_64, _128, _128>, Shape<_1, _1, _1>, Ping, EpiPing, E4M3, float>;
+using Cfg5 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, E4M3, Bf16>;
+using Cfg6 = Config<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Coop, EpiCoop, E4M3, float>;
+using Cfg7 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, E4M3, float>;
+using Cfg8 = Config<Shape<_64, _128, _128>, Shape<_2, _1, _1>, Ping, EpiPing, E4M3, Bf16>;
+// bf16 (no scales): K tile 64, the same bytes per stage as FP8's 128
+using Cfg9 = Config<Shape<_128, _256, _64>, Shape<_1, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16>;
+using Cfg10 = Config<Shape<_64, _256, _64>, Shape<_1, _1, _1>, PingBf16, EpiPing, Bf16, Bf16>;
+using Cfg11 = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16>;
+using Cfg12 = Config<Shape<_128, _128, _64>, Shape<_1, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16>;
 
-}  // namespace moe_fp8bw
+}  // namespace moe_cutlass
 
 #define MOE_DEFINE_VARIANT(k)                                                                                  \
-  extern "C" int moe_fp8bw_run_v##k(int G, const int* ps_dev, const int* ps_host, const void* const* a,       \
+  extern "C" int moe_cutlass_run_v##k(int G, const int* ps_dev, const int* ps_host, const void* const* a,       \
                                     const void* const* b, void* const* d, const float* const* sfa,            \
                                     const float* const* sfb, void* ws, size_t wsb, cudaStream_t s, int flags, \
                                     char* err, size_t errn) {                                                 \
-    return moe_fp8bw::run<moe_fp8bw::Cfg##k>(G, ps_dev, ps_host, a, b, d, sfa, sfb, ws, wsb, s, flags, err,   \
+    return moe_cutlass::run<moe_cutlass::Cfg##k>(G, ps_dev, ps_host, a, b, d, sfa, sfb, ws, wsb, s, flags, err,   \
                                              errn);                                                           \
   }                                                                                                           \
-  extern "C" size_t moe_fp8bw_ws_v##k(int G, int) { return moe_fp8bw::workspace_size<moe_fp8bw::Cfg##k>(G); }
+  extern "C" size_t moe_cutlass_ws_v##k(int G, int) { return moe_cutlass::workspace_size<moe_cutlass::Cfg##k>(G); }
 
 #if (MOE_VARIANT_MASK & 1)
 MOE_DEFINE_VARIANT(0)
@@ -367,6 +393,18 @@ MOE_DEFINE_VARIANT(7)
 #if (MOE_VARIANT_MASK & 256)
 MOE_DEFINE_VARIANT(8)
 #endif
+#if (MOE_VARIANT_MASK & 512)
+MOE_DEFINE_VARIANT(9)
+#endif
+#if (MOE_VARIANT_MASK & 1024)
+MOE_DEFINE_VARIANT(10)
+#endif
+#if (MOE_VARIANT_MASK & 2048)
+MOE_DEFINE_VARIANT(11)
+#endif
+#if (MOE_VARIANT_MASK & 4096)
+MOE_DEFINE_VARIANT(12)
+#endif
 
 #endif  // MOE_VARIANT_MASK != 0
 
@@ -387,30 +425,38 @@ static const char* kVariantNames[MOE_NUM_VARIANTS] = {
     "v6_coop_128x128x128_c2x1_fp32out",
     "v7_ping_64x128x128_c2x1_fp32out",
     "v8_ping_64x128x128_c2x1_bf16out",
+    "v9_bf16_coop_128x256x64_c1x1_bf16out",
+    "v10_bf16_ping_64x256x64_c1x1_bf16out",
+    "v11_bf16_coop_128x256x64_c2x1_bf16out",
+    "v12_bf16_coop_128x128x64_c1x1_bf16out",
 };
 
-static moe_fp8bw_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_run_v0, moe_fp8bw_run_v1, moe_fp8bw_run_v2,
-                                                     moe_fp8bw_run_v3, moe_fp8bw_run_v4, moe_fp8bw_run_v5,
-                                                     moe_fp8bw_run_v6, moe_fp8bw_run_v7, moe_fp8bw_run_v8};
-static moe_fp8bw_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_fp8bw_ws_v0, moe_fp8bw_ws_v1, moe_fp8bw_ws_v2,
-                                                   moe_fp8bw_ws_v3, moe_fp8bw_ws_v4, moe_fp8bw_ws_v5,
-                                                   moe_fp8bw_ws_v6, moe_fp8bw_ws_v7, moe_fp8bw_ws_v8};
+static moe_cutlass_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_cutlass_run_v0, moe_cutlass_run_v1, moe_cutlass_run_v2,
+                                                     moe_cutlass_run_v3, moe_cutlass_run_v4, moe_cutlass_run_v5,
+                                                     moe_cutlass_run_v6, moe_cutlass_run_v7, moe_cutlass_run_v8,
+                                                     moe_cutlass_run_v9, moe_cutlass_run_v10, moe_cutlass_run_v11,
+                                                     moe_cutlass_run_v12};
+static moe_cutlass_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_cutlass_ws_v0, moe_cutlass_ws_v1, moe_cutlass_ws_v2,
+                                                   moe_cutlass_ws_v3, moe_cutlass_ws_v4, moe_cutlass_ws_v5,
+                                                   moe_cutlass_ws_v6, moe_cutlass_ws_v7, moe_cutlass_ws_v8,
+                                                   moe_cutlass_ws_v9, moe_cutlass_ws_v10, moe_cutlass_ws_v11,
+                                                   moe_cutlass_ws_v12};
 
 extern "C" {
 
-MOE_API int moe_fp8_blockwise_num_variants() { return MOE_NUM_VARIANTS; }
+MOE_API int moe_cutlass_num_variants() { return MOE_NUM_VARIANTS; }
 
-MOE_API const char* moe_fp8_blockwise_variant_name(int variant) {
+MOE_API const char* moe_cutlass_variant_name(int variant) {
   return (variant >= 0 && variant < MOE_NUM_VARIANTS) ? kVariantNames[variant] : "invalid";
 }
 
 // 1 if SFA is expected K-major ([M_g, K/128] row-major per group), 0 if MN-major ([K/128, M_g]).
-MOE_API int moe_fp8_blockwise_variant_sfa_kmajor(int variant) { return 1; }
+MOE_API int moe_cutlass_variant_sfa_kmajor(int variant) { return 1; }
 
-MOE_API const char* moe_fp8_blockwise_last_error() { return g_last_error; }
+MOE_API const char* moe_cutlass_last_error() { return g_last_error; }
 
 // Workspace bytes for `num_groups` groups on the CURRENT device (depends on its SM count); 0 on error.
-MOE_API size_t moe_fp8_blockwise_workspace_size(int num_groups, int variant) {
+MOE_API size_t moe_cutlass_workspace_size(int num_groups, int variant) {
   if (variant < 0 || variant >= MOE_NUM_VARIANTS) {
     snprintf(g_last_error, sizeof(g_last_error), "invalid variant %d", variant);
     return 0;
@@ -418,9 +464,9 @@ MOE_API size_t moe_fp8_blockwise_workspace_size(int num_groups, int variant) {
   return ws_fns[variant](num_groups < 1 ? 1 : num_groups, 0);
 }
 
-// Returns 0 on success, non-zero on error (message via moe_fp8_blockwise_last_error()).
+// Returns 0 on success, non-zero on error (message via moe_cutlass_last_error()).
 // The launch is asynchronous on `stream`; errors inside the kernel surface at the next sync.
-MOE_API int moe_fp8_blockwise_grouped_gemm(int num_groups, const int* problem_sizes_dev,
+MOE_API int moe_cutlass_grouped_gemm(int num_groups, const int* problem_sizes_dev,
                                    const int* problem_sizes_host_or_null, const void* const* a_ptrs_dev,
                                    const void* const* b_ptrs_dev, void* const* d_ptrs_dev,
                                    const float* const* sfa_ptrs_dev, const float* const* sfb_ptrs_dev,
@@ -435,7 +481,7 @@ MOE_API int moe_fp8_blockwise_grouped_gemm(int num_groups, const int* problem_si
                           reinterpret_cast<cudaStream_t>(stream), flags, g_last_error, sizeof(g_last_error));
 }
 
-MOE_API const char* moe_fp8_blockwise_build_info() {
+MOE_API const char* moe_cutlass_build_info() {
   static char buf[256];
   snprintf(buf, sizeof(buf), "nvcc %d.%d, CUTLASS %d.%d.%d, sm_90a", __CUDACC_VER_MAJOR__, __CUDACC_VER_MINOR__,
            CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH);
