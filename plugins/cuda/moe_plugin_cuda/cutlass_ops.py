@@ -285,9 +285,10 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
 
     FP8: ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
     (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. bf16 (``w13_scale``
-    None, ``gemm`` ``CUTLASS_BF16`` or ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the checkpoint layout or gate/up
-    interleaved (``w13_interleaved``). ``variants``: the kernels of GEMM1 and GEMM2 (indices into
-    ``cutlass_lib.VARIANTS``, ``deepgemm_lib.FP8_VARIANTS`` or ``deepgemm_lib.BF16_VARIANTS``).
+    None, ``gemm`` ``CUTLASS_BF16`` or ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the
+    checkpoint layout or gate/up interleaved (``w13_interleaved``). ``variants``: the kernels of GEMM1
+    and GEMM2 (indices into ``cutlass_lib.VARIANTS``, ``deepgemm_lib.FP8_VARIANTS`` or
+    ``deepgemm_lib.BF16_VARIANTS``).
     """
     T, H = hidden.shape
     E, top_k = w13.shape[0], topk_ids.shape[1]

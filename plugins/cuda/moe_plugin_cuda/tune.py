@@ -160,9 +160,10 @@ def _make_weights(E, H, inter, fp8, g, dev, interleave):
 
 def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[int, int],
                     log=None, fp8: bool = True) -> tuple[tuple[int, int], float]:
-    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time:
-    GEMM1's with GEMM2's default, then GEMM2's with that one. Only the default pair is timed where it
-    is far (25%) behind the Triton path's ``t_triton``: the kernels differ by less."""
+    """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the
+    grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default,
+    then GEMM2's with that one. Only the default pair is timed where it is far (25%) behind the Triton
+    path's ``t_triton``: the kernels differ by less."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
 
     if gemm_name == "cutlass" and fp8:  # GEMM1 writes fp32, GEMM2 bf16

@@ -366,8 +366,8 @@ def test_cutlass_kernel_variants_match_the_source():
 
     # refused before any launch: a kernel of the wrong output or operand dtype, one past the list, scales
     # with bf16 operands or none with FP8 ones
-    fp8 = (torch.empty(4, 16, dtype=torch.float8_e4m3fn), torch.empty(4, 1), torch.empty(1, 8, 16, dtype=torch.float8_e4m3fn),
-           torch.empty(1, 1, 1))
+    e4m3 = torch.float8_e4m3fn
+    fp8 = (torch.empty(4, 16, dtype=e4m3), torch.empty(4, 1), torch.empty(1, 8, 16, dtype=e4m3), torch.empty(1, 1, 1))
     bf16 = (torch.empty(4, 16, dtype=torch.bfloat16), None, torch.empty(1, 8, 16, dtype=torch.bfloat16), None)
     d32, d16 = torch.empty(4, 8), torch.empty(4, 8, dtype=torch.bfloat16)
     bf16_kernel = cutlass_lib.DEFAULT_VARIANTS["bf16"][0]
