@@ -450,9 +450,6 @@ MOE_API const char* moe_cutlass_variant_name(int variant) {
   return (variant >= 0 && variant < MOE_NUM_VARIANTS) ? kVariantNames[variant] : "invalid";
 }
 
-// 1 if SFA is expected K-major ([M_g, K/128] row-major per group), 0 if MN-major ([K/128, M_g]).
-MOE_API int moe_cutlass_variant_sfa_kmajor(int variant) { return 1; }
-
 MOE_API const char* moe_cutlass_last_error() { return g_last_error; }
 
 // Workspace bytes for `num_groups` groups on the CURRENT device (depends on its SM count); 0 on error.
