@@ -166,9 +166,11 @@ class CutlassExperts(Experts):
     sort and gather do not pay (small T) the Triton kernels run instead, on the two-accumulator
     GEMM1 that reads this layout: the tuned table says which path at which T (``choose_path``).
 
-    The grouped GEMMs are CUTLASS's (fp32 GEMM1 output) or DeepGEMM's SM90 kernel (bf16 GEMM1 output,
-    so h is rounded to bf16 before its FP8 requantization, as in SGLang's DeepGEMM runner; needs the
-    ``sgl-deep-gemm`` headers), whichever the table measured faster at that T.
+    The grouped GEMMs are CUTLASS's (fp32 GEMM1 output, or bf16 where the table picked such a kernel) or
+    DeepGEMM's SM90 kernel (bf16 GEMM1 output; needs the ``sgl-deep-gemm`` headers), whichever the table
+    measured faster at that T. A bf16 GEMM1 output rounds h before its FP8 requantization, as SGLang's
+    DeepGEMM runner does; the tables run those kernels from T=1024 only (at one token a flipped e4m3 code
+    of h can cost more than the conformance kit allows).
 
     bf16: w13 gate/up interleaved as the triton backend keeps it, and below the table's crossover
     exactly the triton backend's kernels and configs; above it CUTLASS's or DeepGEMM's SM90 bf16

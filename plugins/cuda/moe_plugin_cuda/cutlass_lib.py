@@ -19,8 +19,8 @@ from moe_plugin_cuda.nvcc_build import nvcc
 
 SOURCE = Path(__file__).parent / "csrc" / "cutlass_grouped.cu"
 # The kernels the source instantiates, by index: (operands' dtype, schedule and tile, cluster, D's dtype). Each
-# compiles as its own object, in parallel. FP8: GEMM1 runs an fp32-D one, GEMM2 a bf16-D one; bf16: bf16 D
-# both; the tuned table picks which, per T.
+# compiles as its own object, in parallel. FP8: GEMM1 an fp32-D or bf16-D one (the pipeline allocates D as the
+# kernel writes it), GEMM2 a bf16-D one; bf16: bf16 D both; the tuned table picks which, per T.
 VARIANTS = (("fp8", "coop 128x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x1", "fp32"),
             ("fp8", "ping 64x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x2", "bf16"),
             ("fp8", "ping 64x128x128", "1x1", "fp32"), ("fp8", "coop 128x128x128", "2x1", "bf16"),

@@ -9,7 +9,7 @@ place of the grouping.
 Everything is shape-driven: the grouping by expert (``triton_ops.expert_rows``, two Triton
 launches) and the GEMMs' per-expert row counts and pointers stay on the device, so no call syncs
 with the host and the pipeline can be captured in a CUDA graph. ``gemm`` is the grouped GEMM and
-the layout it wants (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 GEMM1 output, rows packed),
+the layout it wants (``GroupedGemm``): ``CUTLASS`` (FP8; fp32 or bf16 GEMM1 output, rows packed),
 ``CUTLASS_BF16`` (CUTLASS's bf16 kernels: bf16 output, rows packed), ``DEEPGEMM`` (DeepGEMM's FP8
 kernel: bf16 output, each expert's rows from a multiple of 128, activation scales MN-major),
 ``DEEPGEMM_BF16`` (DeepGEMM's bf16 kernel, same rows), or the torch emulation for CI without a GPU
@@ -24,7 +24,7 @@ import torch
 import triton
 
 from moe_plugin_cuda import triton_kernels as K
-from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups
+from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups, row_pass_grid
 
 GemmFn = Callable[..., None]
 BLOCK = 128
@@ -203,9 +203,10 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8, mn_major: bo
     s = _scales(R, g, mn_major, d1.device)
     if R:
         groups = min(8, triton.next_power_of_2(g))
-        K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](
-            d1, q, s, rows_used if rows_used is not None else d1, inter, d1.stride(0), q.stride(0), s.stride(0),
-            s.stride(1), GROUPS=groups, BOUNDED=rows_used is not None)
+        progs, rows, warps = row_pass_grid(R, groups * BLOCK)
+        K._silu_mul_quant_kernel[(progs, triton.cdiv(g, groups))](
+            d1, q, s, rows_used if rows_used is not None else d1, R, inter, d1.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), ROWS=rows, GROUPS=groups, BOUNDED=rows_used is not None, num_warps=warps)
     return q, s
 
 
@@ -219,10 +220,22 @@ def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False
     h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
     if R:
         block = min(1024, triton.next_power_of_2(inter))
-        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](
-            d1, h, rows_used if rows_used is not None else d1, inter, d1.stride(0), h.stride(0), BLOCK=block,
-            INTERLEAVED=interleaved, BOUNDED=rows_used is not None)
+        progs, rows, warps = row_pass_grid(R, block)
+        K._silu_mul_kernel[(progs, triton.cdiv(inter, block))](
+            d1, h, rows_used if rows_used is not None else d1, R, inter, d1.stride(0), h.stride(0), ROWS=rows,
+            BLOCK=block, INTERLEAVED=interleaved, BOUNDED=rows_used is not None, num_warps=warps)
     return h
+
+
+def _gemm1_dtype(gemm: GroupedGemm, variant: Optional[int]) -> torch.dtype:
+    """GEMM1's output dtype: with packed rows (CUTLASS's layout) the named kernel's D (the FP8 kernels
+    write fp32 or bf16: a bf16 h is rounded before its FP8 requantization, as on DeepGEMM), otherwise
+    ``gemm.gemm1_dtype``."""
+    from moe_plugin_cuda import cutlass_lib
+
+    if variant is None or gemm.row_align != 1:
+        return gemm.gemm1_dtype
+    return torch.float32 if cutlass_lib.VARIANTS[variant][3] == "fp32" else torch.bfloat16
 
 
 def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
@@ -234,7 +247,7 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
     within experts, only feed GEMM2 output rows that no slot reads."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
-    d1 = torch.empty((R, w13.shape[1]), dtype=gemm.gemm1_dtype, device=a.device)
+    d1 = torch.empty((R, w13.shape[1]), dtype=_gemm1_dtype(gemm, v1), device=a.device)
     gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
     used = row_start[-1:] + m_sizes[-1:] if sorted_rows else None
     if w13_scale is None:

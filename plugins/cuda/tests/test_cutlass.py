@@ -71,6 +71,56 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized, layout):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+def test_fp8_gemm1_output_follows_the_kernel_interpreter():
+    """Packed rows: GEMM1's output is allocated as the named CUTLASS kernel writes it (fp32 for
+    variant 1, bf16 for variant 0: h then carries bf16 rounding, within the FP8 tolerance); without a
+    kernel named, or in DeepGEMM's layout, the pipeline's own GEMM1 dtype."""
+    from moe_plugin_cuda import cutlass_lib, cutlass_ops
+
+    assert [cutlass_lib.VARIANTS[v][3] for v in (0, 1)] == ["bf16", "fp32"]
+    T, E, K, H, inter = 37, 6, 2, 384, 256
+    a, a_s, x = _acts(T, H)
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    ids[torch.rand(T, K) < 0.2] = -1
+    w = torch.rand(T, K)
+    ref = moe_float64(x, w, ids, w13_full, w2_full)
+    errors = {}
+    for variants in ((1, 0), (0, 0)):
+        out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.0,
+                                        out_dtype=torch.float32, gemm=cutlass_ops.REFERENCE,
+                                        code_dtype=torch.float32, variants=variants)
+        errors[variants] = relative_error(out, ref)
+    assert errors[(1, 0)] < 1e-4  # fp32 h: exact but for float32 math
+    assert 1e-5 < errors[(0, 0)] < 1e-2, errors  # bf16 h: rounded once, no more
+    assert cutlass_ops._gemm1_dtype(cutlass_ops.CUTLASS, None) == torch.float32
+    assert cutlass_ops._gemm1_dtype(cutlass_ops.DEEPGEMM, 1) == torch.bfloat16
+
+
+def test_tuner_tries_bf16_gemm1_kernels_from_1024_tokens():
+    """The tuner's CUTLASS FP8 search: GEMM1 kernels writing bf16 are candidates only from
+    MIN_BF16_H_TOKENS tokens (below, a flipped code of h at one token can exceed the kit's allowance),
+    and the fastest pair wins."""
+    from moe_plugin_cuda import cutlass_lib, tune
+
+    bf16_d = set(cutlass_lib.variants_for("fp8", "bf16"))
+    for tokens in (64, tune.MIN_BF16_H_TOKENS):
+        tried = []
+
+        def pipeline_time(what, run, variants, tried=tried):
+            tried.append(variants)
+            return 1.0 - 0.1 * (variants == (2, 0))  # a bf16-D GEMM1 kernel is the fastest
+
+        best, t = tune.grouped_kernels(pipeline_time, 1.0, "cutlass", (512, 256), tokens=tokens)
+        bf16_tried = {v1 for v1, _ in tried} & bf16_d
+        if tokens < tune.MIN_BF16_H_TOKENS:
+            assert not bf16_tried and best[0] not in bf16_d
+        else:
+            assert bf16_tried and best == (2, 0) and t == pytest.approx(0.9)
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("row_align", [1, 128], ids=["packed", "deepgemm"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["checkpoint_w13", "interleaved_w13"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -191,8 +241,9 @@ def test_silu_mul_layouts_and_row_bound_interpreter(inter):
         assert relative_error(cutlass_ops.silu_mul(src, torch.float32, interleaved, used)[:5], want[:5]) < 1e-6
         h = torch.full((7, inter), 7.0)  # the launcher allocates with empty: the kernel itself, on marked rows
         block = min(1024, triton.next_power_of_2(inter))
-        K._silu_mul_kernel[(7, triton.cdiv(inter, block))](src, h, used, inter, src.stride(0), h.stride(0),
-                                                           BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
+        # 2 rows a program: the bound falls inside one (rows 4, 5), and the last program has 1 row of 2
+        K._silu_mul_kernel[(4, triton.cdiv(inter, block))](src, h, used, 7, inter, src.stride(0), h.stride(0),
+                                                           ROWS=2, BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
         assert relative_error(h[:5], want[:5]) < 1e-6 and bool((h[5:] == 7.0).all())
     q, s = cutlass_ops.silu_mul_quant(d1, torch.float32, False, used)
     full_q, full_s = cutlass_ops.silu_mul_quant(d1, torch.float32, False)

@@ -391,7 +391,9 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
                       quantize_activation=lambda h, *_: dequantize_fp8_per_token_group(
                           *quantize_fp8_per_token_group(h.float())).double())
     x_codes, x_scale = quantize_fp8_per_token_group(x.to(torch.bfloat16))
-    for variants, prequantized in ((None, False), ((4, 2), True), ((7, 8), False), ((6, 5), True)):
+    # (0, 3) and (2, 0): GEMM1 kernels writing bf16, h allocated as they write it (rounded before its FP8)
+    for variants, prequantized in ((None, False), ((4, 2), True), ((7, 8), False), ((6, 5), True), ((0, 3), False),
+                                   ((2, 0), True)):
         out = cutlass_ops.fused_experts(x_codes if prequantized else x.to(torch.bfloat16),
                                         x_scale if prequantized else None, w["w13"], w["w2"], w["w13_scale"],
                                         w["w2_scale"], topk.weights, topk.ids, routed_scaling_factor=1.7,
