@@ -2,6 +2,8 @@
 group quantizer) with ROWS rows a program (``triton_ops.ROW_PASS_ELEMS`` elements) against one row a program
 (ROW_PASS_ELEMS = 1: the kernels as they were up to session 16), on the shapes of the cells they run in.
 Outputs must be equal bit for bit; times are graph replays (median), GB/s counts bytes read and written.
+Ran at commit fed2a77, whose row-pass kernels (ROWS rows a program) were reverted after this measurement: no
+gain worth them (2-6% on some shapes, 9% slower on others; the passes already ran at 2.0-3.0 TB/s).
 
     bash benchmarks/cuda/run_h100.sh $OUT install && python3 benchmarks/cuda/h100_session17/probe_row_passes.py
 """

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from moe_plugin_cuda import triton_kernels as K
-from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups, row_pass_grid
+from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups
 
 GemmFn = Callable[..., None]
 BLOCK = 128
@@ -203,10 +203,9 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8, mn_major: bo
     s = _scales(R, g, mn_major, d1.device)
     if R:
         groups = min(8, triton.next_power_of_2(g))
-        progs, rows, warps = row_pass_grid(R, groups * BLOCK)
-        K._silu_mul_quant_kernel[(progs, triton.cdiv(g, groups))](
-            d1, q, s, rows_used if rows_used is not None else d1, R, inter, d1.stride(0), q.stride(0), s.stride(0),
-            s.stride(1), ROWS=rows, GROUPS=groups, BOUNDED=rows_used is not None, num_warps=warps)
+        K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](
+            d1, q, s, rows_used if rows_used is not None else d1, inter, d1.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), GROUPS=groups, BOUNDED=rows_used is not None)
     return q, s
 
 
@@ -220,10 +219,9 @@ def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False
     h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
     if R:
         block = min(1024, triton.next_power_of_2(inter))
-        progs, rows, warps = row_pass_grid(R, block)
-        K._silu_mul_kernel[(progs, triton.cdiv(inter, block))](
-            d1, h, rows_used if rows_used is not None else d1, R, inter, d1.stride(0), h.stride(0), ROWS=rows,
-            BLOCK=block, INTERLEAVED=interleaved, BOUNDED=rows_used is not None, num_warps=warps)
+        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](
+            d1, h, rows_used if rows_used is not None else d1, inter, d1.stride(0), h.stride(0), BLOCK=block,
+            INTERLEAVED=interleaved, BOUNDED=rows_used is not None)
     return h
 
 

@@ -438,46 +438,18 @@ def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, row_map_ptr, topk_w
 
 
 @triton.jit
-def _row_block(rows_used_ptr, R, ROWS: tl.constexpr, BOUNDED: tl.constexpr):
-    """This program's ROWS rows (int64) and which of them to do: those below R, and with BOUNDED below
-    ``rows_used[0]`` too (rows allocated for the worst routing, unused by this one)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    limit = R
-    if BOUNDED:
-        limit = tl.minimum(limit, tl.load(rows_used_ptr))
-    return rows.to(tl.int64), rows < limit
-
-
-@triton.jit
-def _group_offsets(ROWS: tl.constexpr, GROUPS: tl.constexpr):
-    """(GROUPS 128-column groups of this program, their columns ``[1, GROUPS, 128]``)."""
-    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    return grp, (grp[:, None] * 128 + tl.arange(0, 128)[None, :])[None, :, :]
-
-
-@triton.jit
-def _store_quantized(q_ptr, s_ptr, rows, row_ok, grp, cols, width, v, stride_q, stride_s, stride_sg,
-                     ROWS: tl.constexpr, GROUPS: tl.constexpr):
-    """Quantize ``v`` ``[ROWS, GROUPS, 128]`` per (row, group) (``_quant_groups``) and store codes and scales."""
-    q, s = _quant_groups(tl.reshape(v, (ROWS * GROUPS, 128)))
-    m = row_ok[:, None, None] & (cols < width)
-    tl.store(q_ptr + rows[:, None, None] * stride_q + cols, tl.reshape(q, (ROWS, GROUPS, 128)).to(q_ptr.dtype.element_ty),
-             mask=m)
-    tl.store(s_ptr + rows[:, None] * stride_s + grp[None, :] * stride_sg, tl.reshape(s, (ROWS, GROUPS)),
-             mask=row_ok[:, None] & (grp * 128 < width)[None, :])
-
-
-@triton.jit
-def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s, ROWS: tl.constexpr,
-                            GROUPS: tl.constexpr):
+def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s, GROUPS: tl.constexpr):
     """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale)).
-    GROUPS groups of ROWS rows per program (one group per program was 140 us, ~4x HBM time, for
-    DeepSeek-V3's 4096 x 7168 input on the H100; several rows keep more bytes in flight for narrow rows)."""
-    rows, row_ok = _row_block(x_ptr, M, ROWS, False)
-    grp, cols = _group_offsets(ROWS, GROUPS)
-    m = row_ok[:, None, None] & (cols < H)  # also masks the groups past the last one
-    x = tl.load(x_ptr + rows[:, None, None] * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    _store_quantized(q_ptr, s_ptr, rows, row_ok, grp, cols, H, x, stride_q, stride_s, 1, ROWS, GROUPS)
+    GROUPS groups of one row per program (one group per program was 140 us, ~4x HBM time, for
+    DeepSeek-V3's 4096 x 7168 input on the H100)."""
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = offs < H  # also masks the groups past the last one
+    x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+    q, s = _quant_groups(x)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row * stride_s + grp, s, mask=grp * 128 < H)
 
 
 @triton.jit
@@ -509,45 +481,43 @@ def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_ma
 
 
 @triton.jit
-def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, rows_used_ptr, R, inter, stride_d, stride_q, stride_s, stride_sg,
-                           ROWS: tl.constexpr, GROUPS: tl.constexpr, BOUNDED: tl.constexpr):
+def _silu_mul_quant_kernel(d_ptr, q_ptr, s_ptr, rows_used_ptr, inter, stride_d, stride_q, stride_s, stride_sg,
+                           GROUPS: tl.constexpr, BOUNDED: tl.constexpr):
     """h = silu(gate) * up from GEMM1's output row [gate (inter) | up (inter)], quantized per (row,
-    128-column group) exactly like ``_quant_fp8_group_kernel``; ROWS rows x GROUPS groups a program.
-    BOUNDED: rows at and past ``rows_used[0]`` (allocated for the worst routing, unused by this one)
-    are skipped."""
-    rows, row_ok = _row_block(rows_used_ptr, R, ROWS, BOUNDED)
-    if tl.sum(row_ok.to(tl.int32), axis=0) == 0:
-        return
-    grp, cols = _group_offsets(ROWS, GROUPS)
-    m = row_ok[:, None, None] & (cols < inter)
-    src = d_ptr + rows[:, None, None] * stride_d + cols
-    gate = tl.load(src, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(src + inter, mask=m, other=0.0).to(tl.float32)
-    _store_quantized(q_ptr, s_ptr, rows, row_ok, grp, cols, inter, gate * tl.sigmoid(gate) * up, stride_q, stride_s,
-                     stride_sg, ROWS, GROUPS)
+    128-column group) exactly like ``_quant_fp8_group_kernel``. BOUNDED: rows at and past
+    ``rows_used[0]`` (allocated for the worst routing, unused by this one) are skipped."""
+    row = tl.program_id(0).to(tl.int64)
+    if BOUNDED:
+        if row >= tl.load(rows_used_ptr):
+            return
+    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+    m = offs < inter
+    gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+    up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
+    q, s = _quant_groups(gate * tl.sigmoid(gate) * up)
+    tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=grp * 128 < inter)
 
 
 @triton.jit
-def _silu_mul_kernel(d_ptr, h_ptr, rows_used_ptr, R, inter, stride_d, stride_h, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr, BOUNDED: tl.constexpr):
+def _silu_mul_kernel(d_ptr, h_ptr, rows_used_ptr, inter, stride_d, stride_h, BLOCK: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, BOUNDED: tl.constexpr):
     """h = silu(gate) * up from GEMM1's output row: [gate (inter) | up (inter)], or with INTERLEAVED
     gate/up pairs (column 2j gate, 2j+1 up: GEMM1 over ``weights.interleave_gate_up_``'s w13), read
     as one contiguous run of 2*BLOCK values and split (two stride-2 loads ran at ~2 TB/s on the H100).
-    ROWS rows a program; BOUNDED: rows at and past ``rows_used[0]`` are skipped (see
-    ``_silu_mul_quant_kernel``)."""
-    rows, row_ok = _row_block(rows_used_ptr, R, ROWS, BOUNDED)
-    if tl.sum(row_ok.to(tl.int32), axis=0) == 0:
-        return
+    BOUNDED: rows at and past ``rows_used[0]`` are skipped (see ``_silu_mul_quant_kernel``)."""
+    row = tl.program_id(0).to(tl.int64)
+    if BOUNDED:
+        if row >= tl.load(rows_used_ptr):
+            return
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = row_ok[:, None] & (offs < inter)[None, :]
+    m = offs < inter
     if INTERLEAVED:
         pair = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
-        gu = tl.load(d_ptr + rows[:, None] * stride_d + pair[None, :],
-                     mask=row_ok[:, None] & (pair < 2 * inter)[None, :], other=0.0).to(tl.float32)
-        gate, up = tl.split(tl.reshape(gu, (ROWS, BLOCK, 2)))
+        gu = tl.load(d_ptr + row * stride_d + pair, mask=pair < 2 * inter, other=0.0).to(tl.float32)
+        gate, up = tl.split(tl.reshape(gu, (BLOCK, 2)))
     else:
-        src = d_ptr + rows[:, None] * stride_d + offs[None, :]
-        gate = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(src + inter, mask=m, other=0.0).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_h + offs[None, :], (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty),
-             mask=m)
+        gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * stride_h + offs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=m)

@@ -123,19 +123,6 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     return counts, starts, row_of_slot, rows
 
 
-# elements of one row-wise pass's program (rows x columns): a program per row left narrow rows (qwen3-30b's
-# I=768) with too few bytes in flight, ~60% of HBM bandwidth
-ROW_PASS_ELEMS = 4096
-
-
-def row_pass_grid(rows: int, width: int) -> tuple[tuple[int, int], int, int]:
-    """Launch shape of a row-wise pass over ``rows`` rows, ``width`` (a power of two, at most
-    ROW_PASS_ELEMS) columns a program: (grid's rows dimension and 1, ROWS, num_warps); the caller sets
-    the column dimension."""
-    per = max(1, ROW_PASS_ELEMS // width)
-    return triton.cdiv(rows, per), per, max(4, min(16, per * width // 1024))
-
-
 def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group."""
     M, H = x.shape
@@ -144,10 +131,8 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((M, g), dtype=torch.float32, device=x.device)
     if M:
         groups = min(8, _pow2(g))
-        progs, rows, warps = row_pass_grid(M, groups * 128)
-        K._quant_fp8_group_kernel[(progs, triton.cdiv(g, groups))](x, q, s, M, H, x.stride(0), q.stride(0),
-                                                                   s.stride(0), ROWS=rows, GROUPS=groups,
-                                                                   num_warps=warps)
+        K._quant_fp8_group_kernel[(M, triton.cdiv(g, groups))](x, q, s, H, x.stride(0), q.stride(0), s.stride(0),
+                                                               GROUPS=groups)
     return q, s
 
 

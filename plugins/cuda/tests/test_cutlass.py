@@ -241,9 +241,8 @@ def test_silu_mul_layouts_and_row_bound_interpreter(inter):
         assert relative_error(cutlass_ops.silu_mul(src, torch.float32, interleaved, used)[:5], want[:5]) < 1e-6
         h = torch.full((7, inter), 7.0)  # the launcher allocates with empty: the kernel itself, on marked rows
         block = min(1024, triton.next_power_of_2(inter))
-        # 2 rows a program: the bound falls inside one (rows 4, 5), and the last program has 1 row of 2
-        K._silu_mul_kernel[(4, triton.cdiv(inter, block))](src, h, used, 7, inter, src.stride(0), h.stride(0),
-                                                           ROWS=2, BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
+        K._silu_mul_kernel[(7, triton.cdiv(inter, block))](src, h, used, inter, src.stride(0), h.stride(0),
+                                                           BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
         assert relative_error(h[:5], want[:5]) < 1e-6 and bool((h[5:] == 7.0).all())
     q, s = cutlass_ops.silu_mul_quant(d1, torch.float32, False, used)
     full_q, full_s = cutlass_ops.silu_mul_quant(d1, torch.float32, False)

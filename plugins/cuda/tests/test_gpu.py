@@ -399,7 +399,10 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
                                         w["w2_scale"], topk.weights, topk.ids, routed_scaling_factor=1.7,
                                         out_dtype=torch.bfloat16, variants=variants)
         if T:
-            assert relative_error(out, ref) < 2e-2, variants
+            # a bf16 GEMM1 output rounds h before its FP8: a few e4m3 codes flip against the oracle's one
+            # rounding (measured 2.2e-2 at T=1); the scheme's tolerance, as for DeepGEMM's bf16 output
+            bf16_h = variants is not None and cutlass_lib.VARIANTS[variants[0]][3] == "bf16"
+            assert relative_error(out, ref) < (3e-2 if bf16_h else 2e-2), variants
 
 
 @pytest.mark.parametrize("T,E,K,H,inter", [(1, 16, 4, 256, 256), (333, 16, 4, 384, 384), (700, 64, 8, 512, 384)])
