@@ -51,7 +51,8 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     probe measured 6-21% faster than DeepGEMM's on ~256-row experts). bf16's Triton path is always
     the triton backend's own configs for T (same kernels, same layout: never slower than it). A
     "deepgemm" entry runs CUTLASS where DeepGEMM cannot. ``min_rows`` >= 0 overrides the path
-    (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM.
+    (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM;
+    "cutlass" on FP8 also keeps GEMM1 on an fp32-output kernel.
     """
     from moe_plugin_cuda import cutlass_lib, deepgemm_lib, tuning_configs
 
@@ -79,6 +80,10 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
         variants = tuple(entry.get("deepgemm_variants", default))
     else:
         variants = tuple(entry.get("cutlass_variants", cutlass_lib.DEFAULT_VARIANTS["fp8" if fp8 else "bf16"]))
+        if fp8 and grouped_gemm == "cutlass" and cutlass_lib.VARIANTS[variants[0]][3] != "fp32":
+            # forcing CUTLASS keeps h in fp32 until its requantization (the README's promise), whatever the
+            # table found fastest
+            variants = (cutlass_lib.DEFAULT_VARIANTS["fp8"][0], variants[1])
     return path, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
 
 

@@ -295,6 +295,8 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
     tuning_configs.save_table(tmp_path / name, {1: {"gemm1": c, "gemm2": c},
                                                 1024: {"gemm1": big, "gemm2": big, "path": "cutlass",
                                                        "cutlass_variants": [4, 2], "deepgemm_variants": [1, 1]},
+                                                4096: {"gemm1": big, "gemm2": big, "path": "cutlass",
+                                                       "cutlass_variants": [3, 0], "deepgemm_variants": [1, 1]},
                                                 8192: {"gemm1": big, "gemm2": big, "path": "deepgemm",
                                                        "cutlass_variants": [6, 3], "deepgemm_variants": [4, 5]}})
 
@@ -310,6 +312,9 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         assert choose(900, -1)[::2] == ("cutlass", (4, 2))
         assert choose(9000, -1)[::2] == (("deepgemm", (4, 5)) if can_build else ("cutlass", (6, 3)))
         assert choose(9000, -1, "cutlass")[::2] == ("cutlass", (6, 3))
+        # a bf16-output GEMM1 kernel (3) where the table found it fastest; forcing CUTLASS keeps fp32 (1)
+        assert choose(4000, -1)[::2] == ("cutlass", (3, 0))
+        assert choose(4000, -1, "cutlass")[::2] == ("cutlass", (1, 0))
         assert choose(900, 10**6)[0] == "triton"  # option wins
         assert choose(3, 0)[0] == ("deepgemm" if can_build else "cutlass")
         # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
