@@ -165,7 +165,7 @@ MIN_BF16_H_TOKENS = 1024
 
 
 def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[int, int],
-                    log=None, fp8: bool = True, tokens: int = MIN_BF16_H_TOKENS) -> tuple[tuple[int, int], float]:
+                    log=None, fp8: bool = True, *, tokens: int) -> tuple[tuple[int, int], float]:
     """The fastest (GEMM1, GEMM2) pair of ``gemm_name``'s kernels ("cutlass" or "deepgemm") for the
     grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default,
     then GEMM2's with that one. Only the default pair is timed where it is far (25%) behind the Triton
@@ -336,7 +336,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                                    and E <= deepgemm_lib.MAX_EXPERTS else [])
             for gemm_name in gemms:
                 variants, t_g = grouped_kernels(pipeline_time, t, gemm_name, (2 * inter, H), log if verbose else None,
-                                                fp8, M)
+                                                fp8, tokens=M)
                 note += f", {gemm_name} {t_g * 1e3:.1f} on kernels {variants}"
                 chosen = {**chosen, f"{gemm_name}_variants": list(variants)}
                 if t_g < t:
