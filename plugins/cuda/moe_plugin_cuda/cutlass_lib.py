@@ -20,21 +20,25 @@ from moe_plugin_cuda.nvcc_build import nvcc
 SOURCE = Path(__file__).parent / "csrc" / "cutlass_grouped.cu"
 # The kernels the source instantiates, by index: (operands' dtype, schedule and tile, cluster, D's dtype). Each
 # compiles as its own object, in parallel. FP8: GEMM1 an fp32-D or bf16-D one (the pipeline allocates D as the
-# kernel writes it), GEMM2 a bf16-D one; bf16: bf16 D both; the tuned table picks which, per T.
+# kernel writes it), GEMM2 a bf16-D one; bf16: GEMM1 a bf16-D one or a "swiglu" one (its epilogue writes
+# silu(gate) * up in bf16, N/2 columns, from gate/up-interleaved weights), GEMM2 a bf16-D one; the tuned table
+# picks which, per T.
 VARIANTS = (("fp8", "coop 128x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x1", "fp32"),
             ("fp8", "ping 64x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x128", "1x2", "bf16"),
             ("fp8", "ping 64x128x128", "1x1", "fp32"), ("fp8", "coop 128x128x128", "2x1", "bf16"),
             ("fp8", "coop 128x128x128", "2x1", "fp32"), ("fp8", "ping 64x128x128", "2x1", "fp32"),
             ("fp8", "ping 64x128x128", "2x1", "bf16"), ("bf16", "coop 128x256x64", "1x1", "bf16"),
             ("bf16", "ping 64x256x64", "1x1", "bf16"), ("bf16", "coop 128x256x64", "2x1", "bf16"),
-            ("bf16", "coop 128x128x64", "1x1", "bf16"))
+            ("bf16", "coop 128x128x64", "1x1", "bf16"), ("bf16", "coop 128x256x64", "1x1", "swiglu"),
+            ("bf16", "ping 64x256x64", "1x1", "swiglu"))
 # (GEMM1, GEMM2) without a tuned choice: FP8 the cooperative 128x128 kernels; bf16 the kernels the session-14
 # probe measured fastest on ~256-row experts (cooperative 128x256, ping-pong 64x256)
 DEFAULT_VARIANTS = {"fp8": (1, 0), "bf16": (9, 10)}
 
 
 def variants_for(operands: str, output: str) -> list[int]:
-    """The variants reading ``operands`` ("fp8" or "bf16") and writing D in ``output`` ("bf16" or "fp32")."""
+    """The variants reading ``operands`` ("fp8" or "bf16") and writing D in ``output`` ("bf16", "fp32" or
+    "swiglu")."""
     return [k for k, v in enumerate(VARIANTS) if v[0] == operands and v[3] == output]
 
 

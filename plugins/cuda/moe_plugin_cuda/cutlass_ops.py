@@ -46,22 +46,29 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     outside every group are not written. ``variant``: which of the library's kernels
     (``cutlass_lib.VARIANTS``; it must read a's dtype and write d's), default
     ``cutlass_lib.DEFAULT_VARIANTS`` (FP8: GEMM1's for an fp32 d, GEMM2's for bf16; bf16: GEMM1's).
+    A "swiglu" variant (bf16, b's rows gate/up interleaved: ``weights.interleave_gate_up``) writes
+    ``silu(gate) * up`` instead, ``d`` bf16 [R, N/2].
     """
     from moe_plugin_cuda import cutlass_lib
 
     operands = "bf16" if a.dtype == torch.bfloat16 else "fp8"
-    out = "fp32" if d.dtype == torch.float32 else "bf16"
+    outs = ("fp32",) if d.dtype == torch.float32 else ("bf16", "swiglu")
     bf16 = operands == "bf16"
     if (a_scale is None, b_scale is None) != (bf16, bf16) or b.dtype != a.dtype:
         raise ValueError(f"CUTLASS grouped GEMM: FP8 (e4m3) operands with scales or bf16 ones without, not "
                          f"{a.dtype} x {b.dtype} with{'out' if a_scale is None else ''} scales")
     if variant is None:
-        variant = cutlass_lib.DEFAULT_VARIANTS[operands][0 if out == "fp32" or bf16 else 1]
-    if not 0 <= variant < len(cutlass_lib.VARIANTS) or cutlass_lib.VARIANTS[variant][0::3] != (operands, out):
+        variant = cutlass_lib.DEFAULT_VARIANTS[operands][0 if outs[0] == "fp32" or bf16 else 1]
+    if not 0 <= variant < len(cutlass_lib.VARIANTS) or cutlass_lib.VARIANTS[variant][0] != operands \
+            or cutlass_lib.VARIANTS[variant][3] not in outs:
         raise ValueError(f"no CUTLASS variant {variant} reading {a.dtype} and writing {d.dtype}: see "
                          "cutlass_lib.VARIANTS")
-    lib = cutlass_lib.library()
     G, N, Kd = b.shape
+    d_cols = N // 2 if cutlass_lib.VARIANTS[variant][3] == "swiglu" else N
+    if d.shape[1] != d_cols or N % 2:
+        raise ValueError(f"CUTLASS variant {variant} ({cutlass_lib.VARIANTS[variant][3]}) writes {d_cols} columns "
+                         f"from a {N}-row weight, d has {d.shape[1]}")
+    lib = cutlass_lib.library()
     dev = a.device
     start = row_start.to(torch.int64)
     experts = torch.arange(G, device=dev, dtype=torch.int64)
@@ -71,7 +78,7 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     ptrs = torch.stack([
         a.data_ptr() + start * Kd * a.element_size(),
         b.data_ptr() + experts * N * Kd * b.element_size(),
-        d.data_ptr() + start * N * d.element_size(),
+        d.data_ptr() + start * d_cols * d.element_size(),
     ] + ([] if a_scale is None else [  # the bf16 kernels read no scales
         a_scale.data_ptr() + start * kb * 4,
         b_scale.data_ptr() + experts * nb * kb * 4,
@@ -91,17 +98,22 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
 def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
     """``cutlass_gemm`` (FP8, or bf16 with ``a_scale`` and ``b_scale`` None) in torch
     (float32 math on the dequantized operands; reads the row counts on the host, which the real ones
-    never do; every variant computes the same): what CI runs the pipeline against."""
+    never do; every variant computes the same, a "swiglu" one then ``silu(gate) * up`` of the fp32
+    result): what CI runs the pipeline against."""
     from moe_core.quant import dequantize_fp8_per_token_group
+    from moe_plugin_cuda import cutlass_lib
 
     G, N, Kd = b.shape
+    swiglu = variant is not None and cutlass_lib.VARIANTS[variant][3] == "swiglu"
     for g, (m, s) in enumerate(zip(m_sizes.tolist(), row_start.tolist(), strict=True)):
         if m and a_scale is None:
-            d[s:s + m] = (a[s:s + m].float() @ b[g].float().T).to(d.dtype)
+            y = a[s:s + m].float() @ b[g].float().T
         elif m:
             x = dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
             w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
-            d[s:s + m] = (x @ w.T).to(d.dtype)
+            y = x @ w.T
+        if m:
+            d[s:s + m] = (torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2] if swiglu else y).to(d.dtype)
 
 
 def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
@@ -236,22 +248,36 @@ def _gemm1_dtype(gemm: GroupedGemm, variant: Optional[int]) -> torch.dtype:
     return torch.float32 if cutlass_lib.VARIANTS[variant][3] == "fp32" else torch.bfloat16
 
 
+def _fuses_swiglu(gemm: GroupedGemm, variant: Optional[int]) -> bool:
+    """Whether GEMM1's kernel writes ``silu(gate) * up`` itself: a "swiglu" CUTLASS variant (packed rows)."""
+    from moe_plugin_cuda import cutlass_lib
+
+    return variant is not None and gemm.row_align == 1 and cutlass_lib.VARIANTS[variant][3] == "swiglu"
+
+
 def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
              variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False, sorted_rows: bool = False):
     """GEMM1 -> activation (+ FP8 when the weights have scales) -> GEMM2 over rows grouped by expert:
     ``[R, H]`` -> ``[R, H]``. ``sorted_rows``: experts in order, each from ``row_start`` (``expert_rows``'
     layout, int32), so the activation pass stops after the last expert's last row instead of at R (the
     bound for any routing: 10% more rows at deepseek T=16384); rows past it, like the padding rows
-    within experts, only feed GEMM2 output rows that no slot reads."""
+    within experts, only feed GEMM2 output rows that no slot reads. A GEMM1 kernel with the SwiGLU
+    epilogue (bf16, w13 interleaved) writes h itself: no activation pass."""
     R = a.shape[0]
     v1, v2 = variants or (None, None)
-    d1 = torch.empty((R, w13.shape[1]), dtype=_gemm1_dtype(gemm, v1), device=a.device)
-    gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
-    used = row_start[-1:] + m_sizes[-1:] if sorted_rows else None
-    if w13_scale is None:
-        h, h_scale = silu_mul(d1, a.dtype, w13_interleaved, used), None
+    if _fuses_swiglu(gemm, v1):
+        if w13_scale is not None or not w13_interleaved:
+            raise ValueError(f"CUTLASS variant {v1} (SwiGLU epilogue) needs bf16 w13 with gate/up interleaved")
+        h, h_scale = torch.empty((R, w13.shape[1] // 2), dtype=a.dtype, device=a.device), None
+        gemm.run(a, None, w13, None, h, m_sizes, row_start, variant=v1)
     else:
-        h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales, used)
+        d1 = torch.empty((R, w13.shape[1]), dtype=_gemm1_dtype(gemm, v1), device=a.device)
+        gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
+        used = row_start[-1:] + m_sizes[-1:] if sorted_rows else None
+        if w13_scale is None:
+            h, h_scale = silu_mul(d1, a.dtype, w13_interleaved, used), None
+        else:
+            h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales, used)
     d2 = torch.empty((R, w2.shape[1]), dtype=out_dtype, device=a.device)
     gemm.run(h, h_scale, w2, w2_scale, d2, m_sizes, row_start, variant=v2)
     return d2

@@ -179,7 +179,8 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
                    cutlass_lib.variants_for("fp8", "bf16"))
     elif gemm_name == "cutlass":
         gemm, best = cutlass_ops.CUTLASS_BF16, cutlass_lib.DEFAULT_VARIANTS["bf16"]
-        choices = (cutlass_lib.variants_for("bf16", "bf16"),) * 2
+        choices = (cutlass_lib.variants_for("bf16", "bf16") + cutlass_lib.variants_for("bf16", "swiglu"),
+                   cutlass_lib.variants_for("bf16", "bf16"))
     else:  # (a variant that cannot run N columns would run as variant 0: not a candidate)
         gemm, best, variants = ((cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_FP8_VARIANTS, deepgemm_lib.FP8_VARIANTS)
                                 if fp8 else (cutlass_ops.DEEPGEMM_BF16, deepgemm_lib.DEFAULT_BF16_VARIANTS,

@@ -152,6 +152,53 @@ def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved,
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,E,K,H,inter", [(0, 4, 2, 128, 128), (1, 8, 3, 256, 128), (37, 6, 2, 384, 200),
+                                           (130, 5, 4, 200, 384)])
+def test_swiglu_gemm1_pipeline_interpreter(T, E, K, H, inter, dtype):
+    """A GEMM1 kernel with the SwiGLU epilogue ("swiglu" variants: silu(gate) * up of interleaved w13 rows,
+    written [R, I]) replaces GEMM1 + the activation pass: vs float64, and refused where it cannot apply
+    (w13 in the checkpoint layout, FP8 weights)."""
+    from moe_plugin_cuda import cutlass_lib, cutlass_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    swiglu = cutlass_lib.variants_for("bf16", "swiglu")
+    assert swiglu
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
+    if T:
+        ids[torch.rand(T, K) < 0.2] = -1
+        ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
+    w = torch.rand(T, K)
+    gemm = cutlass_ops.REFERENCE._replace(gemm1_dtype=dtype)
+    kw = dict(routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm)
+    ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
+    for v1 in swiglu:
+        out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13), w2, None, None, w, ids,
+                                        variants=(v1, cutlass_lib.DEFAULT_VARIANTS["bf16"][1]), w13_interleaved=True,
+                                        **kw)
+        assert out.shape == (T, H) and out.dtype == dtype
+        assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), v1  # one rounding fewer
+        if T:
+            with pytest.raises(ValueError, match="needs bf16 w13 with gate/up interleaved"):
+                cutlass_ops.fused_experts(x, None, w13, w2, None, None, w, ids, variants=(v1, v1 - 3), **kw)
+
+
+def test_swiglu_variant_output_shape_checked():
+    """A SwiGLU kernel writes N/2 columns, the others N: a d of the other width is refused before any launch."""
+    from moe_plugin_cuda import cutlass_lib, cutlass_ops
+
+    a, b = torch.empty(4, 16, dtype=torch.bfloat16), torch.empty(1, 8, 16, dtype=torch.bfloat16)
+    swiglu, plain = cutlass_lib.variants_for("bf16", "swiglu")[0], cutlass_lib.DEFAULT_VARIANTS["bf16"][0]
+    for variant, cols, want in ((swiglu, 8, 4), (plain, 4, 8)):
+        with pytest.raises(ValueError, match=f"writes {want} columns from a 8-row weight, d has {cols}"):
+            cutlass_ops.cutlass_gemm(a, None, b, None, torch.empty(4, cols, dtype=torch.bfloat16), None, None,
+                                     variant=variant)
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("mn_major", [False, True])
 @pytest.mark.parametrize("T,K,H", [(1, 1, 128), (9, 3, 200), (33, 4, 1100)])
 def test_quantize_into_rows_interpreter(T, K, H, mn_major):
@@ -402,18 +449,18 @@ def test_cutlass_kernel_variants_match_the_source():
     from moe_plugin_cuda import cutlass_lib
 
     src = cutlass_lib.SOURCE.read_text()
-    names = re.findall(r'"v(\d+)_(?:(bf16)_)?(\w+?)_(\d+x\d+x\d+)_c(\dx\d)_(bf16|fp32)out"', src)
+    names = re.findall(r'"v(\d+)_(?:(bf16)_)?(\w+?)_(\d+x\d+x\d+)_c(\dx\d)_(bf16|fp32|swiglu)out"', src)
     assert int(re.search(r"#define MOE_NUM_VARIANTS (\d+)", src).group(1)) == len(cutlass_lib.VARIANTS) == len(names)
     for k, (idx, bf16, sched, tile, cluster, out) in enumerate(names):
         assert int(idx) == k and cutlass_lib.VARIANTS[k] == (bf16 or "fp8", f"{sched} {tile}", cluster, out)
     configs = re.findall(r"using Cfg(\d+) = Config<Shape<_(\d+), _(\d+), _(\d+)>, Shape<_(\d), _(\d), _1>, "
-                         r"(Coop|Ping)(?:Bf16)?, Epi(?:Coop|Ping), (E4M3|Bf16), (Bf16|float)>;", src)
+                         r"(Coop|Ping)(?:Bf16)?, Epi(?:Coop|Ping), (E4M3|Bf16), (Bf16|float)(, true)?>;", src)
     assert len(configs) == len(cutlass_lib.VARIANTS)
-    for k, (idx, m, n, kt, cm, cn, sched, ab, out) in enumerate(configs):
+    for k, (idx, m, n, kt, cm, cn, sched, ab, out, swiglu) in enumerate(configs):
         operands, tile, cluster, d = cutlass_lib.VARIANTS[k]
         assert int(idx) == k and (operands, tile, cluster, d) == (
             "fp8" if ab == "E4M3" else "bf16", f"{sched.lower()} {m}x{n}x{kt}", f"{cm}x{cn}",
-            "fp32" if out == "float" else "bf16")
+            "swiglu" if swiglu else "fp32" if out == "float" else "bf16")
     fp8_g1, fp8_g2 = cutlass_lib.DEFAULT_VARIANTS["fp8"]
     assert fp8_g1 in cutlass_lib.variants_for("fp8", "fp32") and fp8_g2 in cutlass_lib.variants_for("fp8", "bf16")
     assert set(cutlass_lib.DEFAULT_VARIANTS["bf16"]) <= set(cutlass_lib.variants_for("bf16", "bf16"))

@@ -495,8 +495,8 @@ def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
 @pytest.mark.parametrize("T,E,K,H,inter", [(0, 8, 2, 256, 128), (1, 16, 4, 256, 256), (333, 16, 4, 384, 200),
                                            (700, 64, 8, 520, 384)])
 def test_cutlass_bf16_gemm_and_pipeline(T, E, K, H, inter):
-    """CUTLASS's bf16 kernels, every variant, against the torch emulation on packed rows (one expert
-    empty, N and K not multiples of the tile, rows past the last expert's end untouched), and the
+    """CUTLASS's bf16 kernels, every variant (the SwiGLU ones too), against the torch emulation on packed rows
+    (one expert empty, N and K not multiples of the tile, rows past the last expert's end untouched), and the
     bf16 pipeline on them (w13 interleaved, as the backend keeps it) against the core's float64 MoE
     and the Triton kernels."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, triton_ops
@@ -524,11 +524,22 @@ def test_cutlass_bf16_gemm_and_pipeline(T, E, K, H, inter):
             assert relative_error(d[:used], d_ref[:used]) < 5e-3, variant
         assert d[used:].isnan().all(), variant  # no write outside the groups
     w13_il = interleave_gate_up(w13)
+    # the SwiGLU epilogue: silu(gate) * up of the fp32 accumulators, [rows, inter]
+    swiglu_kernels = cutlass_lib.variants_for("bf16", "swiglu")
+    h_ref = torch.zeros(rows, inter, dtype=torch.float32, device="cuda")
+    cutlass_ops.reference_gemm(a, None, w13_il, None, h_ref, counts, start, variant=swiglu_kernels[0])
+    for variant in swiglu_kernels:
+        h = torch.full((rows, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cutlass_ops.cutlass_gemm(a, None, w13_il, None, h, counts, start, variant=variant)
+        if used:
+            assert relative_error(h[:used], h_ref[:used]) < 5e-3, variant
+        assert h[used:].isnan().all(), variant
     ref = moe_float64(x, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.7)
     kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     tri = triton_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, activation="silu",
                                    cfg=_fixed(64, 128, 0, 0, False), w13_interleaved=True, **kw)
-    pairs = [None] + [(k, bf16_kernels[-1 - i]) for i, k in enumerate(bf16_kernels)]
+    pairs = [None] + [(k, bf16_kernels[-1 - i]) for i, k in enumerate(bf16_kernels)] + [
+        (k, bf16_kernels[i]) for i, k in enumerate(swiglu_kernels)]
     for variants in pairs:
         out = cutlass_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids,
                                         gemm=cutlass_ops.CUTLASS_BF16, variants=variants, w13_interleaved=True, **kw)

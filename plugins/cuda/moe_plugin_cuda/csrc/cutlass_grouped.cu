@@ -36,6 +36,8 @@
 //  10: bf16, tile  64x256x64, KernelPtrArrayTmaWarpSpecializedPingpong,    cluster 1x1x1, bf16 D
 //  11: bf16, tile 128x256x64, cooperative, cluster 2x1x1, bf16 D
 //  12: bf16, tile 128x128x64, cooperative, cluster 1x1x1, bf16 D
+//  13: as 9 with the SwiGLU epilogue: D = silu(gate) * up, bf16 [M_g, N/2] (see SwigluEpilogueArray)
+//  14: as 10 with the SwiGLU epilogue
 // (bf16 tiles: the session-14 probe, benchmarks/cuda/h100_session14/probe_bf16_grouped.log, found 128x256 and
 // 64x256 6-21% faster than DeepGEMM's bf16 kernels on ~256-row experts; 128x128 is there for narrow N.)
 //
@@ -68,10 +70,10 @@
 #include "cutlass/version.h"
 
 #ifndef MOE_VARIANT_MASK
-#define MOE_VARIANT_MASK 0x1FFF
+#define MOE_VARIANT_MASK 0x7FFF
 #endif
 
-#define MOE_NUM_VARIANTS 13
+#define MOE_NUM_VARIANTS 15
 #define MOE_API __attribute__((visibility("default")))
 #define MOE_CUTLASS_FLAG_REUSE_META 1
 
@@ -98,6 +100,8 @@ MOE_DECLARE_VARIANT(9)
 MOE_DECLARE_VARIANT(10)
 MOE_DECLARE_VARIANT(11)
 MOE_DECLARE_VARIANT(12)
+MOE_DECLARE_VARIANT(13)
+MOE_DECLARE_VARIANT(14)
 }
 
 #if MOE_VARIANT_MASK != 0
@@ -115,6 +119,8 @@ MOE_DECLARE_VARIANT(12)
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/default_epilogue_array.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
 
 using namespace cute;
 
@@ -122,8 +128,101 @@ namespace moe_cutlass {
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  // <M,N,K> per group
 
+// SwiGLU epilogue (bf16 GEMM1 over gate/up-interleaved weights: B row 2j = gate j, row 2j+1 = up j, as
+// moe-plugin-cuda keeps bf16 w13): D[m, j] = silu(acc[m, 2j]) * acc[m, 2j+1] in fp32, written as bf16 to a
+// row-major [M_g, N/2] D. Why: the separate pass read GEMM1's [M, N] output back and wrote h, and rounded gate
+// and up to bf16 before the product. wgmma's accumulator fragment (PTX m64nNk16 D layout) holds register
+// 4j + 2r + e of a thread at row 8r + lane/4 and column 8j + 2(lane%4) + e: a gate and its up are registers
+// i and i + 1 of one thread, so the product needs no data movement. Each thread then has one output per
+// 8 columns; a 4x4 transpose within each quad of lanes (shuffles) gives it 4 adjacent outputs, stored as 8
+// bytes (a quad fills a 32-byte sector). Stores go straight from registers (the NoSmem epilogue: no smem
+// carve-out, the mainloop keeps its stages); rows past M_g (the next expert's, rows are packed) and columns
+// past N are never written.
+template <class ElementD_, class StrideD_>
+class SwigluEpilogueArray
+    : public cutlass::epilogue::collective::DefaultEpilogueArray<
+          void, StrideD_, StrideD_,
+          cutlass::epilogue::thread::LinearCombination<ElementD_, 1, float, float,
+                                                       cutlass::epilogue::thread::ScaleType::OnlyAlphaScaling,
+                                                       cutlass::FloatRoundStyle::round_to_nearest, ElementD_>,
+          cutlass::epilogue::PtrArrayNoSmemWarpSpecialized> {
+ public:
+  using Base = cutlass::epilogue::collective::DefaultEpilogueArray<
+      void, StrideD_, StrideD_,
+      cutlass::epilogue::thread::LinearCombination<ElementD_, 1, float, float,
+                                                   cutlass::epilogue::thread::ScaleType::OnlyAlphaScaling,
+                                                   cutlass::FloatRoundStyle::round_to_nearest, ElementD_>,
+      cutlass::epilogue::PtrArrayNoSmemWarpSpecialized>;
+  CUTLASS_HOST_DEVICE SwigluEpilogueArray(typename Base::Params const& params) : Base(params), ptr_d_(params.ptr_D) {}
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem_shape_mnkl, BlockShapeMNK blk_shape_MNK,
+                                 BlockCoordMNKL blk_coord_mnkl, cute::Tensor<FrgEngine, FrgLayout> const& acc,
+                                 TiledMma tiled_mma, ResidueMNK, int thread_idx, char*) {
+    using namespace cute;
+    constexpr int kJ = size(FrgLayout{}) / 4;  // 8-column blocks per thread
+    // the fragment as described above, one wgmma atom per thread (a layout change fails here, not in the numbers)
+    static_assert(std::is_same_v<FrgLayout, Layout<Shape<Shape<_2, _2, Int<kJ>>, _1, _1>,
+                                                   Stride<Stride<_1, _2, _4>, _0, _0>>>,
+                  "unexpected accumulator layout for the SwiGLU epilogue");
+    static_assert(kJ % 4 == 0, "whole quads of 8-column blocks");
+    const int M = get<0>(problem_shape_mnkl);
+    const int N = get<1>(problem_shape_mnkl);
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
+    // each accumulator's (row, column) in the group's M x N output
+    auto tile = local_tile(make_identity_tensor(make_shape(M, N)), take<0, 2>(blk_shape_MNK),
+                           make_coord(m_coord, n_coord));
+    auto coords = thr_mma.partition_C(tile);
+    const int q = thread_idx % 4;                     // lane within its quad
+    const int n_base = get<1>(coords(0)) - 2 * q;     // the tile's first column
+    ElementD_* out = ptr_d_[l_coord];
+    const int64_t ld = N / 2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int m = get<0>(coords(2 * r));
+      CUTLASS_PRAGMA_UNROLL
+      for (int jb = 0; jb < kJ; jb += 4) {
+        float v[4];  // this lane's outputs of 8-column blocks jb..jb+3: output column 4 * (jb + t) + q
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < 4; ++t) {
+          const float g = acc(4 * (jb + t) + 2 * r), u = acc(4 * (jb + t) + 2 * r + 1);
+          v[t] = g / (1.0f + __expf(-g)) * u;
+        }
+        // transpose within the quad: lane q gets block jb + q of every lane s, output columns 4 * (jb + q) + s
+        float w[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < 4; ++t) w[t] = v[t];
+        CUTLASS_PRAGMA_UNROLL
+        for (int x = 1; x < 4; ++x) {
+          const int p = q ^ x;
+          const float send = p == 0 ? v[0] : p == 1 ? v[1] : p == 2 ? v[2] : v[3];
+          const float got = __shfl_xor_sync(0xffffffffu, send, x);
+          CUTLASS_PRAGMA_UNROLL
+          for (int t = 0; t < 4; ++t) w[t] = t == p ? got : w[t];
+        }
+        const float mine = q == 0 ? v[0] : q == 1 ? v[1] : q == 2 ? v[2] : v[3];
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < 4; ++t) w[t] = t == q ? mine : w[t];
+        const int col = n_base / 2 + 4 * (jb + q);  // 4 outputs from here: input columns 2 * col .. + 7
+        if (m < M && 2 * col < N) {
+          cutlass::Array<ElementD_, 4> packed;
+          CUTLASS_PRAGMA_UNROLL
+          for (int t = 0; t < 4; ++t) packed[t] = ElementD_(w[t]);
+          *reinterpret_cast<cutlass::Array<ElementD_, 4>*>(out + m * ld + col) = packed;
+        }
+      }
+    }
+  }
+
+ private:
+  ElementD_** ptr_d_;  // (the base's params are private)
+};
+
+// kSwiglu_: GEMM1's SwiGLU epilogue (bf16 operands only) in place of CUTLASS's TMA epilogue
 template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_, class ElementAB_,
-          class ElementD_>
+          class ElementD_, bool kSwiglu_ = false>
 struct Config {
   // FP8 operands carry block scales (the mainloop reads SFA/SFB), bf16 ones none
   static constexpr bool kBlockScaled = std::is_same_v<ElementAB_, cutlass::float_e4m3_t>;
@@ -155,10 +254,17 @@ struct Config {
                                              RoundStyle>,
       cutlass::epilogue::fusion::Sm90AccFetch>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       ArchTag, OperatorClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, ElementAccumulator, ElementC, LayoutD*, AlignmentD, ElementD, LayoutD*, AlignmentD,
       EpilogueSchedule_, FusionOp>::CollectiveOp;
+  static_assert(!kSwiglu_ || (!kBlockScaled && std::is_same_v<ElementD_, cutlass::bfloat16_t>),
+                "the SwiGLU epilogue is for bf16 GEMM1s");
+  using CollectiveEpilogue = std::conditional_t<
+      kSwiglu_,
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+          SwigluEpilogueArray<ElementD, cutlass::detail::TagToStrideC_t<LayoutD*>>>,
+      BuiltEpilogue>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       ArchTag, OperatorClass, ElementA,
@@ -353,6 +459,9 @@ using Cfg9 = Config<Shape<_128, _256, _64>, Shape<_1, _1, _1>, CoopBf16, EpiCoop
 using Cfg10 = Config<Shape<_64, _256, _64>, Shape<_1, _1, _1>, PingBf16, EpiPing, Bf16, Bf16>;
 using Cfg11 = Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16>;
 using Cfg12 = Config<Shape<_128, _128, _64>, Shape<_1, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16>;
+// bf16 GEMM1 with the SwiGLU epilogue: D = silu(gate) * up, [M, N/2]
+using Cfg13 = Config<Shape<_128, _256, _64>, Shape<_1, _1, _1>, CoopBf16, EpiCoop, Bf16, Bf16, true>;
+using Cfg14 = Config<Shape<_64, _256, _64>, Shape<_1, _1, _1>, PingBf16, EpiPing, Bf16, Bf16, true>;
 
 }  // namespace moe_cutlass
 
@@ -405,6 +514,12 @@ MOE_DEFINE_VARIANT(11)
 #if (MOE_VARIANT_MASK & 4096)
 MOE_DEFINE_VARIANT(12)
 #endif
+#if (MOE_VARIANT_MASK & 8192)
+MOE_DEFINE_VARIANT(13)
+#endif
+#if (MOE_VARIANT_MASK & 16384)
+MOE_DEFINE_VARIANT(14)
+#endif
 
 #endif  // MOE_VARIANT_MASK != 0
 
@@ -429,18 +544,20 @@ static const char* kVariantNames[MOE_NUM_VARIANTS] = {
     "v10_bf16_ping_64x256x64_c1x1_bf16out",
     "v11_bf16_coop_128x256x64_c2x1_bf16out",
     "v12_bf16_coop_128x128x64_c1x1_bf16out",
+    "v13_bf16_coop_128x256x64_c1x1_swigluout",
+    "v14_bf16_ping_64x256x64_c1x1_swigluout",
 };
 
 static moe_cutlass_run_fn run_fns[MOE_NUM_VARIANTS] = {moe_cutlass_run_v0, moe_cutlass_run_v1, moe_cutlass_run_v2,
                                                      moe_cutlass_run_v3, moe_cutlass_run_v4, moe_cutlass_run_v5,
                                                      moe_cutlass_run_v6, moe_cutlass_run_v7, moe_cutlass_run_v8,
                                                      moe_cutlass_run_v9, moe_cutlass_run_v10, moe_cutlass_run_v11,
-                                                     moe_cutlass_run_v12};
+                                                     moe_cutlass_run_v12, moe_cutlass_run_v13, moe_cutlass_run_v14};
 static moe_cutlass_ws_fn ws_fns[MOE_NUM_VARIANTS] = {moe_cutlass_ws_v0, moe_cutlass_ws_v1, moe_cutlass_ws_v2,
                                                    moe_cutlass_ws_v3, moe_cutlass_ws_v4, moe_cutlass_ws_v5,
                                                    moe_cutlass_ws_v6, moe_cutlass_ws_v7, moe_cutlass_ws_v8,
                                                    moe_cutlass_ws_v9, moe_cutlass_ws_v10, moe_cutlass_ws_v11,
-                                                   moe_cutlass_ws_v12};
+                                                   moe_cutlass_ws_v12, moe_cutlass_ws_v13, moe_cutlass_ws_v14};
 
 extern "C" {
 
