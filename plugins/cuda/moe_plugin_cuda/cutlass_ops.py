@@ -64,10 +64,11 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
         raise ValueError(f"no CUTLASS variant {variant} reading {a.dtype} and writing {d.dtype}: see "
                          "cutlass_lib.VARIANTS")
     G, N, Kd = b.shape
-    d_cols = N // 2 if cutlass_lib.VARIANTS[variant][3] == "swiglu" else N
-    if d.shape[1] != d_cols or N % 2:
+    swiglu = cutlass_lib.VARIANTS[variant][3] == "swiglu"
+    d_cols = N // 2 if swiglu else N
+    if d.shape[1] != d_cols or (swiglu and N % 16):  # (the SwiGLU epilogue stores 8 outputs at a time)
         raise ValueError(f"CUTLASS variant {variant} ({cutlass_lib.VARIANTS[variant][3]}) writes {d_cols} columns "
-                         f"from a {N}-row weight, d has {d.shape[1]}")
+                         f"from a {N}-row weight{', N a multiple of 16' if swiglu else ''}, d has {d.shape[1]}")
     lib = cutlass_lib.library()
     dev = a.device
     start = row_start.to(torch.int64)

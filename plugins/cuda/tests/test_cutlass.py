@@ -187,15 +187,20 @@ def test_swiglu_gemm1_pipeline_interpreter(T, E, K, H, inter, dtype):
 
 
 def test_swiglu_variant_output_shape_checked():
-    """A SwiGLU kernel writes N/2 columns, the others N: a d of the other width is refused before any launch."""
+    """A SwiGLU kernel writes N/2 columns (N a multiple of 16), the others N: anything else is refused before any
+    launch."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops
 
-    a, b = torch.empty(4, 16, dtype=torch.bfloat16), torch.empty(1, 8, 16, dtype=torch.bfloat16)
+    a, b = torch.empty(4, 16, dtype=torch.bfloat16), torch.empty(1, 16, 16, dtype=torch.bfloat16)
     swiglu, plain = cutlass_lib.variants_for("bf16", "swiglu")[0], cutlass_lib.DEFAULT_VARIANTS["bf16"][0]
-    for variant, cols, want in ((swiglu, 8, 4), (plain, 4, 8)):
-        with pytest.raises(ValueError, match=f"writes {want} columns from a 8-row weight, d has {cols}"):
+    for variant, cols, want in ((swiglu, 16, "8 columns from a 16-row weight, N a multiple of 16"),
+                                (plain, 8, "16 columns from a 16-row weight")):
+        with pytest.raises(ValueError, match=f"writes {want}, d has {cols}"):
             cutlass_ops.cutlass_gemm(a, None, b, None, torch.empty(4, cols, dtype=torch.bfloat16), None, None,
                                      variant=variant)
+    with pytest.raises(ValueError, match="N a multiple of 16, d has 4"):  # 8 rows: the epilogue's stores need 16
+        cutlass_ops.cutlass_gemm(a, None, b[:, :8], None, torch.empty(4, 4, dtype=torch.bfloat16), None, None,
+                                 variant=swiglu)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")

@@ -134,10 +134,16 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 // and up to bf16 before the product. wgmma's accumulator fragment (PTX m64nNk16 D layout) holds register
 // 4j + 2r + e of a thread at row 8r + lane/4 and column 8j + 2(lane%4) + e: a gate and its up are registers
 // i and i + 1 of one thread, so the product needs no data movement. Each thread then has one output per
-// 8 columns; a 4x4 transpose within each quad of lanes (shuffles) gives it 4 adjacent outputs, stored as 8
-// bytes (a quad fills a 32-byte sector). Stores go straight from registers (the NoSmem epilogue: no smem
-// carve-out, the mainloop keeps its stages); rows past M_g (the next expert's, rows are packed) and columns
-// past N are never written.
+// 8 columns of two rows; a 4x4 transpose within each quad of lanes and an exchange of rows between lane
+// pairs (shuffles) give it 8 adjacent outputs of one row, stored as 16 bytes: whole 32-byte sectors (the first
+// version stored 4-byte pieces and moved twice the DRAM bytes of the TMA-epilogue kernel: benchmarks/cuda,
+// session 18). Stores go straight from registers (the NoSmem epilogue: no smem carve-out, the mainloop keeps
+// its stages); rows past M_g (the next expert's, rows are packed) and columns past N are never written.
+CUTLASS_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
+  const cutlass::bfloat16_t a(lo), b(hi);
+  return uint32_t(a.raw()) | (uint32_t(b.raw()) << 16);
+}
+
 template <class ElementD_, class StrideD_>
 class SwigluEpilogueArray
     : public cutlass::epilogue::collective::DefaultEpilogueArray<
@@ -167,6 +173,7 @@ class SwigluEpilogueArray
                                                    Stride<Stride<_1, _2, _4>, _0, _0>>>,
                   "unexpected accumulator layout for the SwiGLU epilogue");
     static_assert(kJ % 4 == 0, "whole quads of 8-column blocks");
+    static_assert(std::is_same_v<ElementD_, cutlass::bfloat16_t>, "bf16 h (packed in pairs)");
     const int M = get<0>(problem_shape_mnkl);
     const int N = get<1>(problem_shape_mnkl);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord_mnkl;
@@ -177,20 +184,23 @@ class SwigluEpilogueArray
     auto coords = thr_mma.partition_C(tile);
     const int q = thread_idx % 4;                     // lane within its quad
     const int n_base = get<1>(coords(0)) - 2 * q;     // the tile's first column
+    const int m0 = get<0>(coords(0)), m1 = get<0>(coords(2));  // this lane's rows (8 apart)
+    const bool odd = q & 1;
+    const int m = odd ? m1 : m0;  // the row this lane stores, after the exchange below
     ElementD_* out = ptr_d_[l_coord];
     const int64_t ld = N / 2;
     CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) {
-      const int m = get<0>(coords(2 * r));
+    for (int jb = 0; jb < kJ; jb += 4) {
+      uint32_t packed[2][2];  // [row][pair]: this lane's 4 outputs of each row after the quad transpose, bf16x2
       CUTLASS_PRAGMA_UNROLL
-      for (int jb = 0; jb < kJ; jb += 4) {
-        float v[4];  // this lane's outputs of 8-column blocks jb..jb+3: output column 4 * (jb + t) + q
+      for (int r = 0; r < 2; ++r) {
+        float v[4];  // outputs of 8-column blocks jb..jb+3 of row r: output column 4 * (jb + t) + q
         CUTLASS_PRAGMA_UNROLL
         for (int t = 0; t < 4; ++t) {
           const float g = acc(4 * (jb + t) + 2 * r), u = acc(4 * (jb + t) + 2 * r + 1);
-          v[t] = g / (1.0f + __expf(-g)) * u;
+          v[t] = __fdividef(g, 1.0f + __expf(-g)) * u;  // silu(g) * u (0 where exp overflows)
         }
-        // transpose within the quad: lane q gets block jb + q of every lane s, output columns 4 * (jb + q) + s
+        // 4x4 transpose within the quad: lane q gets block jb + q of every lane s, output columns 4 * (jb + q) + s
         float w[4];
         CUTLASS_PRAGMA_UNROLL
         for (int t = 0; t < 4; ++t) w[t] = v[t];
@@ -205,13 +215,18 @@ class SwigluEpilogueArray
         const float mine = q == 0 ? v[0] : q == 1 ? v[1] : q == 2 ? v[2] : v[3];
         CUTLASS_PRAGMA_UNROLL
         for (int t = 0; t < 4; ++t) w[t] = t == q ? mine : w[t];
-        const int col = n_base / 2 + 4 * (jb + q);  // 4 outputs from here: input columns 2 * col .. + 7
-        if (m < M && 2 * col < N) {
-          cutlass::Array<ElementD_, 4> packed;
-          CUTLASS_PRAGMA_UNROLL
-          for (int t = 0; t < 4; ++t) packed[t] = ElementD_(w[t]);
-          *reinterpret_cast<cutlass::Array<ElementD_, 4>*>(out + m * ld + col) = packed;
-        }
+        packed[r][0] = pack_bf16x2(w[0], w[1]);
+        packed[r][1] = pack_bf16x2(w[2], w[3]);
+      }
+      // lanes q and q ^ 1 hold adjacent 4-output chunks of both rows: the even lane takes row m0's 8 outputs,
+      // the odd one row m1's, so each lane stores 16 contiguous bytes (a lane pair a whole 32-byte sector)
+      const uint32_t s0 = __shfl_xor_sync(0xffffffffu, odd ? packed[0][0] : packed[1][0], 1);
+      const uint32_t s1 = __shfl_xor_sync(0xffffffffu, odd ? packed[0][1] : packed[1][1], 1);
+      const uint4 chunk = odd ? make_uint4(s0, s1, packed[1][0], packed[1][1])
+                              : make_uint4(packed[0][0], packed[0][1], s0, s1);
+      const int col = n_base / 2 + 4 * (jb + (q & ~1));  // 8 outputs from here: input columns 2 * col .. + 15
+      if (m < M && 2 * col < N) {
+        *reinterpret_cast<uint4*>(out + m * ld + col) = chunk;
       }
     }
   }
