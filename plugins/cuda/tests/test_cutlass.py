@@ -120,6 +120,19 @@ def test_tuner_tries_bf16_gemm1_kernels_from_1024_tokens():
             assert bf16_tried and best == (2, 0) and t == pytest.approx(0.9)
 
 
+def _unquantized_case(T, E, K, H, inter, dtype):
+    """Random bf16-pipeline inputs: x, w13 (checkpoint layout), w2, top-k ids (20% -1, expert E-1 given no rows:
+    a group of 0) and weights."""
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
+    if T:
+        ids[torch.rand(T, K) < 0.2] = -1
+        ids[ids == E - 1] = -1
+    return x, w13, w2, ids, torch.rand(T, K)
+
+
 @pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("row_align", [1, 128], ids=["packed", "deepgemm"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["checkpoint_w13", "interleaved_w13"])
@@ -134,14 +147,7 @@ def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved,
     from moe_plugin_cuda import cutlass_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    x = torch.randn(T, H).to(dtype)
-    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
-    if T:
-        ids[torch.rand(T, K) < 0.2] = -1
-        ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
-    w = torch.rand(T, K)
+    x, w13, w2, ids, w = _unquantized_case(T, E, K, H, inter, dtype)
     gemm = cutlass_ops.REFERENCE._replace(row_align=row_align, gemm1_dtype=dtype)
     out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                     routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm,
@@ -164,14 +170,7 @@ def test_swiglu_gemm1_pipeline_interpreter(T, E, K, H, inter, dtype):
 
     swiglu = cutlass_lib.variants_for("bf16", "swiglu")
     assert swiglu
-    x = torch.randn(T, H).to(dtype)
-    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int() if T else torch.zeros(0, K, dtype=torch.int32)
-    if T:
-        ids[torch.rand(T, K) < 0.2] = -1
-        ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
-    w = torch.rand(T, K)
+    x, w13, w2, ids, w = _unquantized_case(T, E, K, H, inter, dtype)
     gemm = cutlass_ops.REFERENCE._replace(gemm1_dtype=dtype)
     kw = dict(routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm)
     ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
