@@ -120,6 +120,40 @@ def test_tuner_tries_bf16_gemm1_kernels_from_1024_tokens():
             assert bf16_tried and best == (2, 0) and t == pytest.approx(0.9)
 
 
+def test_retune_keeps_the_committed_entry_unless_clearly_faster():
+    """A re-tune replaces a T's committed entry only when its choice is more than the margin faster in the
+    same run (the tuner's ranking noise must not move a tight cell); each entry is timed on its own path."""
+    from moe_plugin_cuda import cutlass_ops, tune
+
+    old = {"path": "deepgemm", "deepgemm_variants": [4, 4], "cutlass_variants": [13, 10]}
+    new = {"path": "cutlass", "deepgemm_variants": [4, 4], "cutlass_variants": [13, 10]}
+    margin = tune.KEEP_MARGIN
+    assert tune.keep_committed(old, 1.0, new, 1.0 / (1 + margin / 2)) == (old, 1.0)  # within noise: kept
+    faster = 1.0 / (1 + 2 * margin)
+    assert tune.keep_committed(old, 1.0, new, faster) == (new, faster)
+    assert tune.keep_committed(None, 0.0, new, 1.0) == (new, 1.0)  # no committed entry
+    assert tune.keep_committed(old, float("inf"), new, 2.0) == (new, 2.0)  # committed entry no longer runs
+    assert tune.keep_committed(old, 0.5, new, 1.0, margin=0.0) == (old, 0.5)
+
+    timed = []
+
+    def pipeline(cfg):
+        timed.append(("triton", cfg))
+        return 1.0
+
+    def pipeline_time(what, run, variants):
+        timed.append((run.keywords["gemm"], run.keywords["w13_interleaved"], variants))
+        return 2.0
+
+    triton_table = {"gemm1": {"BLOCK_M": 64}, "gemm2": {"BLOCK_M": 64}}
+    assert tune.entry_time(old, pipeline, pipeline_time, triton_table, fp8=True) == 2.0
+    assert tune.entry_time(new, pipeline, pipeline_time, triton_table, fp8=False) == 2.0
+    assert tune.entry_time({"cutlass_variants": [9, 10]}, pipeline, pipeline_time, triton_table, fp8=False) == 1.0
+    own = {"gemm1": {"BLOCK_M": 16}, "gemm2": {"BLOCK_M": 16}, "path": "triton"}
+    tune.entry_time(own, pipeline, pipeline_time, triton_table, fp8=True)
+    assert timed == [(cutlass_ops.DEEPGEMM, False, (4, 4)), (cutlass_ops.CUTLASS_BF16, True, (13, 10)),
+                     ("triton", triton_table), ("triton", own)]
+
 def _unquantized_case(T, E, K, H, inter, dtype):
     """Random bf16-pipeline inputs: x, w13 (checkpoint layout), w2, top-k ids (20% -1, expert E-1 given no rows:
     a group of 0) and weights."""
