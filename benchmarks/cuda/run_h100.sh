@@ -8,6 +8,7 @@
 #   tune     moe-cuda-tune for TUNE_PRESETS x TUNE_QUANTS x TUNE_TOKENS -> CFG_DIR, OUT/tune.log
 #            (TUNE_BACKEND=cutlass: the cutlass experts' tables)
 #   bench    moe-core bench, 4 presets x 7 T x 3 quants, CFG_DIR      -> OUT/bench.json, OUT/bench.log
+#            and the planner's pick against issue #5's bar (vs_bar.py) -> OUT/bench.vs_bar.md
 #            (best of eager and CUDA-graph replay at every T, as the issue's SGLang bar is measured)
 #   profile  PROFILE_CELL (default qwen3-30b-a3b fp8_block 4096): ncu (SOL, launch stats, occupancy) or torch.profiler,
 #            registers/spills of the compiled GEMMs                  -> OUT/profile*.log
@@ -80,7 +81,9 @@ phase_bench() {
   # shellcheck disable=SC2086
   moe-core bench -- --json "$OUT/$name.json" --presets $BENCH_PRESETS --tokens $BENCH_TOKENS --quant $BENCH_QUANTS \
     --iters "${BENCH_ITERS:-10}" --graph-max-tokens 16384 \
-    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two$extra}, \"cutlass\": {\"config_dir\": \"$CFG_DIR\"}}" 2>&1 | tee "$OUT/$name.log" | grep -v "^  \["
+    --backend-options "{\"triton\": {\"config_dir\": \"$CFG_DIR\"$two$extra}, \"cutlass\": {\"config_dir\": \"$CFG_DIR\"}}" 2>&1 | tee "$OUT/$name.log" | grep -v "^  \[" || return 1
+  # the planner's pick against issue #5's bar (exit 1 there only says a bar is missed: not a failed phase)
+  python3 benchmarks/cuda/vs_bar.py "$OUT/$name.json" > "$OUT/$name.vs_bar.md"; tail -1 "$OUT/$name.vs_bar.md"
 }
 
 phase_profile() {
