@@ -99,11 +99,10 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
                                       _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm,
                                       "fp8_block" if fp8 else "bf16")
     if path != "triton":
-        gemm = {"cutlass": cutlass_ops.CUTLASS if fp8 else cutlass_ops.CUTLASS_BF16,
-                "deepgemm": cutlass_ops.DEEPGEMM if fp8 else cutlass_ops.DEEPGEMM_BF16}
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                          routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                                         gemm=gemm[path], variants=variants, w13_interleaved=not fp8)
+                                         gemm=cutlass_ops.grouped_gemm(path, fp8), variants=variants,
+                                         w13_interleaved=not fp8)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8)

@@ -197,6 +197,12 @@ DEEPGEMM = GroupedGemm(deepgemm_gemm, 128, True, torch.bfloat16)
 DEEPGEMM_BF16 = GroupedGemm(deepgemm_bf16_gemm, 128, False, torch.bfloat16)
 
 
+def grouped_gemm(name: str, fp8: bool) -> GroupedGemm:
+    """The grouped GEMM a table entry's ``path`` names ("cutlass" or "deepgemm"), for FP8 block or bf16."""
+    return {("cutlass", True): CUTLASS, ("cutlass", False): CUTLASS_BF16,
+            ("deepgemm", True): DEEPGEMM, ("deepgemm", False): DEEPGEMM_BF16}[name, fp8]
+
+
 def _scales(rows: int, groups: int, mn_major: bool, device) -> torch.Tensor:
     """fp32 scales ``[rows, groups]``, stored row-major or MN-major (``.t()`` contiguous)."""
     if mn_major:

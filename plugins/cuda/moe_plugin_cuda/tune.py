@@ -186,19 +186,19 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
     path's ``t_triton``: the kernels differ by less."""
     from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
 
+    gemm = cutlass_ops.grouped_gemm(gemm_name, fp8)
     if gemm_name == "cutlass" and fp8:  # GEMM1 writes fp32 or (from MIN_BF16_H_TOKENS) bf16, GEMM2 bf16
-        gemm, best = cutlass_ops.CUTLASS, cutlass_lib.DEFAULT_VARIANTS["fp8"]
+        best = cutlass_lib.DEFAULT_VARIANTS["fp8"]
         choices = (cutlass_lib.variants_for("fp8", "fp32")
                    + (cutlass_lib.variants_for("fp8", "bf16") if tokens >= MIN_BF16_H_TOKENS else []),
                    cutlass_lib.variants_for("fp8", "bf16"))
     elif gemm_name == "cutlass":
-        gemm, best = cutlass_ops.CUTLASS_BF16, cutlass_lib.DEFAULT_VARIANTS["bf16"]
+        best = cutlass_lib.DEFAULT_VARIANTS["bf16"]
         choices = (cutlass_lib.variants_for("bf16", "bf16") + cutlass_lib.variants_for("bf16", "swiglu"),
                    cutlass_lib.variants_for("bf16", "bf16"))
     else:  # (a variant that cannot run N columns would run as variant 0: not a candidate)
-        gemm, best, variants = ((cutlass_ops.DEEPGEMM, deepgemm_lib.DEFAULT_FP8_VARIANTS, deepgemm_lib.FP8_VARIANTS)
-                                if fp8 else (cutlass_ops.DEEPGEMM_BF16, deepgemm_lib.DEFAULT_BF16_VARIANTS,
-                                             deepgemm_lib.BF16_VARIANTS))
+        best, variants = ((deepgemm_lib.DEFAULT_FP8_VARIANTS, deepgemm_lib.FP8_VARIANTS) if fp8
+                          else (deepgemm_lib.DEFAULT_BF16_VARIANTS, deepgemm_lib.BF16_VARIANTS))
         choices = tuple([k for k in range(len(variants)) if deepgemm_lib.runnable(k, n, variants)] for n in ns)
         if not all(deepgemm_lib.runnable(v, n, variants) for v, n in zip(best, ns, strict=True)):
             best = (choices[0][0], choices[1][0])
@@ -229,10 +229,9 @@ def entry_time(entry: dict, pipeline, pipeline_time, triton_table: dict, fp8: bo
     path = entry.get("path", "triton")
     if path == "triton":
         return pipeline(entry if "gemm1" in entry else triton_table)
-    gemm = {("cutlass", True): cutlass_ops.CUTLASS, ("cutlass", False): cutlass_ops.CUTLASS_BF16,
-            ("deepgemm", True): cutlass_ops.DEEPGEMM, ("deepgemm", False): cutlass_ops.DEEPGEMM_BF16}[path, fp8]
     return pipeline_time(f"committed {path} {entry[f'{path}_variants']}",
-                         partial(cutlass_ops.fused_experts, gemm=gemm, w13_interleaved=not fp8),
+                         partial(cutlass_ops.fused_experts, gemm=cutlass_ops.grouped_gemm(path, fp8),
+                                 w13_interleaved=not fp8),
                          variants=tuple(entry[f"{path}_variants"]))
 
 
