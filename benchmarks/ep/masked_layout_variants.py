@@ -1,15 +1,16 @@
 """One GPU, no communication: the local layout work of ``torch_a2a``'s masked mode, timed per variant,
-to pick what the dispatcher should use before changing it (session 3: replacing ``embedding_bag`` by
-gather + bmm did not help end to end, although it should move fewer bytes; this measures each piece
-alone).
+to pick what the dispatcher should use before changing it (end to end, replacing ``embedding_bag`` by
+gather + bmm did not help although it should move fewer bytes; this measures each piece alone). The
+compiled variants are what ``torch_a2a`` runs on CUDA (docs/decisions.md, decision 16).
 
 - combine reduce: ``out[t] = sum_k w[t, k] * slab[index[t, k]]`` over the ``[E_local * C*W, H]`` slab
   (``index`` / ``w`` as ``torch_a2a`` builds them: pairs not here point at a valid row with weight 0);
-  variants: ``embedding_bag`` (today), gather ``[rows, K, H]`` + bmm, a loop over K of weighted row
-  gathers (eager), and the same loop under ``torch.compile`` (inductor fuses it into one kernel
-  that reads each slab row once);
-- dispatch expand: write each received row into its K slab rows (``index_put_`` today), vs
-  ``index_copy_`` of the repeated rows, vs the compiled loop over K.
+  variants: ``embedding_bag``, gather ``[rows, K, H]`` + bmm, a loop over K of weighted row gathers
+  (eager), and the same loop under ``torch.compile`` (inductor fuses it into one kernel that reads
+  each slab row once: ``torch_a2a``'s);
+- dispatch expand: write each received row into its K slab rows: ``index_put_``, ``index_copy_`` of
+  the repeated rows, the compiled loop over K, and one compiled scatter of the broadcast rows
+  (``torch_a2a``'s).
 
 Bytes: the reduce must read ``rows x K x H x elem`` once (0.94 GB for DeepSeek-V3, 4096 tokens/rank,
 W = 2); the table gives each variant's time and the bandwidth that byte count implies.

@@ -162,7 +162,7 @@ def _a2a(out: torch.Tensor, inp: torch.Tensor, out_splits: Optional[list[int]], 
 # --------------------------------------------------------------------------- masked slab kernels
 # The masked layout writes each received row into its K slab rows (dispatch) and sums K weighted
 # slab rows per received token (combine). Eager PyTorch has no fused op for either. DeepSeek-V3
-# sizes, 4096 tokens/rank, W = 2, one H200 (benchmarks/ep/masked_layout_variants.py, RESULTS.md):
+# sizes, 4096 tokens/rank, W = 2, one H200 (benchmarks/ep/masked_layout_variants.py; docs/decisions.md 16):
 # expand of int64 words index_put_ 0.51 ms, one compiled scatter 0.25 ms; reduce embedding_bag
 # ~1.3 ms, a compiled loop over K (one kernel) 0.14 ms.
 # On CUDA devices the compiled loops are used (compiled at the first call: warm up before a CUDA
