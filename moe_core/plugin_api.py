@@ -27,10 +27,10 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.dtype_chain import DtypeDecision, DtypeRequest
 from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from moe_core.layer import MoELayer
-from moe_core.planner import DtypeDecision, DtypeRequest
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_base import BackendPlugin
 from moe_core.router import route
 from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
