@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 from dataclasses import dataclass, field
+from importlib import metadata  # the stdlib's entry_points(group=...) selects since Python 3.10
 from typing import Any, Iterable, Optional
 
 import pluggy
@@ -28,10 +28,6 @@ from moe_core.hookspecs import HOOKSPEC_VERSION
 from moe_core.plugin_base import BackendPlugin
 from moe_core.reference.plugin import plugin as reference_plugin
 
-if sys.version_info >= (3, 12):
-    from importlib import metadata
-else:  # the backport has the 3.12 selection API on 3.11
-    import importlib_metadata as metadata
 
 log = logging.getLogger("moe_core")
 
