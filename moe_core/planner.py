@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moe_core")
 
-__all__ = ["plan", "Plan", "PlanError", "Rejection", "DtypeRequest", "DtypeDecision", "DtypeStep"]
+__all__ = ["plan", "Plan", "PlanError", "Rejection", "DtypeRequest", "DtypeDecision", "DtypeStep", "negotiate_dtype"]
 
 
 # --------------------------------------------------------------------------- plan
@@ -230,8 +230,10 @@ def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) 
     return formats[0], reasons
 
 
-def _negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[BackendSpec], e: BackendSpec,
-                     fmt: Format) -> tuple[Optional[DtypeDecision], list[Reason]]:
+def negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[BackendSpec], e: BackendSpec,
+                    fmt: Format) -> tuple[Optional[DtypeDecision], list[Reason]]:
+    """Run the dtype chain for one candidate (``d`` is None for a fused backend): the decision, and
+    why it cannot be used (empty when it can). The planner's and the conformance kit's one way."""
     carried = d.wire_dtypes if d is not None else e.wire_dtypes
     common = tuple(x for x in e.wire_dtypes if x in carried)
     if not common:
@@ -299,7 +301,7 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
         reasons += format_reasons
         decision = None
         if fmt is not None:
-            decision, dtype_reasons = _negotiate_dtype(manager, config, d, e, fmt)
+            decision, dtype_reasons = negotiate_dtype(manager, config, d, e, fmt)
             reasons += dtype_reasons
         d_name = d.qualified_name if d else e.qualified_name
         if reasons:
