@@ -5,7 +5,7 @@ The pipeline is route -> dispatch -> apply -> combine. Plugins (entry-point grou
 layer; ``MoELayer`` runs the plan's bound backends.
 """
 
-from moe_core.backends import BackendSpec, Code, Reason, Role, available, unavailable
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role, available, unavailable
 from moe_core.config import PRESETS, MoEConfig, RouterConfig, preset
 from moe_core.contracts import (
     Activation,
@@ -35,7 +35,7 @@ from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
 __all__ = [
     "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DeviceKind", "DispatchOutput",
-    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
+    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPSupport", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "Plan", "PlanError", "PluginLoadError", "PluginManager", "QuantScheme", "QuantizedActivations", "Reason", "Role",
     "RouterConfig", "StandardCombine", "StandardDispatch", "TopK", "WireDtype", "available", "get_plugin_manager",

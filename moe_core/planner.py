@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from moe_core.backends import BackendSpec, Code, Reason, Role
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role
 from moe_core.config import AUTO, MoEConfig
 from moe_core.contracts import Format, WireDtype
 from moe_core.dtype_chain import (  # noqa: F401  (NATURAL_DTYPE, the Core* rules: re-exported, their old home)
@@ -173,10 +173,10 @@ def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, 
         reasons.append(Reason(Code.NO_DEVICE, f"{spec.qualified_name} runs on {'/'.join(sorted(spec.devices))}, "
                               f"the layer targets {config.device}",
                               f"plan with --device {sorted(spec.devices)[0]} on such a machine"))
-    if spec.ep == "none" and config.ep_size > 1:
+    if spec.ep is EPSupport.NONE and config.ep_size > 1:
         reasons.append(Reason(Code.UNSUPPORTED_PARALLEL, f"{spec.qualified_name} does not support expert "
                               f"parallelism (ep_size={config.ep_size})", "use an EP-capable dispatcher"))
-    if spec.ep == "required" and config.ep_size == 1:
+    if spec.ep is EPSupport.REQUIRED and config.ep_size == 1:
         reasons.append(Reason(Code.UNSUPPORTED_PARALLEL, f"{spec.qualified_name} needs an EP group of size > 1",
                               "use the 'standard' dispatcher on a single rank"))
     if spec.role is not Role.DISPATCHER:

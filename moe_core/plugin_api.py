@@ -8,7 +8,7 @@ its tuners and probes use. The conformance kit is ``moe_core.testing``.
 """
 
 from moe_core import quant
-from moe_core.backends import BackendSpec, Code, Reason, Role, available, from_exception, unavailable
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role, available, from_exception, unavailable
 from moe_core.config import PRESETS, MoEConfig, RouterConfig, preset
 from moe_core.contracts import (
     Activation,
@@ -36,7 +36,7 @@ from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
 __all__ = [
     "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DeviceKind", "DispatchOutput",
-    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
+    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPSupport", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "QuantScheme", "QuantizedActivations", "Reason", "Role", "RouterConfig", "StandardCombine", "StandardDispatch",
     "TopK", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl", "local_device_kind",

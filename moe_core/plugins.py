@@ -159,7 +159,7 @@ class PluginManager:
 
     def _fail(self, record: PluginRecord) -> None:
         if self.strict:
-            raise PluginLoadError(f"{record.name}: {record.status}\n{record.status.traceback or ''}")
+            raise PluginLoadError(_describe(record))
         log.warning("moe-core plugin %s skipped: %s", record.name, record.status)
         self.records.append(record)
 
@@ -179,10 +179,11 @@ class PluginManager:
                     raise TypeError(f"moe_core_backends() must return a list of BackendSpec, got {specs!r}")
             except Exception as exc:
                 self.pm.unregister(plugin)
-                self.records[self.records.index(record)] = dataclasses.replace(
+                failed = dataclasses.replace(
                     record, status=from_exception(Code.LOAD_ERROR, f"moe_core_backends() of {record.name!r} failed", exc))
+                self.records[self.records.index(record)] = failed
                 if self.strict:
-                    raise PluginLoadError(str(self.records[-1].status)) from exc
+                    raise PluginLoadError(_describe(failed)) from exc
                 continue
             for spec in specs:
                 collected.append(dataclasses.replace(spec, plugin=record.name, plugin_version=record.version))
@@ -235,6 +236,11 @@ class PluginManager:
 
     def failed(self) -> list[PluginRecord]:
         return [r for r in self.records if not r.status.ok and r.status.code is not Code.DISABLED]
+
+
+def _describe(record: PluginRecord) -> str:
+    """A failed record for ``PluginLoadError``: the plugin, its verdict and the traceback."""
+    return f"{record.name}: {record.status}\n{record.status.traceback or ''}"
 
 
 def _core_version() -> str:

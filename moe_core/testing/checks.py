@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from moe_core import quant
-from moe_core.backends import BackendSpec, Code, Reason, Role
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role
 from moe_core.config import MoEConfig
 from moe_core.contracts import (
     COMBINE_TYPES,
@@ -484,9 +484,9 @@ def add_honesty_cases(spec: BackendSpec, add: Callable[..., None]) -> None:
     for w in WireDtype:
         if w not in spec.wire_dtypes:
             add(f"honesty-unclaimed-wire-{w}", honesty, change={"dispatch_dtype": str(w)})
-    if spec.ep == "none":
+    if spec.ep is EPSupport.NONE:
         add("honesty-ep-none-rejects-ep2", honesty, change={"ep_size": 2})
-    if spec.ep == "required":
+    if spec.ep is EPSupport.REQUIRED:
         add("honesty-ep-required-rejects-ep1", honesty, change={"ep_size": 1})
     for kind in ("cpu", "cuda", "rocm", "npu"):
         if kind not in spec.devices:
@@ -499,7 +499,7 @@ def _honesty_config(ctx: KitContext, spec: BackendSpec, change: dict[str, Any]) 
                               else QuantScheme.UNQUANTIZED}
     if spec.role is Role.DISPATCHER:
         fields.update(dispatcher=spec.qualified_name, experts=REFERENCE_EXPERTS)
-    if spec.ep == "required":
+    if spec.ep is EPSupport.REQUIRED:
         fields["ep_size"] = 2
     if spec.role is Role.EXPERTS and Format.STANDARD not in spec.formats:
         # EP-only experts (e.g. EP_MASKED only): the base pairs them with a loaded dispatcher that
@@ -564,9 +564,9 @@ def honesty_format(ctx: KitContext, case: Case) -> None:
         raise KitSkip(f"no loaded dispatcher produces only formats {spec.qualified_name} does not accept ({fmt})")
     d = others[0]
     change: dict[str, Any] = {"dispatcher": d.qualified_name, "max_tokens_per_rank": 8}
-    if d.ep == "required":
+    if d.ep is EPSupport.REQUIRED:
         change["ep_size"] = 2
-    elif d.ep == "none":
+    elif d.ep is EPSupport.NONE:
         change["ep_size"] = 1  # the pair is rejected for the format, not for the EP size
     base = _honesty_config(ctx, spec, {k: v for k, v in change.items() if k != "dispatcher"})
     _expect_rejection(ctx, spec, base, _honesty_config(ctx, spec, change),

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core import quant
-from moe_core.backends import BackendSpec, Role
+from moe_core.backends import BackendSpec, EPSupport, Role
 from moe_core.config import MoEConfig
 from moe_core.contracts import (
     EPMaskedDispatch,
@@ -61,9 +61,9 @@ class Sub:
 
 
 def dispatcher_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub]:
-    if world == 1 and spec.ep == "required":
+    if world == 1 and spec.ep is EPSupport.REQUIRED:
         return [Sub("dispatcher-ep1", None, None, "", f"{spec.qualified_name} declares ep='required'")]
-    if world > 1 and spec.ep == "none":
+    if world > 1 and spec.ep is EPSupport.NONE:
         return [Sub(f"dispatcher-ep{world}", None, None, "", f"{spec.qualified_name} declares ep='none'")]
     if shape.num_experts % world:
         return [Sub(f"dispatcher-ep{world}", None, None, "", f"num_experts={shape.num_experts} not divisible by {world}")]

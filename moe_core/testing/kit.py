@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Union
 
 import torch
 
-from moe_core.backends import BackendSpec, Role
+from moe_core.backends import BackendSpec, EPSupport, Role
 from moe_core.contracts import Format
 from moe_core.testing import checks, ep
 from moe_core.testing.cases import (  # noqa: F401  (re-exported: the vocabulary's old home)
@@ -57,7 +57,7 @@ def generate_cases(spec: BackendSpec, options: KitOptions, manager: Any = None) 
 
     token_counts = (0, 1, shape.tokens_odd, shape.tokens_large)
     top_ks = sorted({1, shape.top_k})
-    if spec.role is Role.FUSED and spec.ep == "required":  # checked whole, in EP worlds (like dispatchers)
+    if spec.role is Role.FUSED and spec.ep is EPSupport.REQUIRED:  # checked whole, in EP worlds (like dispatchers)
         for world in options.ep_sizes:
             for sub in ep.fused_subcases(spec, world, shape):
                 add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
@@ -102,7 +102,7 @@ def generate_cases(spec: BackendSpec, options: KitOptions, manager: Any = None) 
                 add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
     checks.add_honesty_cases(spec, lambda case_id, fn, **kw: add(case_id, fn, needs_available=False, **kw))
     graph_formats = _sorted(spec.graph_safe_formats)
-    if spec.role is not Role.DISPATCHER or spec.ep != "required":
+    if spec.role is not Role.DISPATCHER or spec.ep is not EPSupport.REQUIRED:
         for fmt in graph_formats:
             add(f"graph-{fmt}", checks.graph_capture, fmt=fmt)
     if options.select:
