@@ -170,3 +170,19 @@ def test_plugin_imports_only_the_public_core(plugin):
                       if i.target.split(".")[0] == "moe_core" and not _is_public(i.target)})
     assert not private, f"plugin {plugin} imports core internals:\n  " + "\n  ".join(private)
     assert core_modules  # the core was found (an empty tree would pass vacuously)
+
+
+def test_the_checks_catch_a_hidden_cycle(tmp_path):
+    """On a package with a cycle closed inside a function, the same graph code reports it."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n"
+                              "def f():\n    from pkg.a import thing\n")
+    modules, imports = _package_imports(pkg)
+    edges = {(i.source, i.target, i.local) for i in imports}
+    assert ("pkg.a", "pkg.b", False) in edges and ("pkg.b", "pkg.a", True) in edges
+    assert [i.line for i in imports if i.target == "pkg.a"] == [5]  # the TYPE_CHECKING import is not counted
+    graph = {m: {i.target for i in imports if i.source == m and not i.local} for m in modules}
+    assert _reaches(graph, "pkg.b", "pkg.a") is None and _reaches(graph, "pkg.a", "pkg.b") == ["pkg.a", "pkg.b"]
