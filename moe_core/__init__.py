@@ -23,10 +23,10 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
-from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
-from moe_core.layer import MoELayer
 from moe_core.devices import DeviceKind
 from moe_core.dtype_chain import DtypeDecision, DtypeRequest
+from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
+from moe_core.layer import MoELayer
 from moe_core.planner import Plan, PlanError, plan
 from moe_core.plugin_base import BackendPlugin
 from moe_core.plugins import PluginLoadError, PluginManager, get_plugin_manager

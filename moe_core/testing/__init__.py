@@ -18,8 +18,8 @@ Two ways to run it (both documented in ``examples/moe-plugin-example/README.md``
       assert report.ok, report.text()
 """
 
-from moe_core.testing.data import Shape, rel_error, tolerance
 from moe_core.testing.cases import Case, CaseResult, KitContext, KitFailure, KitOptions, KitSkip
+from moe_core.testing.data import Shape, rel_error, tolerance
 from moe_core.testing.kit import KitReport, generate_cases, run_kit
 from moe_core.testing.world import RankOutcome, free_port, run_gloo_world, spawn_world
 
