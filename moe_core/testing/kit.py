@@ -29,6 +29,7 @@ from moe_core.testing.cases import (  # noqa: F401  (re-exported: the vocabulary
     make_manager,
     run_setup,
 )
+from moe_core.testing.data import Shape  # noqa: F401  (re-exported: imported from here by plugins' tests)
 
 __all__ = ["KitOptions", "Case", "KitContext", "KitReport", "CaseResult", "KitFailure", "KitSkip",
            "generate_cases", "run_kit"]
