@@ -5,7 +5,7 @@ The pipeline is route -> dispatch -> apply -> combine. Plugins (entry-point grou
 layer; ``MoELayer`` runs the plan's bound backends.
 """
 
-from moe_core.backends import BackendSpec, Code, Reason, Role, available, unavailable
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role, available, unavailable
 from moe_core.config import PRESETS, MoEConfig, RouterConfig, preset
 from moe_core.contracts import (
     Activation,
@@ -23,16 +23,19 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.devices import DeviceKind
+from moe_core.dtype_chain import DtypeDecision, DtypeRequest
 from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from moe_core.layer import MoELayer
-from moe_core.planner import DtypeDecision, DtypeRequest, Plan, PlanError, plan
-from moe_core.plugins import BackendPlugin, PluginLoadError, PluginManager, get_plugin_manager
+from moe_core.planner import Plan, PlanError, plan
+from moe_core.plugin_base import BackendPlugin
+from moe_core.plugins import PluginLoadError, PluginManager, get_plugin_manager
 from moe_core.router import route
 from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
 __all__ = [
-    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DispatchOutput",
-    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
+    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DeviceKind", "DispatchOutput",
+    "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPSupport", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "Plan", "PlanError", "PluginLoadError", "PluginManager", "QuantScheme", "QuantizedActivations", "Reason", "Role",
     "RouterConfig", "StandardCombine", "StandardDispatch", "TopK", "WireDtype", "available", "get_plugin_manager",

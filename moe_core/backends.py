@@ -16,13 +16,21 @@ from moe_core.contracts import Activation, Format, QuantScheme, WireDtype, _StrE
 if TYPE_CHECKING:
     from moe_core.config import MoEConfig
 
-__all__ = ["Role", "Code", "Reason", "BackendSpec", "available", "unavailable", "load_object"]
+__all__ = ["Role", "EPSupport", "Code", "Reason", "BackendSpec", "available", "unavailable", "load_object"]
 
 
 class Role(_StrEnum):
     DISPATCHER = "dispatcher"
     EXPERTS = "experts"
     FUSED = "fused"  # dispatch + experts + combine in one backend
+
+
+class EPSupport(_StrEnum):
+    """How a backend stands to expert parallelism (``BackendSpec.ep``)."""
+
+    NONE = "none"  # single rank only
+    ANY = "any"  # with and without an EP group
+    REQUIRED = "required"  # only with an EP group of size > 1
 
 
 class Code(_StrEnum):
@@ -111,8 +119,10 @@ class BackendSpec:
     - ``probe``: ``"module:function"`` returning a ``Reason`` (OK or why not); it must be cheap,
       never raise and never import a vendor library at module import time of the plugin.
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
-    - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
-      ``"required"`` (only with an EP group of size > 1).
+    - ``ep``: an ``EPSupport``: ``NONE`` (single rank only), ``ANY`` (works with and without an EP
+      group) or ``REQUIRED`` (only with an EP group of size > 1). The strings ``"none"``, ``"any"``,
+      ``"required"`` are accepted and converted here, once.
+    - ``plugin`` / ``plugin_version``: ``None`` until the plugin manager registers the spec.
     """
 
     name: str
@@ -124,21 +134,24 @@ class BackendSpec:
     quant_schemes: frozenset[QuantScheme] = frozenset({QuantScheme.UNQUANTIZED})
     activations: frozenset[Activation] = frozenset({Activation.SILU})
     graph_safe_formats: frozenset[Format] = frozenset()
-    ep: str = "any"
+    ep: EPSupport = EPSupport.ANY
     priority: int = 0
     probe: Optional[Union[str, Probe]] = None
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False
     description: str = ""
     # filled in by the plugin manager at registration:
-    plugin: str = ""
-    plugin_version: str = ""
+    plugin: Optional[str] = None
+    plugin_version: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"backend name {self.name!r} must be a simple identifier")
-        if self.ep not in ("none", "any", "required"):
-            raise ValueError(f"BackendSpec.ep must be 'none', 'any' or 'required', got {self.ep!r}")
+        try:
+            object.__setattr__(self, "ep", EPSupport(self.ep))
+        except ValueError:
+            raise ValueError(f"BackendSpec.ep of backend {self.name!r} must be one of "
+                             f"{', '.join(repr(str(e)) for e in EPSupport)} (moe_core.EPSupport), got {self.ep!r}") from None
         if self.role is Role.FUSED and self.formats != (Format.FUSED,):
             raise ValueError("a fused backend declares formats=(Format.FUSED,)")
 

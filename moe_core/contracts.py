@@ -44,12 +44,37 @@ __all__ = [
     "FP8_MAX",
     "FP8_GROUP",
     "NVFP4_BLOCK",
+    "E2M1_GRID",
+    "dequantize_fp8_per_token_group",
+    "dequantize_nvfp4",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP8_GROUP = 128  # channels per activation scale group (and weight block edge)
 NVFP4_BLOCK = 16  # elements per NVFP4 block scale
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the e2m1 magnitudes, by 3-bit code
+
+
+# What the quantized wire data mean: the decoders live with the data they decode, so that
+# ``QuantizedActivations.dequantize`` needs nothing above this module; the encoders are in
+# ``moe_core.quant``, which re-exports these (docs/decisions.md).
+
+
+def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
+    h = q.shape[-1]
+    qg = torch.nn.functional.pad(q.float(), (0, (-h) % group)).unflatten(-1, (-1, group))
+    return (qg * scale.unsqueeze(-1)).flatten(-2)[..., :h]
+
+
+def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    lo, hi = packed & 0x0F, packed >> 4
+    codes = torch.stack([lo, hi], dim=-1).flatten(-2).long()
+    grid = E2M1_GRID.to(packed.device)
+    values = grid[codes & 0x7] * torch.where(codes >= 8, -1.0, 1.0)
+    vb = values.unflatten(-1, (-1, NVFP4_BLOCK)) * scale.float().unsqueeze(-1)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
+    return vb.flatten(-2) / gs
 
 
 class _StrEnum(str, enum.Enum):
@@ -197,9 +222,13 @@ class QuantizedActivations:
         return self.data.device
 
     def dequantize(self, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from moe_core import quant
-
-        return quant.dequantize_activations(self, out_dtype)
+        if self.dtype is WireDtype.BF16:
+            return self.data.to(out_dtype)
+        if self.dtype is WireDtype.FP8:
+            return dequantize_fp8_per_token_group(self.data, self.scale).to(out_dtype)
+        if self.dtype is WireDtype.INT8:
+            return (self.data.float() * self.scale).to(out_dtype)
+        return dequantize_nvfp4(self.data, self.scale, self.global_scale).to(out_dtype)
 
 
 # --------------------------------------------------------------------------- dispatch outputs

@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from moe_core.contracts import (
+from moe_core.contracts import (  # the decoders live with the wire contract; re-exported here
+    E2M1_GRID,  # noqa: F401  (re-exported: its old home)
     FP8_DTYPE,
     FP8_GROUP,
     FP8_MAX,
@@ -19,6 +20,8 @@ from moe_core.contracts import (
     QuantizedActivations,
     QuantScheme,
     WireDtype,
+    dequantize_fp8_per_token_group,
+    dequantize_nvfp4,
 )
 
 __all__ = [
@@ -42,7 +45,6 @@ __all__ = [
 _FP8_AMAX_FLOOR = 1e-4  # DeepEP's floor, so all-zero groups get a finite scale
 _INT_AMAX_FLOOR = 1e-10
 E2M1_MAX = 6.0
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
 
@@ -72,12 +74,6 @@ def quantize_fp8_per_token_group(
     group_of = torch.arange(h, device=x.device) // group
     q = (xf / scale[..., group_of]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
-
-
-def dequantize_fp8_per_token_group(q: torch.Tensor, scale: torch.Tensor, group: int = FP8_GROUP) -> torch.Tensor:
-    h = q.shape[-1]
-    qg = _pad_last(q.float(), group).unflatten(-1, (-1, group))
-    return (qg * scale.unsqueeze(-1)).flatten(-2)[..., :h]
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,16 +148,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
     return packed, s
 
 
-def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    lo, hi = packed & 0x0F, packed >> 4
-    codes = torch.stack([lo, hi], dim=-1).flatten(-2).long()
-    grid = E2M1_GRID.to(packed.device)
-    values = grid[codes & 0x7] * torch.where(codes >= 8, -1.0, 1.0)
-    vb = values.unflatten(-1, (-1, NVFP4_BLOCK)) * scale.float().unsqueeze(-1)
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device)
-    return vb.flatten(-2) / gs
-
-
 # --------------------------------------------------------------------------- activations
 
 
@@ -190,13 +176,7 @@ def quantize_activations(
 
 
 def dequantize_activations(qa: QuantizedActivations, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    if qa.dtype is WireDtype.BF16:
-        return qa.data.to(out_dtype)
-    if qa.dtype is WireDtype.FP8:
-        return dequantize_fp8_per_token_group(qa.data, qa.scale).to(out_dtype)
-    if qa.dtype is WireDtype.INT8:
-        return (qa.data.float() * qa.scale).to(out_dtype)
-    return dequantize_nvfp4(qa.data, qa.scale, qa.global_scale).to(out_dtype)
+    return qa.dequantize(out_dtype)
 
 
 # --------------------------------------------------------------------------- weights

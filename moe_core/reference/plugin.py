@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moe_core.backends import BackendSpec, Role
+from moe_core.backends import BackendSpec, EPSupport, Role
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_base import BackendPlugin
 
 ALL_DEVICES = frozenset({"cpu", "cuda", "rocm", "npu"})
 
@@ -16,14 +16,14 @@ class ReferencePlugin(BackendPlugin):
                 name="standard", role=Role.DISPATCHER, impl="moe_core.reference.dispatcher:StandardDispatcher",
                 formats=(Format.STANDARD,), devices=ALL_DEVICES,
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4),
-                graph_safe_formats=frozenset({Format.STANDARD}), ep="any", priority=0,
+                graph_safe_formats=frozenset({Format.STANDARD}), ep=EPSupport.ANY, priority=0,
                 description="no communication; under EP: local-id remap, then all-reduce of the output",
             ),
             BackendSpec(
                 name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed.torch_a2a:TorchA2ADispatcher",
                 formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=ALL_DEVICES,  # RCCL on ROCm
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8),
-                graph_safe_formats=frozenset({Format.EP_MASKED}), ep="required", priority=10,
+                graph_safe_formats=frozenset({Format.EP_MASKED}), ep=EPSupport.REQUIRED, priority=10,
                 description="expert parallelism over torch.distributed all-to-all (gloo, NCCL, HCCL)",
             ),
             BackendSpec(
@@ -31,7 +31,7 @@ class ReferencePlugin(BackendPlugin):
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=ALL_DEVICES,
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4),
                 quant_schemes=frozenset(QuantScheme), activations=frozenset(Activation),
-                graph_safe_formats=frozenset(), ep="any", priority=0,
+                graph_safe_formats=frozenset(), ep=EPSupport.ANY, priority=0,
                 description="pure PyTorch, every format and scheme; the oracle (syncs with the host)",
             ),
         ]

@@ -18,19 +18,11 @@ Two ways to run it (both documented in ``examples/moe-plugin-example/README.md``
       assert report.ok, report.text()
 """
 
+from moe_core.testing.cases import Case, CaseResult, KitContext, KitFailure, KitOptions, KitSkip
 from moe_core.testing.data import Shape, rel_error, tolerance
-from moe_core.testing.kit import (
-    Case,
-    CaseResult,
-    KitContext,
-    KitFailure,
-    KitOptions,
-    KitReport,
-    KitSkip,
-    generate_cases,
-    run_kit,
-)
-from moe_core.testing.world import run_gloo_world
+from moe_core.testing.kit import KitReport, generate_cases, run_kit
+from moe_core.testing.world import RankOutcome, free_port, run_gloo_world, spawn_world
 
-__all__ = ["Case", "CaseResult", "KitContext", "KitFailure", "KitOptions", "KitReport", "KitSkip", "Shape",
-           "generate_cases", "rel_error", "run_gloo_world", "run_kit", "tolerance"]
+__all__ = ["Case", "CaseResult", "KitContext", "KitFailure", "KitOptions", "KitReport", "KitSkip", "RankOutcome",
+           "Shape", "free_port", "generate_cases", "rel_error", "run_gloo_world", "run_kit", "spawn_world",
+           "tolerance"]

@@ -15,12 +15,12 @@ import dataclasses
 import math
 import zlib
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from moe_core import quant
-from moe_core.backends import BackendSpec, Code, Reason, Role
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role
 from moe_core.config import MoEConfig
 from moe_core.contracts import (
     COMBINE_TYPES,
@@ -33,16 +33,11 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.layer import MoELayer
 from moe_core.planner import DtypeStep, Plan, PlanError
 from moe_core.planner import plan as make_plan
+from moe_core.testing.cases import REFERENCE_DISPATCHER, REFERENCE_EXPERTS, Case, KitContext, KitFailure, KitSkip
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
-from moe_core.testing.kit import Case, KitContext, KitFailure, KitSkip
-
-if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
-
-REFERENCE_DISPATCHER = "reference.standard"
-REFERENCE_EXPERTS = "reference.reference"
 
 # Planner verdicts that mean "not on this machine / not this shape": the case is skipped with the
 # reason. Anything else rejecting a *claimed* capability contradicts the declaration: a failure.
@@ -99,11 +94,9 @@ def plan_claimed(ctx: KitContext, spec: BackendSpec, config: MoEConfig, what: st
 
 
 def reference_layer(ctx: KitContext, config: MoEConfig, wire: WireDtype, ckpt: dict[str, torch.Tensor],
-                    fmt: Format = Format.STANDARD) -> "MoELayer":
+                    fmt: Format = Format.STANDARD) -> MoELayer:
     """The core reference experts for ``config`` on CPU (same sizes, scheme, wire dtype); cached
     per config, as the reference is never modified by a case."""
-    from moe_core.layer import MoELayer
-
     cfg = config.replace(dispatcher=REFERENCE_DISPATCHER, experts=REFERENCE_EXPERTS, device="cpu",
                          dispatch_dtype=str(wire), cuda_graph=False)
     key = ("ref", cfg, fmt, id(ckpt))
@@ -218,9 +211,7 @@ class ExpertsHarness:
     def poisoned(self) -> contextlib.AbstractContextManager:
         return poisoned_memory() if self.poison else contextlib.nullcontext()
 
-    def _build(self) -> "MoELayer":
-        from moe_core.layer import MoELayer
-
+    def _build(self) -> MoELayer:
         layer = MoELayer(self.config, plan=self.plan, manager=self.ctx.manager, device=self.device)
         layer.load_weights(**{k: v.to(self.device) for k, v in self.ckpt.items()})
         layer.process_weights()
@@ -270,7 +261,7 @@ class ExpertsHarness:
 
     # ------------------------------------------------------------ running
 
-    def forward(self, layer: Optional["MoELayer"] = None, topk: Optional[TopK] = None) -> torch.Tensor:
+    def forward(self, layer: Optional[MoELayer] = None, topk: Optional[TopK] = None) -> torch.Tensor:
         """The backend's output for the case inputs (``[T, H]``, ``[R, H]`` or the valid masked rows)."""
         layer = layer or self.layer
         with self.poisoned(), torch.no_grad():
@@ -493,9 +484,9 @@ def add_honesty_cases(spec: BackendSpec, add: Callable[..., None]) -> None:
     for w in WireDtype:
         if w not in spec.wire_dtypes:
             add(f"honesty-unclaimed-wire-{w}", honesty, change={"dispatch_dtype": str(w)})
-    if spec.ep == "none":
+    if spec.ep is EPSupport.NONE:
         add("honesty-ep-none-rejects-ep2", honesty, change={"ep_size": 2})
-    if spec.ep == "required":
+    if spec.ep is EPSupport.REQUIRED:
         add("honesty-ep-required-rejects-ep1", honesty, change={"ep_size": 1})
     for kind in ("cpu", "cuda", "rocm", "npu"):
         if kind not in spec.devices:
@@ -508,7 +499,7 @@ def _honesty_config(ctx: KitContext, spec: BackendSpec, change: dict[str, Any]) 
                               else QuantScheme.UNQUANTIZED}
     if spec.role is Role.DISPATCHER:
         fields.update(dispatcher=spec.qualified_name, experts=REFERENCE_EXPERTS)
-    if spec.ep == "required":
+    if spec.ep is EPSupport.REQUIRED:
         fields["ep_size"] = 2
     if spec.role is Role.EXPERTS and Format.STANDARD not in spec.formats:
         # EP-only experts (e.g. EP_MASKED only): the base pairs them with a loaded dispatcher that
@@ -573,9 +564,9 @@ def honesty_format(ctx: KitContext, case: Case) -> None:
         raise KitSkip(f"no loaded dispatcher produces only formats {spec.qualified_name} does not accept ({fmt})")
     d = others[0]
     change: dict[str, Any] = {"dispatcher": d.qualified_name, "max_tokens_per_rank": 8}
-    if d.ep == "required":
+    if d.ep is EPSupport.REQUIRED:
         change["ep_size"] = 2
-    elif d.ep == "none":
+    elif d.ep is EPSupport.NONE:
         change["ep_size"] = 1  # the pair is rejected for the format, not for the EP size
     base = _honesty_config(ctx, spec, {k: v for k, v in change.items() if k != "dispatcher"})
     _expect_rejection(ctx, spec, base, _honesty_config(ctx, spec, change),
@@ -598,16 +589,12 @@ def graph_capture(ctx: KitContext, case: Case) -> None:
         raise KitSkip(f"declared devices {sorted(spec.devices)} have no CUDA graphs")
     s = ctx.shape
     scheme = sorted(spec.quant_schemes, key=str)[0]
-    from moe_core.testing.kit import natural_wire
-
-    params = dict(fmt=fmt, scheme=scheme, wire=natural_wire(spec, scheme),
+    params = dict(fmt=fmt, scheme=scheme, wire=ctx.natural_wire(spec, scheme, fmt),
                   activation=sorted(spec.activations, key=str)[0], tokens=s.tokens_odd, top_k=s.top_k)
     h = ExpertsHarness(ctx, dataclasses.replace(case, params=params))
     if fmt in (Format.STANDARD, Format.FUSED):
         cfg = h.config.replace(cuda_graph=True)
         p = plan_claimed(ctx, spec, cfg, f"{spec.qualified_name} with cuda_graph=True in format {fmt}")
-        from moe_core.layer import MoELayer
-
         layer = MoELayer(cfg, plan=p, manager=ctx.manager, device=h.device)
         layer.load_weights(**{k: v.to(h.device) for k, v in h.ckpt.items()})
         layer.process_weights()
@@ -647,6 +634,3 @@ def graph_capture(ctx: KitContext, case: Case) -> None:
         torch.cuda.synchronize()
         h.compare(h._unpack(static_out, d), h.reference(), "graph replay vs reference")
 
-
-def not_covered(ctx: KitContext, case: Case) -> None:
-    raise KitSkip(case.params["reason"])

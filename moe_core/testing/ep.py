@@ -12,18 +12,16 @@ A fused backend that requires EP runs the same way, whole (``layer(x, topk)``), 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import multiprocessing as mp
-import queue as queue_mod
-import socket
 import traceback
+import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from moe_core import quant
-from moe_core.backends import BackendSpec, Role
+from moe_core.backends import BackendSpec, EPSupport, Role
 from moe_core.config import MoEConfig
 from moe_core.contracts import (
     EPMaskedDispatch,
@@ -34,9 +32,13 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.layer import MoELayer
 from moe_core.planner import PlanError
+from moe_core.planner import plan as make_plan
+from moe_core.testing.cases import Case, KitContext, KitFailure, KitOptions, KitSkip, make_manager
+from moe_core.testing.checks import classify
 from moe_core.testing.data import Shape, make_float_weights, make_hidden, make_topk, rel_error, tolerance
-from moe_core.testing.kit import Case, KitContext, KitFailure, KitOptions, KitSkip, make_manager, run_setup
+from moe_core.testing.world import spawn_world
 
 # the weight scheme a dispatcher case pairs with each wire dtype (its natural activation dtype)
 SCHEME_FOR_WIRE = {
@@ -59,9 +61,9 @@ class Sub:
 
 
 def dispatcher_subcases(spec: BackendSpec, world: int, shape: Shape) -> list[Sub]:
-    if world == 1 and spec.ep == "required":
+    if world == 1 and spec.ep is EPSupport.REQUIRED:
         return [Sub("dispatcher-ep1", None, None, "", f"{spec.qualified_name} declares ep='required'")]
-    if world > 1 and spec.ep == "none":
+    if world > 1 and spec.ep is EPSupport.NONE:
         return [Sub(f"dispatcher-ep{world}", None, None, "", f"{spec.qualified_name} declares ep='none'")]
     if shape.num_experts % world:
         return [Sub(f"dispatcher-ep{world}", None, None, "", f"num_experts={shape.num_experts} not divisible by {world}")]
@@ -156,71 +158,17 @@ def _merge(per_rank: list[Optional[dict[str, tuple[str, str]]]], subs: list[Sub]
     return out
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(payload: dict[str, Any], world: int, timeout_s: float) -> list[Optional[dict[str, tuple[str, str]]]]:
-    mpc = mp.get_context("spawn")
-    q = mpc.Queue()
-    port = _free_port()
-    procs = [mpc.Process(target=_worker_main, args=(rank, port, payload, q), daemon=True) for rank in range(world)]
-    for p in procs:
-        p.start()
-    results: list[Optional[dict[str, tuple[str, str]]]] = [None] * world
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
-    pending = world
-    while pending:
-        left = (deadline - datetime.datetime.now()).total_seconds()
-        if left <= 0:
-            break
-        try:
-            rank, res = q.get(timeout=min(left, 1.0))
-            results[rank] = res
-            pending -= 1
-        except queue_mod.Empty:
-            if not any(p.is_alive() for p in procs) and q.empty():
-                break
-    for rank, p in enumerate(procs):
-        p.join(timeout=5)
-        if p.is_alive():  # hung in a collective: kill our own worker
-            p.kill()
-            p.join(timeout=5)
-            if results[rank] is None:
-                results[rank] = {"__error__": ("failed", f"rank {rank} timed out after {timeout_s:.0f}s "
-                                               "(a collective never completed)")}
-        elif results[rank] is None:
-            results[rank] = {"__error__": ("failed", f"rank {rank} exited with code {p.exitcode} without a result")}
-    return results
+    options: KitOptions = payload["options"]
+    backend = "nccl" if torch.device(payload["device"]).type == "cuda" else "gloo"
+    outcomes = spawn_world(_rank_body, world, payload, setup=options.setup, timeout=timeout_s, backend=backend)
+    return [o.value if o.ok else {"__error__": ("failed", f"rank {o.rank}: {o.error}")} for o in outcomes]
 
 
-def _worker_main(rank: int, port: int, payload: dict[str, Any], q: Any) -> None:
-    import torch.distributed as dist
-
-    world = payload["world"]
-    result: dict[str, tuple[str, str]] = {}
-    try:
-        options: KitOptions = payload["options"]
-        torch.set_num_threads(1)  # world-size processes share the machine's cores
-        run_setup(options.setup)
-        device = torch.device(payload["device"])
-        backend = "gloo"
-        if device.type == "cuda":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            backend = "nccl"
-            payload = dict(payload, device=str(device))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max(30, options.ep_timeout_s / 2)))
-        try:
-            result = _worker_body(rank, payload, make_manager(options.manager_factory), group=dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:  # report, never hang the parent
-        result["__error__"] = ("failed", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}")
-    q.put((rank, result))
+def _rank_body(rank: int, world: int, payload: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    if torch.device(payload["device"]).type == "cuda":  # one GPU per rank
+        payload = dict(payload, device=str(torch.device("cuda", rank)))
+    return _worker_body(rank, payload, make_manager(payload["options"].manager_factory), group=dist.group.WORLD)
 
 
 def _worker_body(rank: int, payload: dict[str, Any], manager: Any, group: Any = None) -> dict[str, tuple[str, str]]:
@@ -270,9 +218,6 @@ def _checkpoint(options: KitOptions, backend: str, scheme: QuantScheme, cache: d
 
 
 def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, sub: Sub, cache: dict) -> None:
-    from moe_core.layer import MoELayer
-    from moe_core.planner import plan as make_plan
-
     options: KitOptions = payload["options"]
     shape, world, device = options.shape, payload["world"], torch.device(payload["device"])
     backend = payload["backend"]
@@ -306,8 +251,6 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
     try:
         p = make_plan(cfg, manager=manager)
     except PlanError as exc:
-        from moe_core.testing.checks import classify
-
         classify([r for rej in exc.rejected for r in rej.reasons], what)
         raise
     if p.format is not fmt:  # the planner picks the dispatcher's first shared format; the kit forces each one
@@ -353,8 +296,6 @@ def _round_trip(rank: int, payload: dict[str, Any], manager: Any, group: Any, su
 
 
 def hash_id(text: str) -> int:
-    import zlib
-
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
 
 

@@ -7,217 +7,48 @@ pytest plugin (``moe_core.testing.plugin``) turns the same cases into test items
 
 from __future__ import annotations
 
-import random
 import time
 import traceback
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Union
 
 import torch
 
-from moe_core.backends import BackendSpec, Role, load_object
-from moe_core.contracts import Format, QuantScheme, WireDtype
-from moe_core.testing.data import Shape
+from moe_core.backends import BackendSpec, EPSupport, Role
+from moe_core.contracts import Format
+from moe_core.testing import checks, ep
+from moe_core.testing.cases import (  # noqa: F401  (re-exported: the vocabulary's old home)
+    Case,
+    CaseResult,
+    KitContext,
+    KitFailure,
+    KitOptions,
+    KitSkip,
+    ManagerFactory,
+    make_manager,
+    run_setup,
+)
+from moe_core.testing.data import Shape  # noqa: F401  (re-exported: imported from here by plugins' tests)
 
 __all__ = ["KitOptions", "Case", "KitContext", "KitReport", "CaseResult", "KitFailure", "KitSkip",
            "generate_cases", "run_kit"]
 
 
-class KitFailure(AssertionError):
-    """A conformance case failed; the message names the case and what was wrong."""
-
-
-class KitSkip(Exception):
-    """A case cannot run here (no device, backend unavailable, ...); the message says why."""
-
-
-ManagerFactory = Union[str, Callable[[], Any], None]
-
-
-@dataclass(frozen=True)
-class KitOptions:
-    """How the kit runs.
-
-    :param backends: backend names to certify (bare ``triton`` or qualified ``cuda.triton``).
-    :param setup: ``"module:function"`` called (no arguments) before plugins are loaded, in this
-        process and in every spawned EP worker: install emulated vendor ops there.
-    :param manager_factory: ``"module:function"`` (or, in-process only, a callable) returning the
-        ``moe_core.plugins.PluginManager`` to use; default: the installed plugins.
-    :param device: torch device where tensors live (e.g. ``"cpu"`` for a plan targeting ``npu``
-        whose vendor ops are emulated on CPU); default: the device of the kind the backend runs on.
-    :param device_kind: the config's device kind (``cpu``/``cuda``/``rocm``/``npu``); default: the
-        first of the backend's declared kinds present on this machine.
-    :param ep_sizes: EP world sizes for dispatcher cases (gloo on CPU, NCCL on CUDA).
-    :param seed: data seed (default: fresh each run, printed in the report for replay).
-    :param select: only cases whose id contains one of these substrings.
-    :param ep_timeout_s: hard limit for one spawned EP world.
-    """
-
-    backends: tuple[str, ...]
-    setup: Optional[str] = None
-    manager_factory: ManagerFactory = None
-    device: Optional[str] = None
-    device_kind: Optional[str] = None
-    shape: Shape = Shape()
-    ep_sizes: tuple[int, ...] = (1, 2, 4)
-    seed: Optional[int] = None
-    select: tuple[str, ...] = ()
-    ep_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.backends, str):
-            object.__setattr__(self, "backends", (self.backends,))
-        if isinstance(self.select, str):
-            object.__setattr__(self, "select", (self.select,))
-        if self.seed is None:
-            object.__setattr__(self, "seed", random.SystemRandom().randrange(1, 2**31))
-
-
-@dataclass(frozen=True)
-class Case:
-    """One conformance case of one backend. ``id`` is stable across runs (it names the item)."""
-
-    backend: str
-    id: str
-    run: Callable[["KitContext", "Case"], None] = field(compare=False, repr=False)
-    params: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    @property
-    def title(self) -> str:
-        return f"[{self.backend}] {self.id}"
-
-
-@dataclass(frozen=True)
-class CaseResult:
-    backend: str
-    case_id: str
-    status: str  # "passed", "failed", "skipped"
-    message: str = ""
-    seconds: float = 0.0
-
-
-def run_setup(setup: Optional[str]) -> None:
-    if setup:
-        load_object(setup)()
-
-
-def make_manager(factory: ManagerFactory) -> Any:
-    from moe_core.plugins import PluginManager
-
-    if factory is None:
-        return PluginManager()
-    fn = load_object(factory) if isinstance(factory, str) else factory
-    return fn()
-
-
-class KitContext:
-    """State shared by the cases of one kit run: options, plugin manager, caches, results."""
-
-    def __init__(self, options: KitOptions, manager: Any = None) -> None:
-        self.options = options
-        self._manager = manager
-        self.results: list[CaseResult] = []
-        self.cache: dict[Any, Any] = {}
-
-    @property
-    def manager(self) -> Any:
-        if self._manager is None:
-            run_setup(self.options.setup)
-            self._manager = make_manager(self.options.manager_factory)
-        return self._manager
-
-    @property
-    def shape(self) -> Shape:
-        return self.options.shape
-
-    def spec(self, name: str) -> BackendSpec:
-        spec = self.manager.spec(name)
-        if spec is None:
-            raise KitFailure(f"backend {name!r} is not declared by any loaded plugin; {self.describe_plugins()}")
-        return spec
-
-    def describe_plugins(self) -> str:
-        names = sorted({s.qualified_name for s in self.manager.specs})
-        text = "known backends: " + ", ".join(names)
-        failed = self.manager.failed()
-        if failed:
-            text += "; plugins that failed to load: " + "; ".join(f"{r.name}: {r.status}" for r in failed)
-        return text
-
-    def generator(self, case: Case, salt: str = "") -> torch.Generator:
-        """A generator seeded from the run seed and the case id: data differ between runs, and a
-        failing case replays exactly with ``--moe-kit-seed``."""
-        gen = torch.Generator()
-        gen.manual_seed(self.options.seed ^ zlib.crc32(f"{case.backend}/{case.id}/{salt}".encode()))
-        return gen
-
-    # ------------------------------------------------------------ where a backend runs
-
-    def placement(self, spec: BackendSpec) -> tuple[str, torch.device]:
-        """(config device kind, torch device) for ``spec``, or ``KitSkip`` when no declared kind
-        is present on this machine."""
-        opts = self.options
-        if opts.device_kind:
-            if opts.device_kind not in spec.devices:
-                raise KitSkip(f"--moe-kit-device-kind {opts.device_kind} is not among the declared devices "
-                              f"{sorted(spec.devices)}")
-            kind = opts.device_kind
-        else:
-            present = [k for k in ("cuda", "rocm", "npu", "cpu") if k in spec.devices and device_present(k)]
-            if not present:
-                raise KitSkip(f"none of the declared devices {sorted(spec.devices)} is present on this machine "
-                              "(use --moe-kit-device-kind/--moe-kit-device with emulated vendor ops)")
-            kind = present[0]
-        device = torch.device(opts.device) if opts.device else torch.device(_TORCH_DEVICE[kind])
-        return kind, device
-
-    def record(self, result: CaseResult) -> None:
-        self.results.append(result)
-
-
-_TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
-
-
-def device_present(kind: str) -> bool:
-    if kind == "cpu":
-        return True
-    if kind in ("cuda", "rocm"):
-        is_hip = getattr(torch.version, "hip", None) is not None
-        return torch.cuda.is_available() and (is_hip if kind == "rocm" else not is_hip)
-    if kind == "npu":
-        npu = getattr(torch, "npu", None)
-        try:
-            return npu is not None and bool(npu.is_available())
-        except Exception:
-            return False
-    return False
-
-
 # --------------------------------------------------------------------------- generation
-
-
-def natural_wire(spec: BackendSpec, scheme: QuantScheme) -> WireDtype:
-    """The wire dtype the core's dtype chain would give ``spec`` for ``scheme`` (steps 2 and 4)."""
-    from moe_core.planner import NATURAL_DTYPE
-
-    if spec.quantizes_internally and WireDtype.BF16 in spec.wire_dtypes:
-        return WireDtype.BF16
-    natural = NATURAL_DTYPE[scheme]
-    if natural in spec.wire_dtypes:
-        return natural
-    return WireDtype.BF16 if WireDtype.BF16 in spec.wire_dtypes else spec.wire_dtypes[0]
 
 
 def _sorted(values: Iterable[Any]) -> list[Any]:
     return sorted(values, key=str)
 
 
-def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
-    """Every conformance case for ``spec``, derived from its declaration."""
-    from moe_core.testing import checks, ep
+def generate_cases(spec: BackendSpec, options: KitOptions, manager: Any = None) -> list[Case]:
+    """Every conformance case for ``spec``, derived from its declaration.
 
+    :param manager: the ``PluginManager`` whose dtype rules pick each scheme's wire dtype
+        (default: from ``options.manager_factory``, else the installed plugins).
+    """
+    ctx = KitContext(options, manager)
     shape = options.shape
     name = spec.qualified_name
     cases: list[Case] = []
@@ -227,7 +58,7 @@ def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
 
     token_counts = (0, 1, shape.tokens_odd, shape.tokens_large)
     top_ks = sorted({1, shape.top_k})
-    if spec.role is Role.FUSED and spec.ep == "required":  # checked whole, in EP worlds (like dispatchers)
+    if spec.role is Role.FUSED and spec.ep is EPSupport.REQUIRED:  # checked whole, in EP worlds (like dispatchers)
         for world in options.ep_sizes:
             for sub in ep.fused_subcases(spec, world, shape):
                 add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
@@ -237,7 +68,7 @@ def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
             formats = [Format.FUSED]
         activation = _sorted(spec.activations)[0]
         for scheme in _sorted(spec.quant_schemes):
-            wire = natural_wire(spec, scheme)
+            wire = ctx.natural_wire(spec, scheme, formats[0])
             base = dict(scheme=scheme, wire=wire, activation=activation)
             for fmt in formats:
                 tag = f"{fmt}-{scheme}-{wire}"
@@ -265,14 +96,14 @@ def generate_cases(spec: BackendSpec, options: KitOptions) -> list[Case]:
         for act in _sorted(spec.activations)[1:]:
             add(f"experts-{formats[0]}-{first_scheme}-{act}", checks.experts_numeric, fmt=formats[0],
                 tokens=shape.tokens_odd, top_k=shape.top_k, scheme=first_scheme,
-                wire=natural_wire(spec, first_scheme), activation=act)
+                wire=ctx.natural_wire(spec, first_scheme, formats[0]), activation=act)
     if spec.role is Role.DISPATCHER:
         for world in options.ep_sizes:
             for sub in ep.dispatcher_subcases(spec, world, shape):
                 add(sub.case_id, ep.dispatcher_case, world=world, sub=sub)
     checks.add_honesty_cases(spec, lambda case_id, fn, **kw: add(case_id, fn, needs_available=False, **kw))
     graph_formats = _sorted(spec.graph_safe_formats)
-    if spec.role is not Role.DISPATCHER or spec.ep != "required":
+    if spec.role is not Role.DISPATCHER or spec.ep is not EPSupport.REQUIRED:
         for fmt in graph_formats:
             add(f"graph-{fmt}", checks.graph_capture, fmt=fmt)
     if options.select:
@@ -382,6 +213,6 @@ def collect(ctx: KitContext) -> list[Case]:
     """The cases of every selected backend (a missing backend is a ``KitFailure``)."""
     cases: list[Case] = []
     for name in ctx.options.backends:
-        cases += generate_cases(ctx.spec(name), ctx.options)
+        cases += generate_cases(ctx.spec(name), ctx.options, ctx.manager)
     return cases
 

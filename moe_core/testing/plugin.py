@@ -116,7 +116,7 @@ class KitSession:
                 raise pytest.UsageError(f"--moe-backend {name}: {exc}") from None
             name = f"moe-kit[{spec.qualified_name}]"
             parent = KitBackend.from_parent(session, name=name, nodeid=name)
-            for case in generate_cases(spec, options):
+            for case in generate_cases(spec, options, self.ctx.manager):
                 kit_items.append(KitItem.from_parent(parent, name=case.id, case=case, ctx=self.ctx))
         if not config.getoption("moe_kit_with_tests") and items:
             config.hook.pytest_deselected(items=list(items))

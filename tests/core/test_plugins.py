@@ -46,6 +46,16 @@ class Old(BackendPlugin):
 plugin = Old()
 """
 
+BACKENDS_RAISE = """
+from moe_core import BackendPlugin
+
+class Broken(BackendPlugin):
+    def backends(self):
+        raise RuntimeError("no device table for this driver")
+
+plugin = Broken()
+"""
+
 DUPLICATE = """
 from moe_core import BackendPlugin, BackendSpec, Role, Format
 
@@ -122,3 +132,35 @@ def test_probe_that_raises_becomes_load_error():
                           devices=frozenset({"cpu"}), probe="no_such_module_anywhere:probe")
     reason = spec.run_probe()
     assert reason.code is mc.Code.LOAD_ERROR and "ModuleNotFoundError" in reason.message and reason.traceback
+
+
+def test_strict_mode_raises_with_the_failing_record_not_the_last_one(install_dist):
+    install_dist("moe-plugin-abad", "abad_plugin", BACKENDS_RAISE, entry="abad")  # loads before "good"
+    install_dist("moe-plugin-good", "good_plugin", GOOD, entry="good")
+    with pytest.raises(PluginLoadError, match="(?s)^abad: LOAD_ERROR.*no device table for this driver"):
+        PluginManager(strict=True)
+    [failed] = [r for r in PluginManager().failed() if r.name == "abad"]  # non-strict: recorded, the rest load
+    assert "no device table" in failed.status.message
+
+
+def _spec(**changes):
+    fields = dict(name="x", role=mc.Role.EXPERTS, impl="nowhere:X", formats=(mc.Format.STANDARD,),
+                  devices=frozenset({"cpu"}))
+    return mc.BackendSpec(**{**fields, **changes})
+
+
+def test_backend_spec_ep_is_typed_and_accepts_the_old_strings():
+    assert _spec().ep is mc.EPSupport.ANY
+    for text, member in (("none", mc.EPSupport.NONE), ("any", mc.EPSupport.ANY), ("required", mc.EPSupport.REQUIRED)):
+        assert _spec(ep=text).ep is member  # converted once, at the boundary
+        assert _spec(ep=member).ep is member
+    with pytest.raises(ValueError, match="BackendSpec.ep of backend 'x' must be one of 'none', 'any', 'required'.*"
+                                         "got 'sometimes'"):
+        _spec(ep="sometimes")
+
+
+def test_backend_spec_has_no_plugin_until_registered():
+    spec = _spec()
+    assert spec.plugin is None and spec.plugin_version is None and spec.qualified_name == "x"
+    registered = PluginManager(entry_points=[]).spec("reference")
+    assert registered.plugin == "reference" and registered.qualified_name == "reference.reference"

@@ -1,9 +1,8 @@
-"""One rank of an EP test run: ``python worker.py SCENARIO WORLD RANK PORT OUT_DIR [BACKEND]``.
+"""One rank of an EP test run: ``run_rank(rank, world, scenario, seed, backend)``.
 
-Started by ``tests/ep/harness.py`` (one process per rank, 127.0.0.1). Runs every case of the
-scenario and writes ``OUT_DIR/rank{RANK}.json``: ``{"cases": {name: result}}`` or
-``{"error": traceback}``. The parent test asserts on the results, so a failing check names the
-case, the rank and the numbers.
+Started by ``tests/ep/harness.py`` (one spawned process per rank, 127.0.0.1). Runs every case of
+the scenario and returns ``{"cases": {name: result}}`` or ``{"error": traceback}``. The parent
+test asserts on the results, so a failing check names the case, the rank and the numbers.
 
 Scenarios:
 - ``layer``: ``MoELayer`` with ``torch_a2a`` (normal and masked, every wire dtype, several
@@ -16,13 +15,11 @@ Scenarios:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import traceback
 
 import torch
-import torch.distributed as dist
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 if REPO not in sys.path:
@@ -370,30 +367,13 @@ SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 
-def main() -> None:
-    scenario, world, rank, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
-    seed = int(os.environ.get("MOE_EP_TEST_SEED", "0")) or int.from_bytes(os.urandom(3), "little")
-    torch.set_num_threads(1)
+def run_rank(rank: int, world: int, scenario: str, seed: int, backend: str) -> dict:
+    """This rank's part of ``scenario`` (the process group exists): ``{"seed", "cases"}``, or
+    ``{"seed", "error"}`` with the traceback."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict = {"seed": seed}
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
         result["cases"] = SCENARIOS[scenario](world, rank, device, seed)
-        if not (scenario == "overflow" and backend == "nccl"):
-            dist.destroy_process_group()
     except Exception:
         result["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if scenario == "overflow" and backend == "nccl":
-        # a device-side assert left this CUDA context unusable: no teardown (it could hang)
-        os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
+    return result

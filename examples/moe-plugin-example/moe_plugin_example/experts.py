@@ -14,21 +14,22 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moe_core import quant
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     Activation,
+    BackendContext,
     DispatchOutput,
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     WireDtype,
+    quant,
 )
-from moe_core.runtime import BackendContext, Experts
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 _ACT = {Activation.SILU: F.silu, Activation.GELU: F.gelu}
 

@@ -9,8 +9,19 @@ from __future__ import annotations
 
 import importlib.util
 
-from moe_core import BackendPlugin, BackendSpec, Code, Reason, Role, available, unavailable
-from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
+from moe_core.plugin_api import (
+    Activation,
+    BackendPlugin,
+    BackendSpec,
+    Code,
+    Format,
+    QuantScheme,
+    Reason,
+    Role,
+    WireDtype,
+    available,
+    unavailable,
+)
 
 
 def probe() -> Reason:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_core.backends import BackendSpec, Code, Reason
-from moe_core.config import MoEConfig
-from moe_core.contracts import QuantScheme
+from moe_core.plugin_api import BackendSpec, Code, MoEConfig, QuantScheme, Reason
 
 GMM_MAX_GROUPS = 1024  # npu_grouped_matmul: at most 1024 groups
 GMM_MAX_INNER = 65536  # ... and an inner (K) dimension below 65536

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
+    BackendContext,
+    Dispatcher,
     EPMaskedCombine,
     EPMaskedDispatch,
     EPNormalCombine,
@@ -33,7 +35,6 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
-from moe_core.runtime import BackendContext, Dispatcher
 from moe_plugin_npu.layout import packed_to_slab_index, scoped_env, slab_to_packed_index
 
 INT8_ENV = "DEEP_NORMAL_MODE_USE_INT8_QUANT"

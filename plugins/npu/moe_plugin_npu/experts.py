@@ -25,18 +25,19 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
+    BackendContext,
     DispatchOutput,
     EPMaskedCombine,
     EPMaskedDispatch,
     EPNormalCombine,
+    Experts,
     Format,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     WireDtype,
 )
-from moe_core.runtime import BackendContext, Experts
 from moe_plugin_npu.layout import (
     ACL_FORMAT_FRACTAL_NZ,
     LayoutTracker,
@@ -46,7 +47,7 @@ from moe_plugin_npu.layout import (
 )
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 GROUP_LIST_COUNTS = 1
 FINALIZE_ROW_MAJOR = 2  # drop_pad_mode of npu_moe_finalize_routing matching init_routing_v2's slot order

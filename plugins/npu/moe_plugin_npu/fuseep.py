@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_core.contracts import TopK
-from moe_core.runtime import BackendContext, FusedMoE
+from moe_core.plugin_api import BackendContext, FusedMoE, TopK
 from moe_plugin_npu.checks import fuse_mode
 from moe_plugin_npu.dispatcher import ep_group
 from moe_plugin_npu.layout import ACL_FORMAT_FRACTAL_NZ, LayoutTracker, interleave_64
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 QUANT_MODE_INT8 = 1
 

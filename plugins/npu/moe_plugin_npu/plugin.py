@@ -12,11 +12,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moe_core.backends import BackendSpec, Code, Role
-from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
-from moe_core.hookspecs import hookimpl
-from moe_core.planner import DtypeDecision, DtypeRequest
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_api import (
+    Activation,
+    BackendPlugin,
+    BackendSpec,
+    Code,
+    DtypeDecision,
+    DtypeRequest,
+    Format,
+    QuantScheme,
+    Role,
+    WireDtype,
+    hookimpl,
+)
 
 NPU = frozenset({"npu"})
 SOURCE = "npu"  # name recorded in the plan's dtype trail

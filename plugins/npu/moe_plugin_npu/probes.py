@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from typing import Any, Callable, Optional
 
-from moe_core.backends import Code, Reason, available, from_exception, unavailable
+from moe_core.plugin_api import Code, Reason, available, from_exception, unavailable
 
 # SoC names as ``torch_npu.npu.get_device_name()`` reports them.
 A2_PREFIX = "Ascend910B"  # Atlas 800T A2 / 900 A2 (910B1-910B4)

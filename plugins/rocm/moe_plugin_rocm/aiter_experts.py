@@ -46,27 +46,28 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from moe_core import quant
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     Activation,
+    BackendContext,
     EPMaskedCombine,
     EPMaskedDispatch,
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     Format,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
+    quant,
 )
-from moe_core.runtime import BackendContext, Experts
 from moe_plugin_rocm.fp8 import clear_negative_zero_, fn_to_fnuz
 from moe_plugin_rocm.mori_dispatcher import MoriHandle
 from moe_plugin_rocm.platform import current_arch, fp8_flavour
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 __all__ = ["AiterExperts", "LAYOUT_ATTR", "weight_fingerprint"]
 

@@ -32,9 +32,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_core import quant
-from moe_core.contracts import EPNormalCombine, EPNormalDispatch, QuantizedActivations, TopK, WireDtype
-from moe_core.runtime import BackendContext, Dispatcher
+from moe_core.plugin_api import (
+    BackendContext,
+    Dispatcher,
+    EPNormalCombine,
+    EPNormalDispatch,
+    QuantizedActivations,
+    TopK,
+    WireDtype,
+    quant,
+)
 from moe_plugin_rocm.platform import current_arch
 
 __all__ = ["MoriDispatcher", "MoriHandle", "init_mori_shmem"]

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from moe_core.backends import Code, Reason, available, from_exception, unavailable
+from moe_core.plugin_api import Code, Reason, available, from_exception, unavailable
 
 __all__ = [
     "SUPPORTED_ARCHS",

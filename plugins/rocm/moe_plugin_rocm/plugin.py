@@ -10,13 +10,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_core.backends import BackendSpec, Code, Reason, Role, unavailable
-from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_api import (
+    Activation,
+    BackendPlugin,
+    BackendSpec,
+    Code,
+    Format,
+    QuantScheme,
+    Reason,
+    Role,
+    WireDtype,
+    unavailable,
+)
 from moe_plugin_rocm import __version__
 
 if TYPE_CHECKING:
-    from moe_core.config import MoEConfig
+    from moe_core.plugin_api import MoEConfig
 
 __all__ = ["RocmPlugin", "plugin", "AITER_SPEC", "MORI_SPEC"]
 
