@@ -27,7 +27,7 @@ def main() -> None:
     p.add_argument("--config-dir", default="", help="a directory of tuned tables (as the backend's config_dir)")
     args = p.parse_args()
 
-    from moe_plugin_cuda import cutlass_experts
+    from moe_plugin_cuda.cutlass import experts as cutlass_experts
 
     from moe_core.config import preset
     from moe_core.quant import quantize_weights

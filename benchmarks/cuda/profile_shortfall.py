@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
 
     import triton.testing
-    from moe_plugin_cuda import cutlass_experts
+    from moe_plugin_cuda.cutlass import experts as cutlass_experts
     from moe_plugin_cuda.weights import interleave_gate_up_
 
     from moe_core.bench import floor_model

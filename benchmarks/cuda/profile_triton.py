@@ -17,7 +17,7 @@ import torch
 
 def compiled_gemm_variants():
     """(constexprs, n_regs, n_spills) of each compiled GEMM kernel; best effort across Triton versions."""
-    from moe_plugin_cuda import triton_kernels as K
+    from moe_plugin_cuda.triton import kernels as K
 
     out = []
     for caches in getattr(K._moe_gemm_kernel, "device_caches", {}).values():
@@ -48,8 +48,9 @@ def main() -> None:
     p.add_argument("--no-torch-profiler", action="store_true")
     args = p.parse_args()
 
-    from moe_plugin_cuda import triton_ops, tuning_configs
-    from moe_plugin_cuda.triton_experts import config_dtype
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.triton import tuning_configs
+    from moe_plugin_cuda.triton.experts import config_dtype
     from moe_plugin_cuda.tune import _make_weights
 
     from moe_core.bench import balanced_correction_bias

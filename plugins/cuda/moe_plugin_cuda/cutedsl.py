@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from moe_core.contracts import EPMaskedCombine, EPMaskedDispatch, WireDtype
-from moe_core.runtime import BackendContext, Experts
+from moe_core.plugin_api import BackendContext, EPMaskedCombine, EPMaskedDispatch, Experts, WireDtype
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 SF_VEC = 16  # NVFP4 elements per block scale
 _C_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

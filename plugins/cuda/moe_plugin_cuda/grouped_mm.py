@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
+    quant,
 )
-from moe_core.quant import quantize_fp8_per_token
-from moe_core.runtime import Experts
 from moe_plugin_cuda.weights import expert_weights
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 def _act(h: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
     g, u = h[:, :inter], h[:, inter:]
@@ -70,10 +70,10 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     else:
         w13q, w13s, w2q, w2s = rowwise
         # the scheme's own activation quantization (per token, amax / 448), as the reference does
-        xq, xs = quantize_fp8_per_token(x)
+        xq, xs = quant.quantize_fp8_per_token(x)
         h = torch._scaled_grouped_mm(xq[tok], w13q.transpose(-2, -1), xs[tok, 0], w13s, offs=offs,
                                      out_dtype=torch.bfloat16)
-        aq, as_ = quantize_fp8_per_token(_act(h.float(), inter, activation))
+        aq, as_ = quant.quantize_fp8_per_token(_act(h.float(), inter, activation))
         # the routing weight goes into the row scale: exact, and the quantized values do not depend on it
         y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_[:, 0] * w[:, 0], w2s, offs=offs,
                                      out_dtype=torch.bfloat16)

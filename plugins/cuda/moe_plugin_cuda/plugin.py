@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from moe_core.backends import BackendSpec, Role
-from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
-from moe_core.hookspecs import hookimpl
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_api import Activation, BackendPlugin, BackendSpec, Format, QuantScheme, Role, WireDtype, hookimpl
 
 _P = "moe_plugin_cuda"
 _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
@@ -28,7 +25,7 @@ class CudaPlugin(BackendPlugin):
     def backends(self) -> list[BackendSpec]:
         return [
             BackendSpec(
-                name="triton", role=Role.EXPERTS, impl=f"{_P}.triton_experts:TritonExperts",
+                name="triton", role=Role.EXPERTS, impl=f"{_P}.triton.experts:TritonExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}),
@@ -39,7 +36,7 @@ class CudaPlugin(BackendPlugin):
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
             ),
             BackendSpec(
-                name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass_experts:CutlassExperts",
+                name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass.experts:CutlassExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.FP8_BLOCK, QuantScheme.UNQUANTIZED}),

@@ -7,7 +7,7 @@ the BLOCK_M with the lowest GEMM1 + GEMM2 wins. The winner and the heuristic are
 the whole pipeline (align + GEMM1 + GEMM2 + reduce) on ``ROUTING_DRAWS`` routings and the faster
 is kept. Times are
 ``triton.testing.do_bench_cudagraph`` medians (graph replay, as engines run decode). The table is written as
-``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``tuning_configs``) into
+``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``triton.tuning_configs``) into
 ``--out-dir`` (default: the installed package's ``configs/``), where the backend finds it.
 
     moe-cuda-tune --presets qwen3-30b-a3b --quant unquantized fp8_block --out-dir ./configs
@@ -34,7 +34,7 @@ no search: its Triton path is the triton backend's own table (tune that first). 
 pipelines are timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on
 DeepGEMM's, each on its fastest kernel pair, and the table entry says which path ran fastest at
 that T (``"path": "triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see
-``tuning_configs``). The CUTLASS library must build on this machine.
+``triton.tuning_configs``). The CUTLASS library must build on this machine.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def candidates(bm: int, fp8: bool, tma: bool = False,
     compute-bound GEMMs, at small BLOCK_M for weight-streaming (bandwidth-bound) ones.
     ``checkpoint``: w13 in the checkpoint layout (the cutlass backend's Triton path), where GEMM1 runs
     two accumulators: every GEMM1 candidate as its two-accumulator twin (same output columns), TMA too."""
-    from moe_plugin_cuda.tuning_configs import as_two_acc
+    from moe_plugin_cuda.triton.tuning_configs import as_two_acc
 
     key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
     g = 16 if bm >= 64 else 1
@@ -148,7 +148,7 @@ def block_ms(M: int, E: int, K: int) -> list[int]:
 
 
 def _make_weights(E, H, inter, fp8, g, dev, interleave):
-    from moe_core import quant as q
+    from moe_core.plugin_api import quant as q
     from moe_plugin_cuda.weights import interleave_gate_up_
 
     w13 = torch.empty((E, 2 * inter, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
@@ -184,7 +184,9 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
     grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default,
     then GEMM2's with that one. Only the default pair is timed where it is far (25%) behind the Triton
     path's ``t_triton``: the kernels differ by less."""
-    from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     gemm = cutlass_ops.grouped_gemm(gemm_name, fp8)
     if gemm_name == "cutlass" and fp8:  # GEMM1 writes fp32 or (from MIN_BF16_H_TOKENS) bf16, GEMM2 bf16
@@ -224,7 +226,7 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
 def entry_time(entry: dict, pipeline, pipeline_time, triton_table: dict, fp8: bool) -> float:
     """One table entry's pipeline time: its grouped path on the kernels it names, or its Triton configs (the
     triton backend's table where the entry holds none: the cutlass backend's bf16 Triton path)."""
-    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
 
     path = entry.get("path", "triton")
     if path == "triton":
@@ -239,11 +241,11 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                 backend: str = "triton", keep_margin: float = KEEP_MARGIN) -> Path:
     import triton.testing
 
-    from moe_core.bench import balanced_correction_bias
-    from moe_core.config import preset
-    from moe_core.router import route
-    from moe_plugin_cuda import deepgemm_lib, triton_ops, tuning_configs
-    from moe_plugin_cuda.triton_experts import config_dtype
+    from moe_core.plugin_api import balanced_correction_bias, preset, route
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.triton import tuning_configs
+    from moe_plugin_cuda.triton.experts import config_dtype
 
     fp8 = quant == "fp8_block"
     interleaved = backend == "triton" or not fp8  # the cutlass backend keeps FP8 in the checkpoint layout
@@ -388,8 +390,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from moe_core.config import PRESETS
-    from moe_plugin_cuda import tuning_configs
+    from moe_core.plugin_api import PRESETS
+    from moe_plugin_cuda.triton import tuning_configs
 
     p = argparse.ArgumentParser(prog="moe-cuda-tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"],

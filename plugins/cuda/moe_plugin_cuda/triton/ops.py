@@ -1,4 +1,4 @@
-"""Python launchers of the Triton fused-MoE kernels (see ``triton_kernels`` for the algorithm).
+"""Python launchers of the Triton fused-MoE kernels (see ``triton.kernels`` for the algorithm).
 
 Everything here is shape-driven: grids come from upper bounds known from the shapes alone, so
 no launcher reads a device value on the host and the whole pipeline can be captured in a CUDA
@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from moe_plugin_cuda import triton_kernels as K
+from moe_plugin_cuda.triton import kernels as K
 
 FP8 = torch.float8_e4m3fn
 

@@ -1,4 +1,4 @@
-"""Experts backend ``cutlass``: MoE on grouped GEMMs (see ``cutlass_ops``), FP8 block-scaled or bf16, on
+"""Experts backend ``cutlass``: MoE on grouped GEMMs (see ``cutlass.ops``), FP8 block-scaled or bf16, on
 CUTLASS's or DeepGEMM's; the Triton kernels where those do not pay."""
 
 from __future__ import annotations
@@ -8,22 +8,22 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     EPMaskedCombine,
     EPMaskedDispatch,
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
 )
-from moe_core.runtime import Experts
 from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 
 # Untuned default (no cutlass table for the shape): the CUTLASS GEMMs from 128 rows per expert. H100,
@@ -54,7 +54,9 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM;
     "cutlass" on FP8 also keeps GEMM1 on an fp32-output kernel.
     """
-    from moe_plugin_cuda import cutlass_lib, deepgemm_lib, tuning_configs
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
+    from moe_plugin_cuda.triton import tuning_configs
 
     fp8 = dtype == "fp8_block"
     deepgemm = deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
@@ -91,7 +93,8 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
               out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
     (``w13_scale`` None): w13 is gate/up interleaved, as the triton backend keeps it."""
-    from moe_plugin_cuda import cutlass_ops, triton_ops
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
+    from moe_plugin_cuda.triton import ops as triton_ops
 
     T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
     fp8 = w13_scale is not None
@@ -113,7 +116,8 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
     """EP_MASKED slab: CUTLASS (FP8) when its capacity per expert reaches ``min_rows`` (default
     ``MIN_ROWS``), else Triton (tuned on token lists, so the table's path choice does not apply to slabs;
     the slab's rows are packed, which DeepGEMM's layout is not; bf16 always runs Triton)."""
-    from moe_plugin_cuda import cutlass_ops, triton_ops
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
+    from moe_plugin_cuda.triton import ops as triton_ops
 
     E, C, _ = hidden.shape
     fp8 = w13_scale is not None
@@ -197,7 +201,7 @@ class CutlassExperts(Experts):
         if self.grouped_gemm not in ("", "cutlass", "deepgemm"):
             raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {self.grouped_gemm!r}")
         if self.grouped_gemm == "deepgemm":
-            from moe_plugin_cuda import deepgemm_lib
+            from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
             if deepgemm_lib.missing():
                 raise ValueError(f"grouped_gemm='deepgemm': {deepgemm_lib.missing()}")
@@ -207,7 +211,8 @@ class CutlassExperts(Experts):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor) and not t.is_contiguous():
                 setattr(layer, name, type(t)(t.contiguous()) if isinstance(t, torch.nn.Parameter) else t.contiguous())
-        from moe_plugin_cuda import cutlass_lib, deepgemm_lib
+        from moe_plugin_cuda.cutlass import lib as cutlass_lib
+        from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
         if not self.fp8 and not self.w13_layout.is_interleaved(layer.w13):  # in place, once per checkpoint
             interleave_gate_up_(layer.w13)

@@ -29,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_DIR = Path(__file__).parent.parent / "configs"  # the package's configs/: triton's and cutlass's tables
 KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0, "TAIL_TILES": 0, "A_TMA": 0}

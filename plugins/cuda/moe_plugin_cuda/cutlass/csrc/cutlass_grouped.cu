@@ -56,7 +56,7 @@
 //     kernel has run (stream order).  Pointer arrays: device arrays of G 64-bit pointers.
 //   * Accumulation fp32; FP8 scales applied per 128-K block in fp32 ("software" promotion).
 //
-// Build: moe_plugin_cuda.cutlass_lib compiles one object per variant (-DMOE_VARIANT_MASK=<bit> -DMOE_NO_API)
+// Build: moe_plugin_cuda.cutlass.lib compiles one object per variant (-DMOE_VARIANT_MASK=<bit> -DMOE_NO_API)
 // + one API object (-DMOE_VARIANT_MASK=0), -fvisibility=hidden, and links them with a static cudart and
 // -Xlinker --exclude-libs,ALL -Bsymbolic, so only moe_* is exported and this library's cudart calls can never
 // bind to another copy of cudart loaded in the process (e.g. torch's). ~1-2 min per object on one core.

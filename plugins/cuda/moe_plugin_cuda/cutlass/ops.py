@@ -1,4 +1,4 @@
-"""MoE on grouped GEMMs (Hopper), FP8 block-scaled or bf16: the pipeline around ``cutlass_lib`` and ``deepgemm_lib``.
+"""MoE on grouped GEMMs (Hopper), FP8 block-scaled or bf16: the pipeline around ``cutlass.lib`` and ``deepgemm.lib``.
 
 Token list (STANDARD / EP_NORMAL): group the (token, slot) pairs by expert -> each token's row
 quantized once (FP8; bf16: copied) and written to the rows of its slots -> GEMM1 -> SiLU(gate) * up
@@ -23,8 +23,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import triton
 
-from moe_plugin_cuda import triton_kernels as K
-from moe_plugin_cuda.triton_ops import FP8, expert_rows, quantize_fp8_groups
+from moe_plugin_cuda.triton import kernels as K
+from moe_plugin_cuda.triton.ops import FP8, expert_rows, quantize_fp8_groups
 
 GemmFn = Callable[..., None]
 BLOCK = 128
@@ -49,7 +49,7 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     A "swiglu" variant (bf16, b's rows gate/up interleaved: ``weights.interleave_gate_up``) writes
     ``silu(gate) * up`` instead, ``d`` bf16 [R, N/2].
     """
-    from moe_plugin_cuda import cutlass_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     operands = "bf16" if a.dtype == torch.bfloat16 else "fp8"
     outs = ("fp32",) if d.dtype == torch.float32 else ("bf16", "swiglu")
@@ -101,8 +101,8 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
     (float32 math on the dequantized operands; reads the row counts on the host, which the real ones
     never do; every variant computes the same, a "swiglu" one then ``silu(gate) * up`` of the fp32
     result): what CI runs the pipeline against."""
-    from moe_core.quant import dequantize_fp8_per_token_group
-    from moe_plugin_cuda import cutlass_lib
+    from moe_core.plugin_api import quant
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     G, N, Kd = b.shape
     swiglu = variant is not None and cutlass_lib.VARIANTS[variant][3] == "swiglu"
@@ -110,7 +110,7 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
         if m and a_scale is None:
             y = a[s:s + m].float() @ b[g].float().T
         elif m:
-            x = dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
+            x = quant.dequantize_fp8_per_token_group(a[s:s + m], a_scale[s:s + m])
             w = b[g].float() * b_scale[g].float().repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :Kd]
             y = x @ w.T
         if m:
@@ -118,11 +118,11 @@ def reference_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optio
 
 
 def deepgemm_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optional[int] = None) -> None:
-    """``cutlass_gemm``'s contract on DeepGEMM's SM90 kernel (``deepgemm_lib``), with its layout:
+    """``cutlass_gemm``'s contract on DeepGEMM's SM90 kernel (``deepgemm.lib``), with its layout:
     ``row_start`` multiples of 128 and rows up to the next expert's start writable, ``a_scale`` a
     ``[R, K/128]`` view of MN-major storage (``a_scale.t()`` contiguous), ``d`` bf16. A multicast
     variant that cannot run N columns (``deepgemm_lib.runnable``) runs as variant 0 (no multicast)."""
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     G, N, Kd = b.shape
     R = a.shape[0]
@@ -138,7 +138,7 @@ def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: O
     """``d[rows of g] = a[rows of g] @ b[g].T`` (bf16 operands, fp32 accumulation, bf16 ``d``) on
     DeepGEMM's SM90 bf16 kernel, in ``deepgemm_gemm``'s row layout; ``a_scale`` and ``b_scale`` are
     None. ``variant`` indexes ``deepgemm_lib.BF16_VARIANTS``."""
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     G, N, Kd = b.shape
     R = a.shape[0]
@@ -154,17 +154,17 @@ def deepgemm_bf16_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: O
 def _deepgemm_variant(variant: Optional[int], n: int, variants: tuple, defaults: tuple[int, int]) -> int:
     """The kernel to launch: ``variant`` (default: GEMM1's default), or variant 0 where its multicast
     cannot run N = ``n`` columns."""
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     variant = defaults[0] if variant is None else variant
     if not 0 <= variant < len(variants):
-        raise ValueError(f"no DeepGEMM variant {variant} among {len(variants)}: see deepgemm_lib")
+        raise ValueError(f"no DeepGEMM variant {variant} among {len(variants)}: see deepgemm.lib")
     return variant if deepgemm_lib.runnable(variant, n, variants) else 0
 
 
 def _deepgemm_run(entry: str, device: torch.device, *args) -> None:
     """Call the library's ``entry`` on the current stream; a nonzero return raises with its error text."""
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     lib = deepgemm_lib.library(torch.cuda.get_device_properties(device).multi_processor_count)
     rc = getattr(lib, entry)(*args, torch.cuda.current_stream(device).cuda_stream)
@@ -174,7 +174,7 @@ def _deepgemm_run(entry: str, device: torch.device, *args) -> None:
 
 def _psum(m_sizes: torch.Tensor, row_start: torch.Tensor) -> torch.Tensor:
     """DeepGEMM's psum layout: each expert's end row, padded to the kernel's group count."""
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     ends = (row_start + m_sizes).to(torch.int32)
     return torch.cat([ends, ends[-1:].expand(deepgemm_lib.MAX_EXPERTS - ends.numel())])
@@ -248,7 +248,7 @@ def _gemm1_dtype(gemm: GroupedGemm, variant: Optional[int]) -> torch.dtype:
     """GEMM1's output dtype: with packed rows (CUTLASS's layout) the named kernel's D (the FP8 kernels
     write fp32 or bf16: a bf16 h is rounded before its FP8 requantization, as on DeepGEMM), otherwise
     ``gemm.gemm1_dtype``."""
-    from moe_plugin_cuda import cutlass_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     if variant is None or gemm.row_align != 1:
         return gemm.gemm1_dtype
@@ -257,7 +257,7 @@ def _gemm1_dtype(gemm: GroupedGemm, variant: Optional[int]) -> torch.dtype:
 
 def _fuses_swiglu(gemm: GroupedGemm, variant: Optional[int]) -> bool:
     """Whether GEMM1's kernel writes ``silu(gate) * up`` itself: a "swiglu" CUTLASS variant (packed rows)."""
-    from moe_plugin_cuda import cutlass_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     return variant is not None and gemm.row_align == 1 and cutlass_lib.VARIANTS[variant][3] == "swiglu"
 

@@ -1,4 +1,4 @@
-"""Experts backend ``triton``: the fused-MoE Triton pipeline (see ``triton_kernels``)."""
+"""Experts backend ``triton``: the fused-MoE Triton pipeline (see ``triton.kernels``)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,23 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     EPMaskedCombine,
     EPMaskedDispatch,
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
 )
-from moe_core.runtime import Experts
-from moe_plugin_cuda import tuning_configs
+from moe_plugin_cuda.triton import tuning_configs
 from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 FP8 = torch.float8_e4m3fn
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -79,7 +79,7 @@ class TritonExperts(Experts):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        from moe_plugin_cuda import triton_ops  # imports triton
+        from moe_plugin_cuda.triton import ops as triton_ops  # imports triton
 
         self._ops = triton_ops
         c = self.config
@@ -115,7 +115,7 @@ class TritonExperts(Experts):
 
     # ------------------------------------------------------------------ weights
     def process_weights(self, layer: "MoELayer") -> None:
-        # w13 rows become gate/up interleaved (one GEMM1 accumulator, see triton_kernels), in place
+        # w13 rows become gate/up interleaved (one GEMM1 accumulator, see triton.kernels), in place
         # and once per loaded checkpoint (``InterleavedW13``); w2 and the 128x128 block scales stay
         # in the checkpoint layout (the kernels map interleaved rows back to their scale rows).
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
