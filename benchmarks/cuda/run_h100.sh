@@ -49,9 +49,9 @@ phase_install() {
   python3 -m pip install -q --no-deps ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} nvidia-cutlass==4.2.0.0 \
     sgl-deep-gemm==0.2.5 2>&1 | grep -v -i warning | tail -3
   # the cutlass experts compile their libraries at first use: do it here, timed, not inside a benchmark
-  python3 -c "import time; t = time.time(); from moe_plugin_cuda import cutlass_lib; cutlass_lib.library(); \
+  python3 -c "import time; t = time.time(); from moe_plugin_cuda.cutlass import lib as cutlass_lib; cutlass_lib.library(); \
 print(f'cutlass library ready in {time.time() - t:.0f} s: {cutlass_lib.where()}')" 2>&1 | tail -5
-  python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda import deepgemm_lib; \
+  python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.deepgemm import lib as deepgemm_lib; \
 deepgemm_lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
 print(f'DeepGEMM library ready in {time.time() - t:.0f} s: {deepgemm_lib.where()}')" 2>&1 | tail -5
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"

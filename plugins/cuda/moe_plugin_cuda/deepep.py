@@ -38,8 +38,10 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
+    BackendContext,
     CombineInput,
+    Dispatcher,
     DispatchOutput,
     EPMaskedCombine,
     EPMaskedDispatch,
@@ -49,9 +51,8 @@ from moe_core.contracts import (
     QuantizedActivations,
     TopK,
     WireDtype,
+    quant,
 )
-from moe_core.quant import quantize_fp8_per_token_group
-from moe_core.runtime import BackendContext, Dispatcher
 from moe_plugin_cuda.probes import deepep_num_max, deepep_problems
 
 __all__ = ["DeepEPDispatcher", "BufferRegistry", "BUFFERS", "Pending", "unpack_ue8m0"]
@@ -288,7 +289,7 @@ class DeepEPDispatcher(Dispatcher):
         per_rank, per_rdma_rank, per_expert, in_rank, event = buf.get_dispatch_layout(
             idx, self.num_experts, previous_event=previous_event, async_finish=async_, allocate_on_comm_stream=on_comm)
         if self.fp8:
-            q, s = quantize_fp8_per_token_group(x, ue8m0=self.ue8m0)
+            q, s = quant.quantize_fp8_per_token_group(x, ue8m0=self.ue8m0)
             payload: Any = (q, s)
         else:
             payload = x.to(torch.bfloat16).contiguous()

@@ -13,26 +13,27 @@ not offered: requantizing 128x128-block weights per row measured 7% relative err
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from moe_core.contracts import (
+from moe_core.plugin_api import (
     EPNormalCombine,
     EPNormalDispatch,
+    Experts,
     QuantizedActivations,
     QuantScheme,
     StandardCombine,
     StandardDispatch,
     WireDtype,
+    quant,
 )
-from moe_core.quant import quantize_fp8_per_token
-from moe_core.runtime import Experts
 from moe_plugin_cuda.weights import expert_weights
 
 if TYPE_CHECKING:
-    from moe_core.layer import MoELayer
+    from moe_core.plugin_api import MoELayer
 
 def _act(h: torch.Tensor, inter: int, activation: str) -> torch.Tensor:
     g, u = h[:, :inter], h[:, inter:]
@@ -70,10 +71,10 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     else:
         w13q, w13s, w2q, w2s = rowwise
         # the scheme's own activation quantization (per token, amax / 448), as the reference does
-        xq, xs = quantize_fp8_per_token(x)
+        xq, xs = quant.quantize_fp8_per_token(x)
         h = torch._scaled_grouped_mm(xq[tok], w13q.transpose(-2, -1), xs[tok, 0], w13s, offs=offs,
                                      out_dtype=torch.bfloat16)
-        aq, as_ = quantize_fp8_per_token(_act(h.float(), inter, activation))
+        aq, as_ = quant.quantize_fp8_per_token(_act(h.float(), inter, activation))
         # the routing weight goes into the row scale: exact, and the quantized values do not depend on it
         y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_[:, 0] * w[:, 0], w2s, offs=offs,
                                      out_dtype=torch.bfloat16)
@@ -82,29 +83,41 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     return slots.view(T, K, H).sum(1).to(out_dtype)
 
 
+@dataclass(frozen=True)
+class GroupedMMDecision:
+    """What the grouped_mm experts take from the plan, decided once at construction and passed down by name."""
+
+    fp8_per_token: bool  # FP8 row-wise scaled GEMMs (torch._scaled_grouped_mm), else bf16 ones
+    compute_dtype: torch.dtype  # the params dtype: activations that arrive in another wire dtype go back to it
+    activation: str  # "silu" or "gelu"
+    routed_scaling_factor: float
+
+
 class GroupedMMExperts(Experts):
     """``torch._grouped_mm`` experts (SM90/SM100 CUTLASS path) for STANDARD and EP_NORMAL."""
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.fp8 = self.config.quant is QuantScheme.FP8_PER_TOKEN
-        self.activation = str(self.config.activation)
+        c = self.config
+        self.decision = GroupedMMDecision(fp8_per_token=c.quant is QuantScheme.FP8_PER_TOKEN,
+                                          compute_dtype=c.params_dtype, activation=str(c.activation),
+                                          routed_scaling_factor=c.routed_scaling_factor)
 
     def process_weights(self, layer: "MoELayer") -> None:
         """Nothing to do: both schemes are used in their checkpoint layout (``transpose`` in the
         call gives the column-major B the FP8 kernel wants, without a copy)."""
 
     def _run(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
-        x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(self.config.params_dtype)
-        c = self.config
-        if self.fp8:
+        d = self.decision
+        x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(d.compute_dtype)
+        if d.fp8_per_token:
             w = expert_weights(layer, True)
             rw = (w.w13, w.w13_scale, w.w2, w.w2_scale)  # fp32 scales: the layer's checkpoint layout
-            return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=self.activation,
-                                      routed_scaling_factor=c.routed_scaling_factor, rowwise=rw)
+            return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=d.activation,
+                                      routed_scaling_factor=d.routed_scaling_factor, rowwise=rw)
         w = expert_weights(layer, False)
-        return grouped_mm_experts(x, w.w13, w.w2, topk.weights, topk.ids, activation=self.activation,
-                                  routed_scaling_factor=c.routed_scaling_factor)
+        return grouped_mm_experts(x, w.w13, w.w2, topk.weights, topk.ids, activation=d.activation,
+                                  routed_scaling_factor=d.routed_scaling_factor)
 
     def apply(self, layer: "MoELayer", dispatched):
         if isinstance(dispatched, StandardDispatch):

@@ -12,11 +12,10 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Optional
 
-from moe_core.backends import Code, Reason, available, from_exception, unavailable
+from moe_core.plugin_api import Code, Reason, available, from_exception, unavailable
 
 if TYPE_CHECKING:
-    from moe_core.backends import BackendSpec
-    from moe_core.config import MoEConfig
+    from moe_core.plugin_api import BackendSpec, MoEConfig
 
 # low-latency hidden sizes DeepEP V1 instantiates kernels for
 DEEPEP_LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
@@ -94,13 +93,13 @@ def probe_cutlass() -> Reason:
     triton, why = _import("triton", "pip install triton (a version matching your torch)")
     if why:
         return why
-    from moe_plugin_cuda import cutlass_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     missing = cutlass_lib.missing()
     if missing:
         return unavailable(Code.NOT_INSTALLED, missing, "pip install 'moe-plugin-cuda[cutlass]' with the CUDA "
                            "toolkit's nvcc on PATH (the kernels compile at first use, ~1-2 minutes)")
-    from moe_plugin_cuda import deepgemm_lib
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     deepgemm = deepgemm_lib.missing()
     return available(f"CUTLASS FP8 block-scaled and bf16 grouped GEMMs on SM90 (library: {cutlass_lib.where()}); "

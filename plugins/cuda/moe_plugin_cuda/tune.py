@@ -7,7 +7,7 @@ the BLOCK_M with the lowest GEMM1 + GEMM2 wins. The winner and the heuristic are
 the whole pipeline (align + GEMM1 + GEMM2 + reduce) on ``ROUTING_DRAWS`` routings and the faster
 is kept. Times are
 ``triton.testing.do_bench_cudagraph`` medians (graph replay, as engines run decode). The table is written as
-``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``tuning_configs``) into
+``E=..,N=..,H=..,device_name=..,dtype=..,kernel=vN.json`` (see ``triton.tuning_configs``) into
 ``--out-dir`` (default: the installed package's ``configs/``), where the backend finds it.
 
     moe-cuda-tune --presets qwen3-30b-a3b --quant unquantized fp8_block --out-dir ./configs
@@ -34,7 +34,7 @@ no search: its Triton path is the triton backend's own table (tune that first). 
 pipelines are timed too, on CUTLASS's kernels and (where the DeepGEMM headers are installed) on
 DeepGEMM's, each on its fastest kernel pair, and the table entry says which path ran fastest at
 that T (``"path": "triton" | "cutlass" | "deepgemm"``); the file is ``kernel=cutlass-v1`` (see
-``tuning_configs``). The CUTLASS library must build on this machine.
+``triton.tuning_configs``). The CUTLASS library must build on this machine.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 ROUTING_DRAWS = 3
 SMEM_BYTES = 227 * 1024
 # a re-tune replaces a table's entry only where its choice is this much faster: the tuner's short bursts rank
-# pipelines within ~1-2%, below the run-to-run spread of the benchmark (sessions 16-18 on the H100)
+# pipelines within ~1-2%, below the run-to-run spread of the benchmark (docs/decisions.md, "The CUDA plugin's
+# measured defaults")
 KEEP_MARGIN = 0.03
 
 
@@ -82,7 +83,7 @@ _G1 = {
     ("bf16", 64): [(256, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 4, 4), (64, 64, 4, 4, 1)],
     ("bf16", 128): [(256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 4), (64, 64, 8, 4, 1)],
     ("fp8", "small"): [(128, 128, 4, 4), (256, 128, 4, 3), (64, 128, 4, 5), (256, 128, 8, 4), (128, 128, 4, 3, 1),
-                       (128, 128, 4, 8), (64, 128, 4, 8)],  # 8 stages: best weight streaming (session 8)
+                       (128, 128, 4, 8), (64, 128, 4, 8)],  # 8 stages: best weight streaming (H100)
     ("fp8", 64): [(256, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 4), (128, 128, 8, 3, 1),
                   (128, 128, 4, 3), (256, 128, 8, 5)],
     ("fp8", 128): [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5), (64, 128, 4, 4), (64, 128, 8, 3, 1)],
@@ -106,7 +107,7 @@ def candidates(bm: int, fp8: bool, tma: bool = False,
     compute-bound GEMMs, at small BLOCK_M for weight-streaming (bandwidth-bound) ones.
     ``checkpoint``: w13 in the checkpoint layout (the cutlass backend's Triton path), where GEMM1 runs
     two accumulators: every GEMM1 candidate as its two-accumulator twin (same output columns), TMA too."""
-    from moe_plugin_cuda.tuning_configs import as_two_acc
+    from moe_plugin_cuda.triton.tuning_configs import as_two_acc
 
     key = ("fp8" if fp8 else "bf16", bm if bm >= 64 else "small")
     g = 16 if bm >= 64 else 1
@@ -148,7 +149,7 @@ def block_ms(M: int, E: int, K: int) -> list[int]:
 
 
 def _make_weights(E, H, inter, fp8, g, dev, interleave):
-    from moe_core import quant as q
+    from moe_core.plugin_api import quant as q
     from moe_plugin_cuda.weights import interleave_gate_up_
 
     w13 = torch.empty((E, 2 * inter, H), dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16, device=dev)
@@ -184,7 +185,9 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
     grouped pipeline (GEMM1 and GEMM2 of ``ns`` columns), and its time: GEMM1's with GEMM2's default,
     then GEMM2's with that one. Only the default pair is timed where it is far (25%) behind the Triton
     path's ``t_triton``: the kernels differ by less."""
-    from moe_plugin_cuda import cutlass_lib, cutlass_ops, deepgemm_lib
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     gemm = cutlass_ops.grouped_gemm(gemm_name, fp8)
     if gemm_name == "cutlass" and fp8:  # GEMM1 writes fp32 or (from MIN_BF16_H_TOKENS) bf16, GEMM2 bf16
@@ -204,8 +207,8 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
             best = (choices[0][0], choices[1][0])
 
     def timed(v):
-        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm, w13_interleaved=not fp8),
-                          variants=v)
+        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, fp8_block=fp8, gemm=gemm,
+                                                     w13_interleaved=not fp8), variants=v)
         if log:
             log(f"    {gemm_name} kernels {v} {t * 1e3:9.1f} us")
         return t
@@ -224,13 +227,13 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
 def entry_time(entry: dict, pipeline, pipeline_time, triton_table: dict, fp8: bool) -> float:
     """One table entry's pipeline time: its grouped path on the kernels it names, or its Triton configs (the
     triton backend's table where the entry holds none: the cutlass backend's bf16 Triton path)."""
-    from moe_plugin_cuda import cutlass_ops
+    from moe_plugin_cuda.cutlass import ops as cutlass_ops
 
     path = entry.get("path", "triton")
     if path == "triton":
         return pipeline(entry if "gemm1" in entry else triton_table)
     return pipeline_time(f"committed {path} {entry[f'{path}_variants']}",
-                         partial(cutlass_ops.fused_experts, gemm=cutlass_ops.grouped_gemm(path, fp8),
+                         partial(cutlass_ops.fused_experts, fp8_block=fp8, gemm=cutlass_ops.grouped_gemm(path, fp8),
                                  w13_interleaved=not fp8),
                          variants=tuple(entry[f"{path}_variants"]))
 
@@ -239,11 +242,10 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                 backend: str = "triton", keep_margin: float = KEEP_MARGIN) -> Path:
     import triton.testing
 
-    from moe_core.bench import balanced_correction_bias
-    from moe_core.config import preset
-    from moe_core.router import route
-    from moe_plugin_cuda import deepgemm_lib, triton_ops, tuning_configs
-    from moe_plugin_cuda.triton_experts import config_dtype
+    from moe_core.plugin_api import balanced_correction_bias, preset, route
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.triton import tuning_configs
 
     fp8 = quant == "fp8_block"
     interleaved = backend == "triton" or not fp8  # the cutlass backend keeps FP8 in the checkpoint layout
@@ -253,7 +255,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     g = torch.Generator(device=dev).manual_seed(0)
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleaved)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
-    dtype_name, device_name = config_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
+    dtype_name, device_name = tuning_configs.table_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
     table_kind = tuning_configs.TRITON_TABLE if backend == "triton" else tuning_configs.CUTLASS_TABLE
     path = out_dir / tuning_configs.config_file_name(E, inter, H, device_name, dtype_name, table_kind)
     # re-tuning some T keeps the entries of the others
@@ -328,8 +330,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                                      out_dtype=torch.bfloat16, **kw), what) for d in draws) / len(draws)
 
         def pipeline(cfg_):
-            return pipeline_time(f"triton {cfg_}", triton_ops.fused_experts, activation="silu", cfg=cfg_,
-                                 w13_interleaved=interleaved)
+            return pipeline_time(f"triton {cfg_}", triton_ops.fused_experts, fp8_block=fp8, activation="silu",
+                                 cfg=cfg_, w13_interleaved=interleaved)
 
         if triton_own:
             heur = tuning_configs.get_config(M, E, K, inter, H, dtype_name, device_name, str(out_dir))[0]
@@ -388,8 +390,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from moe_core.config import PRESETS
-    from moe_plugin_cuda import tuning_configs
+    from moe_core.plugin_api import PRESETS
+    from moe_plugin_cuda.triton import tuning_configs
 
     p = argparse.ArgumentParser(prog="moe-cuda-tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"],

@@ -41,7 +41,7 @@ def interleave_gate_up(w13: torch.Tensor) -> torch.Tensor:
     """``[E, 2I, H]`` = [gate rows | up rows] -> row 2j = gate j, row 2j+1 = up j (a new tensor).
 
     With this layout a GEMM1 tile of BLOCK_N rows holds BLOCK_N/2 whole (gate, up) pairs, so one
-    accumulator serves both halves (triton_kernels, ``GATE == 1``)."""
+    accumulator serves both halves (triton.kernels, ``GATE == 1``)."""
     E, n, H = w13.shape
     return w13.reshape(E, 2, n // 2, H).transpose(1, 2).reshape(E, n, H).contiguous()
 

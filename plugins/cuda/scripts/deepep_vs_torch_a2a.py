@@ -31,10 +31,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from moe_core import quant
-from moe_core.config import MoEConfig
-from moe_core.contracts import EPMaskedCombine, EPMaskedDispatch, EPNormalCombine, EPNormalDispatch, TopK
-from moe_core.planner import plan as make_plan
+from moe_core import plan as make_plan
+from moe_core.plugin_api import (
+    EPMaskedCombine,
+    EPMaskedDispatch,
+    EPNormalCombine,
+    EPNormalDispatch,
+    MoEConfig,
+    TopK,
+    quant,
+)
 from moe_core.testing.data import make_hidden, make_topk, rel_error
 
 SCHEME = {"bf16": "unquantized", "fp8": "fp8_block"}

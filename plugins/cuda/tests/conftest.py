@@ -15,9 +15,11 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-_EMULATION_DIR = str(pathlib.Path(__file__).resolve().parent / "emulation")
-if _EMULATION_DIR not in sys.path:  # spawned EP workers inherit sys.path and import it too
-    sys.path.insert(0, _EMULATION_DIR)
+_TESTS_DIR = pathlib.Path(__file__).resolve().parent
+# the tests' shared helpers (cuda_layer_cases) and the emulations; spawned EP workers inherit sys.path
+for _path in (str(_TESTS_DIR), str(_TESTS_DIR / "emulation")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 @pytest.fixture

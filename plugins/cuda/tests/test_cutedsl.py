@@ -15,6 +15,7 @@ bf16 roundings (typically 1e-5).
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -271,3 +272,23 @@ def test_torch_a2a_masked_world2_matches_reference():
         for vs_ref, vs_exact, ref_vs_exact in r["errors"]:
             assert vs_ref <= TOL_REF or vs_exact <= 1.5 * ref_vs_exact, where
         assert "grouped_gemm_nt_masked" in r["calls"], where
+
+
+# ------------------------------------------------------------------ on a Blackwell GPU
+
+
+def _blackwell() -> bool:
+    return torch.cuda.is_available() and torch.version.hip is None and \
+        torch.cuda.get_device_capability() in ((10, 0), (10, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _blackwell(), reason="needs an SM100/SM103 GPU")
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="pip install 'moe-plugin-cuda[flashinfer]'")
+def test_conformance_kit_on_blackwell():
+    from moe_core.testing import run_kit
+
+    report = run_kit("cuda.cutedsl")
+    print(report.text())
+    assert report.ok, report.text()
+    assert any(r.case_id == "graph-ep_masked" and r.status == "passed" for r in report.results), report.text()

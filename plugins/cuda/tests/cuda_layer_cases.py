@@ -1,0 +1,142 @@
+"""What the GPU tests of several components share: a layer on the GPU next to the core reference layer,
+random routing, per-scheme tolerances, and the checks every experts backend must pass on the device
+(against the reference, in a CUDA graph, under torch.compile). Run on the device:
+``python -m pytest plugins/cuda -m gpu``; without CUDA these tests skip (``needs_gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_core import MoEConfig
+from moe_core.contracts import TopK
+from moe_core.layer import MoELayer
+from moe_core.quant import quantize_weights
+from moe_core.reference.oracle import relative_error
+
+
+def needs_gpu(test):
+    """The ``gpu`` marker, and skipped without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
+TOL = {"unquantized": 1e-2, "fp8_block": 3e-2, "fp8_per_token": 3e-2}
+
+
+def layer_config(backend, quant, E=16, K=4, H=256, inter=None, act="silu", dtype=torch.bfloat16, **kw):
+    if inter is None:  # cutlass needs whole 128x128 scale blocks
+        inter = 256 if backend == "cutlass" else 192
+    return MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=inter, activation=act, quant=quant,
+                     params_dtype=dtype, device="cuda", experts=backend, routed_scaling_factor=1.7, **kw)
+
+
+def random_weights(cfg, gen):
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    w13 = torch.randn(E, 2 * inter, H, generator=gen, device="cuda") / H ** 0.5
+    w2 = torch.randn(E, H, inter, generator=gen, device="cuda") / inter ** 0.5
+    if cfg.quant == "unquantized":
+        return {"w13": w13.to(cfg.params_dtype), "w2": w2.to(cfg.params_dtype)}
+    return quantize_weights(w13, w2, cfg.quant)
+
+
+def cuda_device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def layers(backend, quant, **kw):
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    cfg = layer_config(backend, quant, **kw)
+    ref_cfg = cfg.replace(experts="reference", cuda_graph=False)
+    w = random_weights(cfg, gen)
+    layer, ref = MoELayer(cfg, device=cuda_device()), MoELayer(ref_cfg, device=cuda_device())
+    for lay in (layer, ref):
+        lay.load_weights(**w)
+        lay.process_weights()
+    assert layer.plan.experts.name == backend
+    return cfg, layer, ref
+
+
+def random_topk(T, cfg, minus_one=True):
+    logits = torch.randn(T, cfg.num_experts, device="cuda")
+    w, ids = torch.softmax(logits, -1).topk(cfg.top_k, -1)
+    ids = ids.to(torch.int32)
+    if minus_one and T:
+        drop = torch.rand(T, cfg.top_k, device="cuda") < 0.15
+        ids = torch.where(drop, -1, ids)
+    return TopK(w.contiguous(), ids.contiguous())
+
+
+def fixed_config(bm, bn, two_acc, b_tma, fp8):
+    """A fixed Triton launch config (``backend_options["triton"]["config"]``) for every T."""
+    warps = 8 if bm >= 64 else 4
+    bk = 128 if fp8 else 64  # 3 stages of these tiles fit the 227 KB of shared memory
+    return {"gemm1": dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, num_warps=warps, num_stages=3, TWO_ACC=two_acc,
+                          B_TMA=b_tma),
+            "gemm2": dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=128 if fp8 else 64, GROUP_M=4, num_warps=warps,
+                          num_stages=3, B_TMA=b_tma)}
+
+
+def need_cutlass():
+    from moe_plugin_cuda.probes import probe_cutlass
+
+    if not probe_cutlass().ok:
+        pytest.skip(probe_cutlass().message)
+
+
+def need_deepgemm():
+    from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
+
+    need_cutlass()
+    if deepgemm_lib.missing():
+        pytest.skip(deepgemm_lib.missing())
+
+
+def check_matches_reference(backend, quant, T):
+    """Through MoELayer against the reference layer, -1 ids included; the same output on repeat."""
+    cfg, layer, ref = layers(backend, quant)
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = random_topk(T, cfg)
+    out = layer(x, topk)
+    expected = ref(x, topk)
+    assert out.shape == (T, cfg.hidden_size) and out.dtype == cfg.params_dtype
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected) < TOL[quant]
+    assert torch.equal(layer(x, topk), out)  # same output on repeat
+
+
+def check_graph_replay(backend, quant, options):
+    """Captured in a CUDA graph, replayed on new inputs in the captured buffers, against the reference."""
+    cfg, layer, ref = layers(backend, quant, cuda_graph=True, **options)
+    assert layer.plan.graph_safe
+    T = 96
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    topk = random_topk(T, cfg)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    for _ in range(2):  # new inputs in the captured buffers, replay, compare
+        x.copy_(torch.randn_like(x))
+        new = random_topk(T, cfg)
+        topk.weights.copy_(new.weights)
+        topk.ids.copy_(new.ids)
+        g.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, ref(x, topk)) < TOL[quant]
+
+
+def check_compiled(backend, quant, options):
+    """Under torch.compile (a fresh dynamo cache), against the reference."""
+    # a fresh dynamo cache: MoELayer.forward is one code object, and after the recompile limit
+    # (8 in torch 2.11) dynamo runs it eagerly without a word, so later cases compiled nothing
+    torch._dynamo.reset()
+    cfg, layer, ref = layers(backend, quant, **options)
+    compiled = torch.compile(layer)
+    for T in (5, 64):
+        x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+        topk = random_topk(T, cfg)
+        assert relative_error(compiled(x, topk), ref(x, topk)) < TOL[quant]
