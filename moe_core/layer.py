@@ -16,6 +16,7 @@ from torch import nn
 
 from moe_core import quant
 from moe_core.config import MoEConfig
+from moe_core.distributed import group_checks
 from moe_core.contracts import TopK
 from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
@@ -37,6 +38,18 @@ def _with_index(device: torch.device) -> torch.device:
         return torch.device(device.type, module.current_device())
     except Exception:  # backend not usable here: keep it as given (tensors cannot be made on it anyway)
         return device
+
+
+def _fingerprint(plan: Plan) -> dict[str, Any]:
+    """What every rank of an EP group must agree on: the layer's sizes and semantics, and its plan."""
+    c = plan.config
+    fields = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "quant", "params_dtype",
+              "routed_scaling_factor", "apply_router_weight_on_input", "router", "ep_size", "max_tokens_per_rank",
+              "cuda_graph", "device")
+    return {**{f: str(getattr(c, f)) for f in fields},
+            "dispatcher": plan.dispatcher.qualified_name if plan.dispatcher else None,
+            "experts": plan.experts.qualified_name, "format": str(plan.format),
+            "dispatch_dtype": str(plan.dispatch_dtype)}
 
 
 def _mark_loaded(layer: "MoELayer", incompatible_keys: Any) -> None:
@@ -107,10 +120,19 @@ class MoELayer(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
-        if plan is None:
-            plan = make_plan(config, manager=manager)
-        elif plan.config != config:
-            raise ValueError("plan was made for a different config")
+        ep = config.ep_size > 1 and group_checks.group_active()
+        error: Optional[Exception] = None
+        try:
+            if plan is None:
+                plan = make_plan(config, manager=manager)
+            elif plan.config != config:
+                raise ValueError("plan was made for a different config")
+        except Exception as exc:
+            if not ep:
+                raise
+            error = exc
+        if ep:  # once per layer, before any backend is built (some allocate with collectives)
+            group_checks.agree_on_layer(None if error else _fingerprint(plan), error, config.ep_group)
         self.config = config
         self.plan = plan
         self.device = _with_index(torch.device(device if device is not None else _TORCH_DEVICE[config.device]))
@@ -133,6 +155,7 @@ class MoELayer(nn.Module):
         # plain attributes read on every forward (cheaper than going through config / plan)
         self._hidden, self._top_k, self._num_experts = config.hidden_size, config.top_k, config.num_experts
         self._dtype, self._fused = config.params_dtype, plan.fused
+        self._ep_group_check = ep
 
         self._manager, self._trace = manager, trace
         self._build_backends()
@@ -142,6 +165,11 @@ class MoELayer(nn.Module):
     def _build_backends(self) -> None:
         """Instantiate the plan's backends and bind their stage methods (again after a move)."""
         self.dispatcher, self.experts = self.plan.build()
+        # under EP one rank's bad id must reach every rank (decision 15): a dispatcher that checks
+        # in-band does it; otherwise a synchronous check is exchanged over the group
+        in_band = getattr(self.dispatcher, "checks_ids_on_every_rank", False)
+        self._ids_exchanged = self._ep_group_check and not in_band and self._sync_check
+        self._ids_checked_by_group = self._ep_group_check and (in_band or self._sync_check)
         if self._trace:
             manager = self._manager
             if manager is None:
@@ -301,7 +329,9 @@ class MoELayer(nn.Module):
             raise self._input_error(hidden_states, topk)
         # under torch.compile the check is the device-side assert on every device (a host read would
         # break the graph)
-        if self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
+        if self._ids_checked_by_group:
+            pass  # under EP: the dispatcher or an exchange makes every rank raise (no rank left waiting)
+        elif self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
             ids = topk.ids
             torch._assert_async(((ids >= -1) & (ids < self._num_experts)).all(),
                                 f"moe_core.MoELayer: topk.ids must be in [-1, {self._num_experts}) (-1 = no expert)")
@@ -311,6 +341,8 @@ class MoELayer(nn.Module):
             if lo < -1 or hi >= self._num_experts:
                 raise ValueError(f"topk.ids must be in [-1, {self._num_experts}) (-1 = no expert), "
                                  f"got values in [{lo}, {hi}]")
+        if self._ids_exchanged and self.check_ids:
+            group_checks.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
         if self._fused:
             return self._fused_forward(self, hidden_states, topk)
         return self._combine(self._apply_experts(self, self._dispatch(hidden_states, topk)))

@@ -57,6 +57,10 @@ class _Backend:
 
 
 class Dispatcher(_Backend):
+    # True when dispatch itself makes every rank of the EP group raise on any rank's ids outside
+    # [-1, num_experts) (decision 15); otherwise the layer exchanges its own check under EP
+    checks_ids_on_every_rank: bool = False
+
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         raise NotImplementedError
 
