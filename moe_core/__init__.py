@@ -25,13 +25,16 @@ from moe_core.contracts import (
 )
 from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl, hookspec
 from moe_core.layer import MoELayer
-from moe_core.planner import DtypeDecision, DtypeRequest, Plan, PlanError, plan
-from moe_core.plugins import BackendPlugin, PluginLoadError, PluginManager, get_plugin_manager
+from moe_core.devices import DeviceKind
+from moe_core.dtype_chain import DtypeDecision, DtypeRequest
+from moe_core.planner import Plan, PlanError, plan
+from moe_core.plugin_base import BackendPlugin
+from moe_core.plugins import PluginLoadError, PluginManager, get_plugin_manager
 from moe_core.router import route
 from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
 __all__ = [
-    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DispatchOutput",
+    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DeviceKind", "DispatchOutput",
     "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "Plan", "PlanError", "PluginLoadError", "PluginManager", "QuantScheme", "QuantizedActivations", "Reason", "Role",

@@ -33,7 +33,9 @@ import torch
 from moe_core.backends import Role
 from moe_core.config import PRESETS, preset
 from moe_core.contracts import QuantScheme, TopK
+from moe_core.devices import local_device_kind
 from moe_core.planner import PlanError, plan
+from moe_core.router import balanced_correction_bias, route
 
 DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 DEFAULT_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3-235b-a22b")
@@ -51,16 +53,6 @@ def floor_model(cfg, T: int, touched: int, bw: float, peak: float) -> dict[str, 
     nbytes = touched * per_expert + 2 * T * H * cfg.params_dtype.itemsize
     flops = 6.0 * T * K * H * inter
     return {"bytes": nbytes, "flops": flops, "floor_s": max(nbytes / bw, flops / peak)}
-
-
-def balanced_correction_bias(num_experts: int, generator: torch.Generator, device) -> torch.Tensor:
-    """A routing correction bias (DeepSeek-V3's ``e_score_correction_bias``) for benchmarks.
-
-    A trained model's bias is what keeps its experts' load balanced; for random logits the
-    balanced bias is flat, so this is noise of 1e-3 that only breaks ties. N(0, 1) outweighs
-    the sigmoid scores and sends every token to the same 8 of DeepSeek-V3's 256 experts.
-    """
-    return 1e-3 * torch.randn(num_experts, generator=generator, device=device)
 
 
 def _fill_weights(layer, cfg, seed: int) -> None:
@@ -151,7 +143,6 @@ def bench_cell(cfg, backend: str, T: int, args, device: torch.device, layer=None
     g = torch.Generator(device=device).manual_seed(1000 + T)
     x = torch.randn((T, cfg.hidden_size), generator=g, device=device).to(cfg.params_dtype)
     logits = torch.randn((T, cfg.num_experts), generator=g, device=device)
-    from moe_core.router import route
 
     topk = route(logits, cfg.top_k, cfg.router, layer.correction_bias)
     topk = TopK(topk.weights.contiguous(), topk.ids.contiguous())
@@ -199,7 +190,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--backend-options", default=None, help="JSON of backend_options for every layer")
     args = p.parse_args(argv)
 
-    from moe_core.cli import local_device_kind
     from moe_core.layer import MoELayer
     from moe_core.plugins import get_plugin_manager
 

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 from moe_core.backends import Code, Role
 from moe_core.config import PRESETS, MoEConfig, preset
 from moe_core.contracts import Activation, QuantScheme, WireDtype
+from moe_core.devices import DEVICE_KINDS, local_device_kind
 from moe_core.planner import PlanError, plan
 from moe_core.plugins import PluginManager, get_plugin_manager
 
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-backend", default="auto")
     p.add_argument("--dispatch-dtype", default="auto", choices=["auto"] + [str(d) for d in WireDtype])
     p.add_argument("--dispatch-format", default="auto", choices=["auto", "standard", "ep_normal", "ep_masked"])
-    p.add_argument("--device", default=None, choices=["cpu", "cuda", "rocm", "npu"],
+    p.add_argument("--device", default=None, choices=DEVICE_KINDS,
                    help="target device kind (default: this machine's)")
     p.add_argument("--cuda-graph", action="store_true", help="only graph-safe plans")
     p.add_argument("--dry-run", action="store_true",
@@ -304,17 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(writes launch configs for this machine's GPU)", add_help=False)
     p.set_defaults(func=None)
     return parser
-
-
-def local_device_kind() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        return "npu"
-    return "cpu"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -10,10 +10,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
+from moe_core.devices import DEVICE_KINDS
 
 __all__ = ["MoEConfig", "RouterConfig", "PRESETS", "preset", "DEVICE_KINDS"]
 
-DEVICE_KINDS = ("cpu", "cuda", "rocm", "npu")
 AUTO = "auto"
 
 

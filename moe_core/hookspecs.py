@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from moe_core.backends import BackendSpec
     from moe_core.contracts import CombineInput, DispatchOutput, TopK
     from moe_core.layer import MoELayer
-    from moe_core.planner import DtypeDecision, DtypeRequest
+    from moe_core.dtype_chain import DtypeDecision, DtypeRequest
     from moe_core.runtime import Dispatcher, Experts, FusedMoE
 
 PROJECT = "moe_core"

@@ -18,13 +18,13 @@ from moe_core import quant
 from moe_core.config import MoEConfig
 from moe_core.distributed import group_checks
 from moe_core.contracts import TopK
+from moe_core.devices import DeviceKind
 from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
 from moe_core.router import route
 
 __all__ = ["MoELayer"]
 
-_TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
 _PARAMS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 trace_log = logging.getLogger("moe_core.trace")
 
@@ -135,7 +135,7 @@ class MoELayer(nn.Module):
             group_checks.agree_on_layer(None if error else _fingerprint(plan), error, config.ep_group)
         self.config = config
         self.plan = plan
-        self.device = _with_index(torch.device(device if device is not None else _TORCH_DEVICE[config.device]))
+        self.device = _with_index(torch.device(device if device is not None else DeviceKind(config.device).torch_device_type))
         if check_ids not in (None, True, False, "sync"):
             raise ValueError(f"check_ids must be None, True, False or 'sync', got {check_ids!r}")
         self.check_ids = (not config.cuda_graph) if check_ids is None else bool(check_ids)

@@ -21,111 +21,24 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from moe_core.backends import BackendSpec, Code, Reason, Role
 from moe_core.config import AUTO, MoEConfig
-from moe_core.contracts import Format, QuantScheme, WireDtype
-from moe_core.hookspecs import hookimpl
+from moe_core.contracts import Format, WireDtype
+from moe_core.dtype_chain import (  # noqa: F401  (NATURAL_DTYPE, the Core* rules: re-exported, their old home)
+    NATURAL_DTYPE,
+    CoreDtypeDefault,
+    CoreDtypeRules,
+    DtypeDecision,
+    DtypeRequest,
+    DtypeStep,
+)
+from moe_core.plugins import PluginManager, get_plugin_manager
+from moe_core.runtime import BackendContext
 
 if TYPE_CHECKING:
-    from moe_core.plugins import PluginManager
     from moe_core.runtime import Dispatcher, Experts, FusedMoE
 
 log = logging.getLogger("moe_core")
 
 __all__ = ["plan", "Plan", "PlanError", "Rejection", "DtypeRequest", "DtypeDecision", "DtypeStep"]
-
-
-# --------------------------------------------------------------------------- dtype chain
-
-
-@dataclass(frozen=True)
-class DtypeStep:
-    source: str  # who decided: "user", "core", a plugin name
-    dtype: Optional[WireDtype]
-    reason: str
-    warning: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "dtype": None if self.dtype is None else str(self.dtype),
-                "reason": self.reason, "warning": self.warning}
-
-    def __str__(self) -> str:
-        mark = "WARNING " if self.warning else ""
-        return f"{mark}[{self.source}] {self.dtype}: {self.reason}"
-
-
-@dataclass(frozen=True)
-class DtypeDecision:
-    """Result of the dtype chain: the dtype, every step that led to it, or a rejection."""
-
-    dtype: Optional[WireDtype]
-    steps: tuple[DtypeStep, ...]
-    rejection: Optional[Reason] = None
-
-    def then(self, dtype: WireDtype, reason: str, *, source: str, warning: bool = False) -> "DtypeDecision":
-        """A validation step replacing (or confirming) the dtype; used by hook wrappers."""
-        dtype = WireDtype(dtype)
-        return dataclasses.replace(self, dtype=dtype, steps=self.steps + (DtypeStep(source, dtype, reason, warning),))
-
-    def reject(self, code: Code, message: str, hint: str = "", *, source: str) -> "DtypeDecision":
-        """Refuse the candidate (e.g. NVFP4 on a device that cannot carry it)."""
-        return dataclasses.replace(self, dtype=None, rejection=Reason(code, message, hint),
-                                   steps=self.steps + (DtypeStep(source, None, message, True),))
-
-
-@dataclass(frozen=True)
-class DtypeRequest:
-    """What ``select_dispatch_dtype`` implementations decide from."""
-
-    config: MoEConfig
-    dispatcher: Optional[BackendSpec]  # None for a fused backend
-    experts: BackendSpec  # experts or fused spec
-    format: Format
-    common: tuple[WireDtype, ...]  # dtypes both sides carry, in the experts' preference order
-
-    def decide(self, dtype: WireDtype, reason: str, *, source: str) -> DtypeDecision:
-        dtype = WireDtype(dtype)
-        return DtypeDecision(dtype, (DtypeStep(source, dtype, reason),))
-
-
-# the weight scheme's natural activation dtype (core default, step 4)
-NATURAL_DTYPE = {
-    QuantScheme.UNQUANTIZED: WireDtype.BF16,
-    QuantScheme.FP8_BLOCK: WireDtype.FP8,
-    # the FP8 wire carries 1x128 group scales: per-token experts would requantize it (decisions.md)
-    QuantScheme.FP8_PER_TOKEN: WireDtype.BF16,
-    QuantScheme.INT8_W8A8: WireDtype.INT8,
-    QuantScheme.W4A4: WireDtype.BF16,
-    QuantScheme.NVFP4: WireDtype.NVFP4,
-}
-
-
-class CoreDtypeRules:
-    """The core's steps of the dtype chain (user choice, internal quantization, default)."""
-
-    @hookimpl(tryfirst=True)
-    def select_dispatch_dtype(self, request: DtypeRequest) -> Optional[DtypeDecision]:
-        cfg = request.config
-        if cfg.dispatch_dtype != AUTO:
-            return request.decide(WireDtype(cfg.dispatch_dtype), "explicit user choice", source="user")
-        if request.experts.quantizes_internally and WireDtype.BF16 in request.common:
-            return request.decide(WireDtype.BF16, f"experts {request.experts.name} quantize internally",
-                                  source="core")
-        return None
-
-
-class CoreDtypeDefault:
-    @hookimpl(trylast=True)
-    def select_dispatch_dtype(self, request: DtypeRequest) -> Optional[DtypeDecision]:
-        natural = NATURAL_DTYPE[request.config.quant]
-        if natural in request.common:
-            return request.decide(natural, f"core default: natural activation dtype of {request.config.quant}",
-                                  source="core")
-        if WireDtype.BF16 in request.common:
-            return request.decide(WireDtype.BF16, f"core default: {natural} not carried by both sides, BF16",
-                                  source="core")
-        if request.common:
-            return request.decide(request.common[0], "core default: experts' most preferred common dtype",
-                                  source="core")
-        return None
 
 
 # --------------------------------------------------------------------------- plan
@@ -189,8 +102,6 @@ class Plan:
 
     def build(self) -> tuple[Optional["Dispatcher"], "Experts | FusedMoE"]:
         """Instantiate the implementations (imports the vendor code of the chosen backends)."""
-        from moe_core.runtime import BackendContext
-
         if self.dry_run:
             raise RuntimeError("a dry-run plan (availability not checked) cannot be built")
 
@@ -247,7 +158,7 @@ def _matches(choice: str, spec: BackendSpec) -> bool:
     return choice == AUTO or choice in (spec.name, spec.qualified_name)
 
 
-def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: "PluginManager", dry_run: bool,
+def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, dry_run: bool,
                   notes: list[str]) -> list[Reason]:
     """Reasons one backend alone cannot serve ``config``."""
     reasons: list[Reason] = []
@@ -319,7 +230,7 @@ def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) 
     return formats[0], reasons
 
 
-def _negotiate_dtype(manager: "PluginManager", config: MoEConfig, d: Optional[BackendSpec], e: BackendSpec,
+def _negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[BackendSpec], e: BackendSpec,
                      fmt: Format) -> tuple[Optional[DtypeDecision], list[Reason]]:
     carried = d.wire_dtypes if d is not None else e.wire_dtypes
     common = tuple(x for x in e.wire_dtypes if x in carried)
@@ -341,7 +252,7 @@ def _negotiate_dtype(manager: "PluginManager", config: MoEConfig, d: Optional[Ba
     return decision, []
 
 
-def plan(config: MoEConfig, *, manager: Optional["PluginManager"] = None, dry_run: bool = False) -> Plan:
+def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run: bool = False) -> Plan:
     """Negotiate the backends for ``config``.
 
     :param manager: the plugin manager (default: installed plugins).
@@ -350,8 +261,6 @@ def plan(config: MoEConfig, *, manager: Optional["PluginManager"] = None, dry_ru
     :raises PlanError: no candidate fits; every rejected candidate with every reason.
     """
     if manager is None:
-        from moe_core.plugins import get_plugin_manager
-
         manager = get_plugin_manager()
     specs = manager.specs
     dispatchers = [s for s in specs if s.role is Role.DISPATCHER]

@@ -9,7 +9,6 @@ its tuners and probes use. The conformance kit is ``moe_core.testing``.
 
 from moe_core import quant
 from moe_core.backends import BackendSpec, Code, Reason, Role, available, from_exception, unavailable
-from moe_core.bench import balanced_correction_bias
 from moe_core.config import PRESETS, MoEConfig, RouterConfig, preset
 from moe_core.contracts import (
     Activation,
@@ -27,18 +26,19 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.devices import DeviceKind, local_device_kind
+from moe_core.dtype_chain import DtypeDecision, DtypeRequest
 from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from moe_core.layer import MoELayer
-from moe_core.planner import DtypeDecision, DtypeRequest
-from moe_core.plugins import BackendPlugin
-from moe_core.router import route
+from moe_core.plugin_base import BackendPlugin
+from moe_core.router import balanced_correction_bias, route
 from moe_core.runtime import BackendContext, Dispatcher, Experts, FusedMoE
 
 __all__ = [
-    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DispatchOutput",
+    "Activation", "BackendContext", "BackendPlugin", "BackendSpec", "Code", "CombineInput", "DeviceKind", "DispatchOutput",
     "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "QuantScheme", "QuantizedActivations", "Reason", "Role", "RouterConfig", "StandardCombine", "StandardDispatch",
-    "TopK", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl",
+    "TopK", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl", "local_device_kind",
     "preset", "quant", "route", "unavailable",
 ]

@@ -15,20 +15,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import sys
 from dataclasses import dataclass, field
+from importlib import metadata  # the stdlib's entry_points(group=...) selects since Python 3.10
 from typing import Any, Iterable, Optional
 
 import pluggy
 
 from moe_core import hookspecs
 from moe_core.backends import BackendSpec, Code, Reason, from_exception
-from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl
+from moe_core.dtype_chain import CoreDtypeDefault, CoreDtypeRules
+from moe_core.hookspecs import HOOKSPEC_VERSION
+from moe_core.plugin_base import BackendPlugin
+from moe_core.reference.plugin import plugin as reference_plugin
 
-if sys.version_info >= (3, 12):
-    from importlib import metadata
-else:  # the backport has the 3.12 selection API on 3.11
-    import importlib_metadata as metadata
 
 log = logging.getLogger("moe_core")
 
@@ -40,53 +39,6 @@ __all__ = ["BackendPlugin", "PluginManager", "PluginRecord", "PluginLoadError", 
 
 class PluginLoadError(RuntimeError):
     """Raised in strict mode when a plugin cannot be loaded."""
-
-
-class BackendPlugin:
-    """Convenient base for a plugin object: declare ``backends()``; the stage hooks answer for
-    backend objects built from those specs and pass on everything else.
-
-    Entry point example (pyproject.toml)::
-
-        [project.entry-points."moe_core.plugins"]
-        acme = "moe_plugin_acme.plugin:plugin"   # plugin = AcmePlugin()
-    """
-
-    moe_core_hookspec_version = HOOKSPEC_VERSION
-
-    def backends(self) -> list[BackendSpec]:
-        raise NotImplementedError
-
-    @functools.cached_property
-    def _impls(self) -> frozenset[str]:
-        return frozenset(spec.impl for spec in self.backends())
-
-    def _owns(self, backend: Any) -> bool:
-        ctx = getattr(backend, "ctx", None)
-        return ctx is not None and ctx.spec.impl in self._impls
-
-    @hookimpl
-    def moe_core_backends(self) -> list[BackendSpec]:
-        return self.backends()
-
-    @hookimpl
-    def dispatch(self, backend, hidden_states, topk):
-        return backend.dispatch(hidden_states, topk) if self._owns(backend) else None
-
-    @hookimpl
-    def apply(self, backend, layer, dispatched):
-        return backend.apply(layer, dispatched) if self._owns(backend) else None
-
-    @hookimpl
-    def combine(self, backend, combine_input):
-        return backend.combine(combine_input) if self._owns(backend) else None
-
-    @hookimpl
-    def process_weights(self, backend, layer):
-        if not self._owns(backend):
-            return None
-        backend.process_weights(layer)
-        return True
 
 
 @dataclass(frozen=True)
@@ -132,8 +84,6 @@ class PluginManager:
         self.strict = strict
         self.records: list[PluginRecord] = []
         self._availability: dict[str, Reason] = {}
-        from moe_core.planner import CoreDtypeDefault, CoreDtypeRules
-
         self.pm.register(CoreDtypeRules(), name="moe_core.dtype_rules")
         self.pm.register(CoreDtypeDefault(), name="moe_core.dtype_default")
         if load_builtin:
@@ -146,13 +96,11 @@ class PluginManager:
     # ---------------------------------------------------------------- loading
 
     def _load_builtin(self) -> None:
-        from moe_core.reference.plugin import plugin
-
         if BUILTIN_PLUGIN in self.block:
             self.records.append(PluginRecord(BUILTIN_PLUGIN, _core_version(), "builtin",
                                              Reason(Code.DISABLED, "blocked by the block-list")))
             return
-        self._register(BUILTIN_PLUGIN, _core_version(), "builtin", plugin)
+        self._register(BUILTIN_PLUGIN, _core_version(), "builtin", reference_plugin)
 
     def _load_entry_point(self, ep: Any) -> None:
         name = ep.name

@@ -9,7 +9,7 @@ import torch
 from moe_core.config import RouterConfig
 from moe_core.contracts import TopK
 
-__all__ = ["route"]
+__all__ = ["route", "balanced_correction_bias"]
 
 
 def route(
@@ -49,3 +49,13 @@ def route(
     if config.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
     return TopK(weights.float().contiguous(), ids.to(torch.int32).contiguous())
+
+
+def balanced_correction_bias(num_experts: int, generator: torch.Generator, device) -> torch.Tensor:
+    """A routing correction bias (DeepSeek-V3's ``e_score_correction_bias``) for benchmarks and tuners.
+
+    A trained model's bias is what keeps its experts' load balanced; for random logits the
+    balanced bias is flat, so this is noise of 1e-3 that only breaks ties. N(0, 1) outweighs
+    the sigmoid scores and sends every token to the same 8 of DeepSeek-V3's 256 experts.
+    """
+    return 1e-3 * torch.randn(num_experts, generator=generator, device=device)

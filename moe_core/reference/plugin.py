@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moe_core.backends import BackendSpec, Role
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
-from moe_core.plugins import BackendPlugin
+from moe_core.plugin_base import BackendPlugin
 
 ALL_DEVICES = frozenset({"cpu", "cuda", "rocm", "npu"})
 

@@ -19,6 +19,7 @@ import torch
 
 from moe_core.backends import BackendSpec, Role, load_object
 from moe_core.contracts import Format, QuantScheme, WireDtype
+from moe_core.devices import DeviceKind
 from moe_core.testing.data import Shape
 
 __all__ = ["KitOptions", "Case", "KitContext", "KitReport", "CaseResult", "KitFailure", "KitSkip",
@@ -165,34 +166,17 @@ class KitContext:
                               f"{sorted(spec.devices)}")
             kind = opts.device_kind
         else:
-            present = [k for k in ("cuda", "rocm", "npu", "cpu") if k in spec.devices and device_present(k)]
+            preference = (DeviceKind.CUDA, DeviceKind.ROCM, DeviceKind.NPU, DeviceKind.CPU)  # accelerators first
+            present = [k for k in preference if k in spec.devices and k.is_present()]
             if not present:
                 raise KitSkip(f"none of the declared devices {sorted(spec.devices)} is present on this machine "
                               "(use --moe-kit-device-kind/--moe-kit-device with emulated vendor ops)")
-            kind = present[0]
-        device = torch.device(opts.device) if opts.device else torch.device(_TORCH_DEVICE[kind])
+            kind = present[0].value
+        device = torch.device(opts.device) if opts.device else torch.device(DeviceKind(kind).torch_device_type)
         return kind, device
 
     def record(self, result: CaseResult) -> None:
         self.results.append(result)
-
-
-_TORCH_DEVICE = {"cpu": "cpu", "cuda": "cuda", "rocm": "cuda", "npu": "npu"}
-
-
-def device_present(kind: str) -> bool:
-    if kind == "cpu":
-        return True
-    if kind in ("cuda", "rocm"):
-        is_hip = getattr(torch.version, "hip", None) is not None
-        return torch.cuda.is_available() and (is_hip if kind == "rocm" else not is_hip)
-    if kind == "npu":
-        npu = getattr(torch, "npu", None)
-        try:
-            return npu is not None and bool(npu.is_available())
-        except Exception:
-            return False
-    return False
 
 
 # --------------------------------------------------------------------------- generation
