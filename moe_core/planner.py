@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from moe_core.backends import BackendSpec, Code, Reason, Role
 from moe_core.config import AUTO, MoEConfig
-from moe_core.contracts import Format, WireDtype
+from moe_core.contracts import NVFP4_BLOCK, Format, WireDtype
+from moe_core.devices import DeviceKind, local_device_kind
 from moe_core.dtype_chain import (  # noqa: F401  (NATURAL_DTYPE, the Core* rules: re-exported, their old home)
     NATURAL_DTYPE,
     CoreDtypeDefault,
@@ -249,6 +250,10 @@ def _negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[Back
                                  f"{decision.steps[-1].source}: {decision.steps[-1].reason}) is not carried by both "
                                  f"sides; common: {'/'.join(map(str, common))}",
                                  "choose --dispatch-dtype among the common dtypes")]
+    if decision.dtype is WireDtype.NVFP4 and config.hidden_size % NVFP4_BLOCK:
+        return decision, [Reason(Code.UNSUPPORTED_SHAPE, f"an NVFP4 wire quantizes blocks of {NVFP4_BLOCK} channels; "
+                                 f"hidden_size={config.hidden_size} is not a multiple of {NVFP4_BLOCK}",
+                                 "choose another --dispatch-dtype (bf16) for this hidden size")]
     return decision, []
 
 
@@ -262,6 +267,14 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
     """
     if manager is None:
         manager = get_plugin_manager()
+    target = DeviceKind(config.device)
+    if not dry_run and not target.is_present():  # the reference runs anywhere: it must not stand in
+        raise PlanError(f"no {target} device on this machine", (Rejection(
+            config.dispatcher, config.experts,
+            (Reason(Code.NO_DEVICE, f"the layer targets device {target!s}, this machine has none "
+                    f"(it has {local_device_kind()!s})",
+                    f"plan for a target machine with dry_run=True (moe-core plan --dry-run), or use "
+                    f"device={local_device_kind()!s}"),)),))
     specs = manager.specs
     dispatchers = [s for s in specs if s.role is Role.DISPATCHER]
     experts = [s for s in specs if s.role is Role.EXPERTS]
