@@ -87,3 +87,18 @@ def test_meta_layer_refuses_with_a_hint_and_materializes():
     layer.load_weights(w13=w13.bfloat16(), w2=w2.bfloat16())
     layer.process_weights()
     assert layer(torch.randn(3, 64).bfloat16(), random_topk(3, 6, 2)).shape == (3, 64)
+
+
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad, torch.enable_grad])
+@pytest.mark.parametrize("scheme", ["unquantized", "fp8_block", "nvfp4"])
+def test_reference_builds_loads_processes_and_runs_in_every_grad_mode(mode, scheme):
+    """Engines build, load and run under torch.inference_mode() (issue 28 item 2)."""
+    cfg = CFG.replace(quant=scheme)
+    with mode():
+        ckpt = checkpoint(cfg.quant, 6, 64, 32)
+        layer = loaded(cfg, ckpt)
+        x, topk = torch.randn(9, 64).bfloat16(), random_topk(9, 6, 2)
+        out = layer(x, topk)
+        layer.load_weights(**ckpt)
+        layer.process_weights()
+        assert torch.equal(layer(x, topk), out)

@@ -571,3 +571,21 @@ def test_vs_bar_scores_the_planners_pick_against_the_issue_bar(tmp_path, capsys)
         assert vs_bar.main([str(paths["ok"]), str(paths[bad])]) == 1
     out = capsys.readouterr().out
     assert "| qwen3-30b-a3b bf16 |" in out and "**" in out
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_interleave_mark_works_for_inference_tensors(mode):
+    """Inference tensors have no version counter (issue 28 item 2): the mark must still tell a
+    processed w13 from one reloaded in place."""
+    from moe_plugin_cuda.weights import InterleavedW13, interleave_gate_up_
+
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        w13 = torch.nn.Parameter(torch.randn(3, 8, 16), requires_grad=False)
+        mark = InterleavedW13()
+        assert not mark.is_interleaved(w13)
+        interleave_gate_up_(w13)
+        mark.mark(w13)
+        assert mark.is_interleaved(w13)
+        w13.copy_(torch.randn(3, 8, 16))  # load_weights copies a new checkpoint in place
+        assert not mark.is_interleaved(w13)
