@@ -16,7 +16,7 @@ from torch import nn
 
 from moe_core import quant
 from moe_core.config import MoEConfig
-from moe_core.distributed import group_checks
+from moe_core.distributed import layer_collectives
 from moe_core.contracts import TopK
 from moe_core.devices import DeviceKind
 from moe_core.planner import Plan
@@ -120,7 +120,7 @@ class MoELayer(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
-        ep = config.ep_size > 1 and group_checks.group_active()
+        ep = config.ep_size > 1 and layer_collectives.group_active()
         error: Optional[Exception] = None
         try:
             if plan is None:
@@ -132,7 +132,7 @@ class MoELayer(nn.Module):
                 raise
             error = exc
         if ep:  # once per layer, before any backend is built (some allocate with collectives)
-            group_checks.agree_on_layer(None if error else _fingerprint(plan), error, config.ep_group)
+            layer_collectives.agree_on_layer(None if error else _fingerprint(plan), error, config.ep_group)
         self.config = config
         self.plan = plan
         self.device = _with_index(torch.device(device if device is not None else DeviceKind(config.device).torch_device_type))
@@ -169,6 +169,7 @@ class MoELayer(nn.Module):
         # in-band does it; otherwise a synchronous check is exchanged over the group
         in_band = getattr(self.dispatcher, "checks_ids_on_every_rank", False)
         self._ids_exchanged = self._ep_group_check and not in_band and self._sync_check
+        self._gathers_tokens = self._ep_group_check and getattr(self.dispatcher, "expects_replicated_input", False)
         self._ids_checked_by_group = self._ep_group_check and (in_band or self._sync_check)
         if self._trace:
             manager = self._manager
@@ -342,9 +343,12 @@ class MoELayer(nn.Module):
                 raise ValueError(f"topk.ids must be in [-1, {self._num_experts}) (-1 = no expert), "
                                  f"got values in [{lo}, {hi}]")
         if self._ids_exchanged and self.check_ids:
-            group_checks.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
+            layer_collectives.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
         if self._fused:
             return self._fused_forward(self, hidden_states, topk)
+        if self._gathers_tokens:  # every rank passes its own tokens, whatever the dispatcher (decision 17)
+            every, every_topk, mine = layer_collectives.gather_tokens(hidden_states, topk, self.config.ep_group)
+            return self._combine(self._apply_experts(self, self._dispatch(every, every_topk)))[mine]
         return self._combine(self._apply_experts(self, self._dispatch(hidden_states, topk)))
 
     def _route_or_raise(self, hidden_states: Any, topk: Any, router_logits: Any) -> TopK:

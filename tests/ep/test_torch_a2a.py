@@ -138,3 +138,11 @@ def test_ranks_with_different_layers_all_raise_at_build():
             assert c[name]["raised"] and field in c[name]["message"], (res["rank"], name, c[name])
         failed = c["plan_fails_on_one_rank"]
         assert failed["raised"] and ("no_such_backend" in failed["message"]), (res["rank"], failed)
+
+
+def test_every_dispatcher_takes_each_ranks_own_tokens():
+    """The EP input rule does not depend on the plan (decision 17): standard and torch_a2a both give
+    the single-process result on each rank's own tokens (different counts per rank, one rank empty)."""
+    for res in run_ranks("input_rule", 2, TIMEOUT, seed=SEED):
+        for name, c in res["cases"].items():
+            assert c["shape_ok"] and c["err"] < TOL["bf16"], (res["rank"], name, c)

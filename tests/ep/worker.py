@@ -423,7 +423,25 @@ def scenario_mismatch(world: int, rank: int, device: torch.device, seed: int) ->
     return results
 
 
-SCENARIOS = {"layer_bad_ids": scenario_layer_bad_ids, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Every rank passes its own tokens, whichever dispatcher the plan uses (decision 17): the output
+    is the single-process reference layer's on this rank's tokens (issue 28 item 3)."""
+    weights = checkpoint(seed)
+    ref_cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatcher="standard",
+                        experts="reference", device="cpu")
+    ref = build_layer(ref_cfg, Format.STANDARD, weights, torch.device("cpu"))
+    results = {}
+    for dispatcher, fmt in (("standard", Format.STANDARD), ("torch_a2a", Format.EP_NORMAL)):
+        cfg = dataclasses.replace(ep_config(world, rank, "bf16"), dispatcher=dispatcher)
+        layer = build_layer(cfg, fmt, weights, device)
+        for name, (x, topk) in routing_cases(world, rank, seed).items():
+            out = layer(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))).cpu()
+            results[f"{dispatcher}/{name}"] = {"shape_ok": list(out.shape) == list(x.shape),
+                                               "err": rel_error(out, ref(x, topk))}
+    return results
+
+
+SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 

@@ -1,6 +1,8 @@
-"""Checks that every rank of an EP group takes part in, so that one rank's error reaches all.
+"""The collectives ``MoELayer`` itself runs over its EP group (not a dispatcher's).
 
-A rank that raises on its own while the others enter a collective leaves them waiting until
+- the EP input rule (decision 17): every rank passes its own tokens; for a dispatcher that
+  expects the same tokens on every rank (``standard``), the layer gathers them and keeps its rows;
+- checks every rank takes part in, so that one rank's error reaches all. A rank that raises on its own while the others enter a collective leaves them waiting until
 the process group's timeout (30 minutes by default): any check that can fail on one rank only
 must be exchanged, and every rank raises with what each rank saw.
 """
@@ -12,7 +14,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_on_layer", "check_ids_on_every_rank", "group_active"]
+from moe_core.contracts import TopK
+
+__all__ = ["agree_on_layer", "check_ids_on_every_rank", "gather_tokens", "group_active"]
 
 
 def group_active() -> bool:
@@ -55,3 +59,30 @@ def check_ids_on_every_rank(ids: torch.Tensor, num_experts: int, group: Any) -> 
     if bad:
         raise ValueError(f"topk.ids must be in [-1, {num_experts}) (-1 = no expert), got values in "
                          + ", ".join(f"[{lo}, {hi}] on EP rank {r}" for r, (lo, hi) in bad.items()))
+
+
+def gather_tokens(x: torch.Tensor, topk: TopK, group: Any) -> tuple[torch.Tensor, TopK, slice]:
+    """Every rank's tokens, in rank order, on every rank; and the rows of this rank's tokens.
+
+    One small all-gather of the token counts (read on the host), then one all-gather of the rows
+    (activations, ids, weights as bytes, padded to the largest count: gloo has no bfloat16)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    sizes = [int(c) for c in counts]
+    most = max(sizes)
+    k = topk.ids.shape[1]
+    row = torch.cat([x.contiguous().view(torch.uint8).reshape(x.shape[0], x.shape[1] * x.element_size()), topk.ids.contiguous().view(torch.uint8),
+                     topk.weights.contiguous().view(torch.uint8)], dim=1)
+    padded = row.new_zeros(most, row.shape[1])
+    padded[:x.shape[0]] = row
+    rows = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(rows, padded, group=group)
+    every = torch.cat([r[:n] for r, n in zip(rows, sizes, strict=True)])
+    nx = row.shape[1] - 8 * k
+    hidden = every[:, :nx].contiguous().view(x.dtype).reshape(-1, x.shape[1])
+    ids = every[:, nx:nx + 4 * k].contiguous().view(torch.int32)
+    weights = every[:, nx + 4 * k:].contiguous().view(torch.float32)
+    start = sum(sizes[:rank])
+    return hidden, TopK(weights, ids), slice(start, start + x.shape[0])
