@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from moe_core import quant
-from moe_core.config import MoEConfig
+from moe_core.backends import Code, from_exception
+from moe_core.config import AUTO, MoEConfig
 from moe_core.distributed import layer_collectives
 from moe_core.contracts import TopK
 from moe_core.devices import DeviceKind
 from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
+from moe_core.plugins import get_plugin_manager
 from moe_core.router import route
 
 __all__ = ["MoELayer"]
@@ -120,6 +122,7 @@ class MoELayer(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
+        user_plan = plan is not None
         ep = config.ep_size > 1 and layer_collectives.group_active()
         error: Optional[Exception] = None
         try:
@@ -158,13 +161,33 @@ class MoELayer(nn.Module):
         self._ep_group_check = ep
 
         self._manager, self._trace = manager, trace
-        self._build_backends()
+        self._build_backends(fall_back=not user_plan and config.ep_size == 1)
         # a state dict is a first-class way to load: process_weights() may follow load_state_dict()
         self.register_load_state_dict_post_hook(_mark_loaded)
 
-    def _build_backends(self) -> None:
-        """Instantiate the plan's backends and bind their stage methods (again after a move)."""
-        self.dispatcher, self.experts = self.plan.build()
+    def _build_backends(self, fall_back: bool = False) -> None:
+        """Instantiate the plan's backends and bind their stage methods (again after a move).
+
+        ``fall_back``: a backend that ``auto`` chose and whose constructor fails is marked unusable
+        in the manager (with the error) and the layer re-plans; the failure is then listed in
+        ``plan.rejected`` (decision 18). An explicit choice fails closed. Single rank only: under EP
+        the ranks agreed on the plan already.
+        """
+        while True:
+            try:
+                self.dispatcher, self.experts = self.plan.build()
+                self._fused = self.plan.fused
+                break
+            except Exception as exc:
+                spec = getattr(exc, "moe_core_backend", None)
+                choice = None if spec is None else (self.config.experts if spec is self.plan.experts
+                                                    else self.config.dispatcher)
+                if not fall_back or spec is None or choice != AUTO:
+                    raise
+                manager = self._manager if self._manager is not None else get_plugin_manager()
+                manager.mark_unusable(spec, from_exception(
+                    Code.LOAD_ERROR, f"building {spec.qualified_name} ({spec.impl}) failed", exc))
+                self.plan = make_plan(self.config, manager=manager)
         # under EP one rank's bad id must reach every rank (decision 15): a dispatcher that checks
         # in-band does it; otherwise a synchronous check is exchanged over the group
         in_band = getattr(self.dispatcher, "checks_ids_on_every_rank", False)
@@ -172,12 +195,7 @@ class MoELayer(nn.Module):
         self._gathers_tokens = self._ep_group_check and getattr(self.dispatcher, "expects_replicated_input", False)
         self._ids_checked_by_group = self._ep_group_check and (in_band or self._sync_check)
         if self._trace:
-            manager = self._manager
-            if manager is None:
-                from moe_core.plugins import get_plugin_manager
-
-                manager = get_plugin_manager()
-            self._bind_traced(manager)
+            self._bind_traced(self._manager if self._manager is not None else get_plugin_manager())
         else:
             self._process = self.experts.process_weights
             if self.plan.fused:
