@@ -17,9 +17,9 @@ from torch import nn
 from moe_core import quant
 from moe_core.backends import Code, from_exception
 from moe_core.config import AUTO, MoEConfig
-from moe_core.distributed import layer_collectives
 from moe_core.contracts import TopK
 from moe_core.devices import DeviceKind
+from moe_core.distributed import layer_collectives
 from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
 from moe_core.plugins import get_plugin_manager

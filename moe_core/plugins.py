@@ -29,7 +29,6 @@ from moe_core.hookspecs import HOOKSPEC_VERSION
 from moe_core.plugin_base import BackendPlugin
 from moe_core.reference.plugin import plugin as reference_plugin
 
-
 log = logging.getLogger("moe_core")
 
 ENTRY_POINT_GROUP = "moe_core.plugins"

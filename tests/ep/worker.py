@@ -366,13 +366,13 @@ def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict
     return results
 
 
-def _outcome(fn) -> dict:
-    """Run ``fn``; report whether it raised, what, and how long it took (a hang shows as the harness timeout)."""
+def _outcome(fn, *args) -> dict:
+    """Run ``fn(*args)``; report whether it raised, what, and how long it took (a hang shows as the harness timeout)."""
     import time
 
     start = time.monotonic()
     try:
-        fn()
+        fn(*args)
         res = {"raised": False}
     except Exception as exc:
         res = {"raised": True, "type": type(exc).__name__, "message": str(exc)}
@@ -395,11 +395,10 @@ def scenario_layer_bad_ids(world: int, rank: int, device: torch.device, seed: in
         ids = topk.ids.clone()
         if rank == 0:
             ids[3, 1] = E + 2
-        results[f"{dispatcher}/{fmt}"] = _outcome(lambda: layer(x.to(device), TopK(topk.weights.to(device),
-                                                                                    ids.to(device))))
+        results[f"{dispatcher}/{fmt}"] = _outcome(layer, x.to(device), TopK(topk.weights.to(device), ids.to(device)))
         # the group is still usable afterwards
         x, topk = make_hidden(3, H, torch.bfloat16, gen), make_topk(3, K, E, gen)
-        results[f"{dispatcher}/{fmt}/after"] = _outcome(lambda: layer(x.to(device), topk))
+        results[f"{dispatcher}/{fmt}/after"] = _outcome(layer, x.to(device), topk)
     return results
 
 
@@ -419,7 +418,7 @@ def scenario_mismatch(world: int, rank: int, device: torch.device, seed: int) ->
     results = {}
     for name, change in variants.items():
         cfg = dataclasses.replace(base, **change)
-        results[name] = _outcome(lambda: MoELayer(cfg, device=device))
+        results[name] = _outcome(lambda c: MoELayer(c, device=device), cfg)
     return results
 
 
