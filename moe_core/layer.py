@@ -213,7 +213,13 @@ class MoELayer(nn.Module):
         return list(shapes)
 
     def _bind_traced(self, manager: Any) -> None:
-        hook = manager.hook
+        pm = manager.pm
+
+        def owner_hook(name: str, spec: Any) -> Any:
+            """The stage hook restricted to the plugin that declared ``spec``: another plugin's
+            hookimpl answering for every backend must not hijack this layer's stages."""
+            return pm.subset_hook_caller(name, [p for n, p in pm.list_name_plugin() if n != spec.plugin])
+
         manager.pm.add_hookcall_monitoring(
             lambda name, impls, kwargs: trace_log.debug("-> %s via %s", name, [i.plugin_name for i in impls]),
             lambda outcome, name, impls, kwargs: trace_log.debug("<- %s", name),
@@ -222,10 +228,13 @@ class MoELayer(nn.Module):
         if self.plan.fused:
             self._fused_forward = lambda layer, x, topk: e.forward(layer, x, topk)
         else:
-            self._dispatch = lambda x, topk: hook.dispatch(backend=d, hidden_states=x, topk=topk)
-            self._apply_experts = lambda layer, dispatched: hook.apply(backend=e, layer=layer, dispatched=dispatched)
-            self._combine = lambda c: hook.combine(backend=d, combine_input=c)
-        self._process = lambda layer: hook.process_weights(backend=e, layer=layer)
+            dispatch, combine = owner_hook("dispatch", d.ctx.spec), owner_hook("combine", d.ctx.spec)
+            apply = owner_hook("apply", e.ctx.spec)
+            self._dispatch = lambda x, topk: dispatch(backend=d, hidden_states=x, topk=topk)
+            self._apply_experts = lambda layer, dispatched: apply(backend=e, layer=layer, dispatched=dispatched)
+            self._combine = lambda c: combine(backend=d, combine_input=c)
+        process = owner_hook("process_weights", e.ctx.spec)
+        self._process = lambda layer: process(backend=e, layer=layer)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "MoELayer":
         """What ``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.float()`` and ``share_memory()`` do.

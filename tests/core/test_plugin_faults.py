@@ -169,3 +169,24 @@ def test_moe_core_plugins_env_controls_the_default_manager(install_dist, monkeyp
             assert ("envplug" in records and records["envplug"].status.ok) == loaded, value
         finally:
             plugins.get_plugin_manager.cache_clear()
+
+
+def test_a_stage_hook_answering_for_everyone_does_not_hijack_trace_mode(install_dist):
+    greedy = """
+    @hookimpl
+    def dispatch(self, backend, hidden_states, topk):
+        raise AssertionError('greedy dispatch called for another plugin's backend')
+
+    @hookimpl
+    def apply(self, backend, layer, dispatched):
+        raise AssertionError('greedy apply called for another plugin's backend')
+"""
+    install_dist("moe-plugin-g", "g_plugin", plugin_source(body=greedy, specs="[]"), entry="greedy")
+    manager = PluginManager(allow=["greedy"])
+    ckpt = checkpoint(CFG.quant, 4, 32, 16)
+    plain, traced = mc.MoELayer(CFG, manager=manager), mc.MoELayer(CFG, manager=manager, trace=True)
+    for layer in (plain, traced):
+        layer.load_weights(**ckpt)
+        layer.process_weights()
+    x, topk = torch.randn(5, 32).bfloat16(), random_topk(5, 4, 2)
+    assert torch.equal(traced(x, topk), plain(x, topk))
