@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from importlib import metadata  # the stdlib's entry_points(group=...) selects since Python 3.10
 from typing import Any, Iterable, Optional
@@ -114,6 +115,7 @@ class PluginManager:
             why = "blocked by the block-list" if name in self.block else "not in the allow-list"
             self.records.append(PluginRecord(name, version, ep.value, Reason(Code.DISABLED, why)))
             return
+        start = time.monotonic()
         try:
             obj = ep.load()
         except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() on import must not end the process
@@ -121,6 +123,7 @@ class PluginManager:
             self._fail(PluginRecord(name, version, ep.value, dataclasses.replace(
                 reason, hint=f"fix or uninstall the distribution providing {ep.value.split(':')[0]}")))
             return
+        _warn_if_slow(f"importing plugin {name!r} ({ep.value})", time.monotonic() - start)
         self._register(name, version, ep.value, obj)
 
     def _register(self, name: str, version: str, source: str, obj: Any) -> None:
@@ -252,7 +255,9 @@ class PluginManager:
         """The spec's probe result, cached for the life of this manager."""
         key = spec.qualified_name
         if key not in self._availability:
+            start = time.monotonic()
             self._availability[key] = spec.run_probe()
+            _warn_if_slow(f"probe of backend {key}", time.monotonic() - start)
         return self._availability[key]
 
     @property
@@ -261,6 +266,15 @@ class PluginManager:
 
     def failed(self) -> list[PluginRecord]:
         return [r for r in self.records if not r.status.ok and r.status.code is not Code.DISABLED]
+
+
+SLOW_SECONDS = 1.0  # a plugin import or probe slower than this delays every command: say so
+
+
+def _warn_if_slow(what: str, seconds: float) -> None:
+    if seconds > SLOW_SECONDS:
+        log.warning("moe-core: %s took %.1f s (every command that loads plugins pays it; "
+                    "MOE_CORE_PLUGINS=-NAME skips a plugin)", what, seconds)
 
 
 def _core_version() -> str:

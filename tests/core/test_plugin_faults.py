@@ -190,3 +190,13 @@ def test_a_stage_hook_answering_for_everyone_does_not_hijack_trace_mode(install_
         layer.process_weights()
     x, topk = torch.randn(5, 32).bfloat16(), random_topk(5, 4, 2)
     assert torch.equal(traced(x, topk), plain(x, topk))
+
+
+def test_a_slow_plugin_import_or_probe_is_reported(install_dist, caplog, monkeypatch):
+    monkeypatch.setattr(plugins, "SLOW_SECONDS", 0.05)
+    probe = "import time\ntime.sleep(0.1)\n" + HEADER + "\ndef probe():\n    time.sleep(0.1)\n    return mc.available()\n"
+    install_dist("moe-plugin-slow", "slow_plugin", probe + plugin_source(
+        specs=f"[{spec_source(extra=', probe=probe')}]").replace(HEADER, ""), entry="slow")
+    manager = PluginManager(allow=["slow"])
+    manager.availability(manager.spec("bad_experts"))
+    assert "importing plugin 'slow'" in caplog.text and "probe of backend slow.bad_experts" in caplog.text
