@@ -97,6 +97,18 @@ def load_object(path: str) -> Any:
     return obj
 
 
+def _enum(backend: str, field_name: str, kind: type, value: Any) -> Any:
+    if kind is str:
+        if not isinstance(value, str):
+            raise TypeError(f"BackendSpec {backend!r}: {field_name} entries must be str, got {value!r}")
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"BackendSpec {backend!r}: {field_name} has {value!r}, expected one of "
+                         f"{', '.join(str(m) for m in kind)}") from None
+
+
 Probe = Callable[[], Reason]
 Check = Callable[["MoEConfig", "BackendSpec"], list[Reason]]
 
@@ -145,8 +157,27 @@ class BackendSpec:
     plugin_version: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"backend name {self.name!r} must be a simple identifier")
+        # declared data is checked here, where the plugin builds it, not later in the planner:
+        # strings become the enums (as in MoEConfig); a bare string for a collection is refused
+        object.__setattr__(self, "role", _enum(self.name, "role", Role, self.role))
+        for name, kind, wrap in (("formats", Format, tuple), ("wire_dtypes", WireDtype, tuple),
+                                 ("quant_schemes", QuantScheme, frozenset), ("activations", Activation, frozenset),
+                                 ("graph_safe_formats", Format, frozenset), ("devices", str, frozenset)):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, set, frozenset)):
+                raise TypeError(f"BackendSpec {self.name!r}: {name} must be a tuple/frozenset of {kind.__name__}, "
+                                f"got {value!r}")
+            object.__setattr__(self, name, wrap(_enum(self.name, name, kind, v) for v in value))
+        for name in ("impl", "description"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"BackendSpec {self.name!r}: {name} must be a str, got {getattr(self, name)!r}")
+        if type(self.priority) is not int:
+            raise TypeError(f"BackendSpec {self.name!r}: priority must be an int, got {self.priority!r}")
+        if not isinstance(self.quantizes_internally, bool):
+            raise TypeError(f"BackendSpec {self.name!r}: quantizes_internally must be a bool, "
+                            f"got {self.quantizes_internally!r}")
         try:
             object.__setattr__(self, "ep", EPSupport(self.ep))
         except ValueError:
@@ -169,7 +200,7 @@ class BackendSpec:
             if not isinstance(reason, Reason):
                 return Reason(Code.LOAD_ERROR, f"probe of {self.name} returned {reason!r}")
             return reason
-        except Exception as exc:  # a broken probe must not break listing
+        except (Exception, SystemExit) as exc:  # a broken probe must not break listing (nor exit the process)
             return from_exception(Code.LOAD_ERROR, f"probe of {self.name} raised", exc)
 
     def run_check(self, config: "MoEConfig") -> list[Reason]:
@@ -177,8 +208,11 @@ class BackendSpec:
             return []
         try:
             fn = load_object(self.check) if isinstance(self.check, str) else self.check
-            return [r for r in fn(config, self) if not r.ok]
-        except Exception as exc:
+            reasons = list(fn(config, self))
+            if not all(isinstance(r, Reason) for r in reasons):
+                raise TypeError(f"the check must return a list of Reason, got {reasons!r}")
+            return [r for r in reasons if not r.ok]
+        except (Exception, SystemExit) as exc:
             return [from_exception(Code.LOAD_ERROR, f"config check of {self.name} raised", exc)]
 
     def load_impl(self) -> type:

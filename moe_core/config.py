@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -36,6 +37,13 @@ class RouterConfig:
             raise ValueError(f"RouterConfig.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
         if (self.num_expert_group is None) != (self.topk_group is None):
             raise ValueError("RouterConfig: set both num_expert_group and topk_group, or neither")
+        for name in ("num_expert_group", "topk_group"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"RouterConfig.{name} must be a positive int or None, got {value!r}")
+        if self.topk_group is not None and self.topk_group > self.num_expert_group:
+            raise ValueError(f"RouterConfig.topk_group={self.topk_group} exceeds "
+                             f"num_expert_group={self.num_expert_group}")
 
 
 @dataclass(frozen=True)
@@ -76,10 +84,17 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "intermediate_size", "ep_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if type(value) is not int or value < 1:  # not isinstance: True is an int
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        if type(self.ep_rank) is not int:
+            raise ValueError(f"MoEConfig.ep_rank must be an int, got {self.ep_rank!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"MoEConfig.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if (isinstance(self.routed_scaling_factor, bool) or not isinstance(self.routed_scaling_factor, (int, float))
+                or not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0):
+            raise ValueError(f"MoEConfig.routed_scaling_factor must be a finite positive number, "
+                             f"got {self.routed_scaling_factor!r}")
+        self._check_router()
         if not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"MoEConfig.ep_rank={self.ep_rank} not in [0, ep_size={self.ep_size})")
         if self.num_experts % self.ep_size:
@@ -89,8 +104,10 @@ class MoEConfig:
             )
         if self.device not in DEVICE_KINDS:
             raise ValueError(f"MoEConfig.device must be one of {DEVICE_KINDS}, got {self.device!r}")
-        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < 1:
-            raise ValueError("MoEConfig.max_tokens_per_rank must be positive")
+        if self.max_tokens_per_rank is not None and (type(self.max_tokens_per_rank) is not int
+                                                     or self.max_tokens_per_rank < 1):
+            raise ValueError(f"MoEConfig.max_tokens_per_rank must be a positive int or None, "
+                             f"got {self.max_tokens_per_rank!r}")
         # accept strings for enums, so configs can come from JSON / the CLI
         object.__setattr__(self, "activation", Activation(self.activation))
         object.__setattr__(self, "quant", QuantScheme(self.quant))
@@ -100,6 +117,19 @@ class MoEConfig:
             object.__setattr__(self, "dispatch_format", str(Format(self.dispatch_format)))
         if self.params_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"MoEConfig.params_dtype must be bf16, fp16 or fp32, got {self.params_dtype}")
+
+    def _check_router(self) -> None:
+        """Grouped top-k must be satisfiable: the kept groups hold at least top_k experts."""
+        groups, kept = self.router.num_expert_group, self.router.topk_group
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            raise ValueError(f"RouterConfig.num_expert_group={groups} does not divide num_experts={self.num_experts}")
+        if kept * (self.num_experts // groups) < self.top_k:
+            raise ValueError(f"RouterConfig.topk_group={kept} of num_expert_group={groups} keeps "
+                             f"{kept * (self.num_experts // groups)} of num_experts={self.num_experts} experts, "
+                             f"fewer than top_k={self.top_k}: raise topk_group to at least "
+                             f"{-(-self.top_k // (self.num_experts // groups))}")
 
     @property
     def num_local_experts(self) -> int:

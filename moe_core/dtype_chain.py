@@ -80,7 +80,9 @@ NATURAL_DTYPE = {
     QuantScheme.FP8_PER_TOKEN: WireDtype.BF16,
     QuantScheme.INT8_W8A8: WireDtype.INT8,
     QuantScheme.W4A4: WireDtype.BF16,
-    QuantScheme.NVFP4: WireDtype.NVFP4,
+    # the NVFP4 wire's global scale is one per batch (from its amax), the scheme's is the checkpoint's
+    # calibrated static scale per expert: the experts quantize a BF16 wire with it (decision 45)
+    QuantScheme.NVFP4: WireDtype.BF16,
 }
 
 

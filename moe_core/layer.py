@@ -15,15 +15,19 @@ import torch
 from torch import nn
 
 from moe_core import quant
-from moe_core.config import MoEConfig
+from moe_core.backends import Code, from_exception
+from moe_core.config import AUTO, MoEConfig
 from moe_core.contracts import TopK
 from moe_core.devices import DeviceKind
+from moe_core.distributed import layer_collectives
 from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
+from moe_core.plugins import get_plugin_manager
 from moe_core.router import route
 
 __all__ = ["MoELayer"]
 
+_PARAMS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 trace_log = logging.getLogger("moe_core.trace")
 
 
@@ -36,6 +40,50 @@ def _with_index(device: torch.device) -> torch.device:
         return torch.device(device.type, module.current_device())
     except Exception:  # backend not usable here: keep it as given (tensors cannot be made on it anyway)
         return device
+
+
+def _fingerprint(plan: Plan) -> dict[str, Any]:
+    """What every rank of an EP group must agree on: the layer's sizes and semantics, and its plan."""
+    c = plan.config
+    fields = ("num_experts", "top_k", "hidden_size", "intermediate_size", "activation", "quant", "params_dtype",
+              "routed_scaling_factor", "apply_router_weight_on_input", "router", "ep_size", "max_tokens_per_rank",
+              "cuda_graph", "device")
+    return {**{f: str(getattr(c, f)) for f in fields},
+            "dispatcher": plan.dispatcher.qualified_name if plan.dispatcher else None,
+            "experts": plan.experts.qualified_name, "format": str(plan.format),
+            "dispatch_dtype": str(plan.dispatch_dtype)}
+
+
+def _mark_loaded(layer: "MoELayer", incompatible_keys: Any) -> None:
+    """``load_state_dict`` post-hook: a complete state dict loads the layer like ``load_weights``."""
+    if not any(k.rsplit(".", 1)[-1] in layer._weight_names for k in incompatible_keys.missing_keys):
+        layer._loaded, layer._processed = True, False
+
+
+# dtypes a checkpoint may hold in place of another one (a lossless or intended cast); quantized
+# data and its scales must come in their own dtype (a cast would lose the scheme)
+_WIDE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# checkpoint scales that multiply or divide the data: 0, negative or non-finite ones give NaN or zeros
+_POSITIVE_SCALES = ("_scale_2", "_global_scale")
+_FINITE = _POSITIVE_SCALES + ("_scale", "correction_bias")
+
+
+def _check_weight(name: str, value: Any, dtype: torch.dtype) -> None:
+    """Refuse what ``load_weights`` cannot load as ``name``, naming the weight (before anything is copied)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"load_weights: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() == 0:
+        raise ValueError(f"load_weights: {name} must be a [num_experts, ...] tensor, got a 0-d tensor")
+    if value.is_meta:
+        raise ValueError(f"load_weights: {name} is on the meta device (no data); load real tensors")
+    if value.dtype != dtype and not (value.dtype in _WIDE_FLOATS and dtype in _WIDE_FLOATS):
+        raise TypeError(f"load_weights: {name} must be {dtype}, got {value.dtype}")
+    if name.endswith(_FINITE) and value.numel():
+        wide = value.float()
+        positive = name.endswith(_POSITIVE_SCALES)
+        if not bool((wide.isfinite() & ((wide > 0) if positive else True)).all()):
+            raise ValueError(f"load_weights: {name} must be finite{' and positive' if positive else ''}, got values "
+                             f"in [{wide.min().item()}, {wide.max().item()}] (NaN: {bool(wide.isnan().any())})")
 
 
 class MoELayer(nn.Module):
@@ -74,17 +122,28 @@ class MoELayer(nn.Module):
         trace: bool = False,
     ) -> None:
         super().__init__()
-        if plan is None:
-            plan = make_plan(config, manager=manager)
-        elif plan.config != config:
-            raise ValueError("plan was made for a different config")
+        user_plan = plan is not None
+        ep = config.ep_size > 1 and layer_collectives.group_active()
+        error: Optional[Exception] = None
+        try:
+            if plan is None:
+                plan = make_plan(config, manager=manager)
+            elif plan.config != config:
+                raise ValueError("plan was made for a different config")
+        except Exception as exc:
+            if not ep:
+                raise
+            error = exc
+        if ep:  # once per layer, before any backend is built (some allocate with collectives)
+            layer_collectives.agree_on_layer(None if error else _fingerprint(plan), error, config.ep_group)
         self.config = config
         self.plan = plan
         self.device = _with_index(torch.device(device if device is not None else DeviceKind(config.device).torch_device_type))
         if check_ids not in (None, True, False, "sync"):
             raise ValueError(f"check_ids must be None, True, False or 'sync', got {check_ids!r}")
         self.check_ids = (not config.cuda_graph) if check_ids is None else bool(check_ids)
-        self._sync_check = check_ids == "sync" or self.device.type == "cpu"
+        self._sync_check_requested = check_ids == "sync"
+        self._sync_check = self._sync_check_requested or self.device.type == "cpu"
         # the checkpoint layout, kept to validate reloads after process_weights changed the slots
         self._weight_specs = quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
                                                  config.intermediate_size, config.params_dtype)
@@ -99,21 +158,52 @@ class MoELayer(nn.Module):
         # plain attributes read on every forward (cheaper than going through config / plan)
         self._hidden, self._top_k, self._num_experts = config.hidden_size, config.top_k, config.num_experts
         self._dtype, self._fused = config.params_dtype, plan.fused
+        self._ep_group_check = ep
 
-        self.dispatcher, self.experts = plan.build()
-        if trace:
-            if manager is None:
-                from moe_core.plugins import get_plugin_manager
+        self._manager, self._trace = manager, trace
+        self._build_backends(fall_back=not user_plan and config.ep_size == 1)
+        # a state dict is a first-class way to load: process_weights() may follow load_state_dict()
+        self.register_load_state_dict_post_hook(_mark_loaded)
 
-                manager = get_plugin_manager()
-            self._bind_traced(manager)
+    def _build_backends(self, fall_back: bool = False) -> None:
+        """Instantiate the plan's backends and bind their stage methods (again after a move).
+
+        ``fall_back``: a backend that ``auto`` chose and whose constructor fails is marked unusable
+        in the manager (with the error) and the layer re-plans; the failure is then listed in
+        ``plan.rejected`` (decision 44). An explicit choice fails closed. Single rank only: under EP
+        the ranks agreed on the plan already.
+        """
+        while True:
+            try:
+                self.dispatcher, self.experts = self.plan.build()
+                self._fused = self.plan.fused
+                break
+            except Exception as exc:
+                spec = getattr(exc, "moe_core_backend", None)
+                choice = None if spec is None else (self.config.experts if spec is self.plan.experts
+                                                    else self.config.dispatcher)
+                if not fall_back or spec is None or choice != AUTO:
+                    raise
+                manager = self._manager if self._manager is not None else get_plugin_manager()
+                manager.mark_unusable(spec, from_exception(
+                    Code.LOAD_ERROR, f"building {spec.qualified_name} ({spec.impl}) failed", exc))
+                self.plan = make_plan(self.config, manager=manager)
+        # under EP one rank's bad id must reach every rank (decision 15): a dispatcher that checks
+        # in-band does it; otherwise a synchronous check is exchanged over the group
+        in_band = getattr(self.dispatcher, "checks_ids_on_every_rank", False)
+        self._ids_exchanged = self._ep_group_check and not in_band and self._sync_check
+        self._gathers_tokens = self._ep_group_check and getattr(self.dispatcher, "expects_replicated_input", False)
+        self._ids_checked_by_group = self._ep_group_check and (in_band or self._sync_check)
+        if self._trace:
+            self._bind_traced(self._manager if self._manager is not None else get_plugin_manager())
         else:
             self._process = self.experts.process_weights
-            if plan.fused:
+            if self.plan.fused:
                 self._fused_forward = self.experts.forward
             else:
+                # not ``_apply``: that name is nn.Module's, which .to() / .half() / .cpu() go through
                 self._dispatch = self.dispatcher.dispatch
-                self._apply = self.experts.apply
+                self._apply_experts = self.experts.apply
                 self._combine = self.dispatcher.combine
 
     def _allocate(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
@@ -123,7 +213,13 @@ class MoELayer(nn.Module):
         return list(shapes)
 
     def _bind_traced(self, manager: Any) -> None:
-        hook = manager.hook
+        pm = manager.pm
+
+        def owner_hook(name: str, spec: Any) -> Any:
+            """The stage hook restricted to the plugin that declared ``spec``: another plugin's
+            hookimpl answering for every backend must not hijack this layer's stages."""
+            return pm.subset_hook_caller(name, [p for n, p in pm.list_name_plugin() if n != spec.plugin])
+
         manager.pm.add_hookcall_monitoring(
             lambda name, impls, kwargs: trace_log.debug("-> %s via %s", name, [i.plugin_name for i in impls]),
             lambda outcome, name, impls, kwargs: trace_log.debug("<- %s", name),
@@ -132,10 +228,64 @@ class MoELayer(nn.Module):
         if self.plan.fused:
             self._fused_forward = lambda layer, x, topk: e.forward(layer, x, topk)
         else:
-            self._dispatch = lambda x, topk: hook.dispatch(backend=d, hidden_states=x, topk=topk)
-            self._apply = lambda layer, dispatched: hook.apply(backend=e, layer=layer, dispatched=dispatched)
-            self._combine = lambda c: hook.combine(backend=d, combine_input=c)
-        self._process = lambda layer: hook.process_weights(backend=e, layer=layer)
+            dispatch, combine = owner_hook("dispatch", d.ctx.spec), owner_hook("combine", d.ctx.spec)
+            apply = owner_hook("apply", e.ctx.spec)
+            self._dispatch = lambda x, topk: dispatch(backend=d, hidden_states=x, topk=topk)
+            self._apply_experts = lambda layer, dispatched: apply(backend=e, layer=layer, dispatched=dispatched)
+            self._combine = lambda c: combine(backend=d, combine_input=c)
+        process = owner_hook("process_weights", e.ctx.spec)
+        self._process = lambda layer: process(backend=e, layer=layer)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "MoELayer":
+        """What ``.to()``, ``.cuda()``, ``.cpu()``, ``.half()``, ``.float()`` and ``share_memory()`` do.
+
+        The device follows ``fn``. A dtype change is a change of ``params_dtype`` (bf16, fp16 or
+        fp32): it converts the tensors held in ``params_dtype`` and re-plans for the new config;
+        quantized weights, their scales and the router bias keep their dtype (casting them would
+        destroy the scheme). The backends are rebuilt on the new device, and weights already
+        processed are processed again there (``process_weights`` is idempotent).
+        """
+        probe = fn(torch.empty(0, dtype=self._dtype, device=self.device))
+        device, dtype = _with_index(probe.device), probe.dtype
+        plan = self.plan
+        if dtype != self._dtype:
+            if dtype not in _PARAMS_DTYPES:
+                raise TypeError(f"MoELayer: params_dtype can become {', '.join(map(str, _PARAMS_DTYPES))}, "
+                                f"not {dtype}")
+            plan = make_plan(self.config.replace(params_dtype=dtype), manager=self._manager)
+            if self._processed and plan.experts.qualified_name != self.plan.experts.qualified_name:
+                raise RuntimeError(f"MoELayer: params_dtype={dtype} plans experts {plan.experts.qualified_name}, "
+                                   f"not {self.plan.experts.qualified_name} whose layout the weights were "
+                                   "processed into; convert the layer before process_weights()")
+            follow = {id(getattr(self, name)) for name in self._params_dtype_weights()}
+            super()._apply(lambda t: fn(t) if id(t) in follow else t.to(device), recurse)
+        else:
+            super()._apply(fn, recurse)
+        if device == self.device and plan is self.plan:
+            return self  # share_memory() and other in-place conversions: nothing to rebuild
+        self.device, self.plan, self.config = device, plan, plan.config
+        self._dtype = self.config.params_dtype
+        self._weight_specs = quant.weight_shapes(self.config.quant, self.config.num_local_experts,
+                                                 self.config.hidden_size, self.config.intermediate_size, self._dtype)
+        self._sync_check = self._sync_check_requested or device.type == "cpu"
+        self._build_backends()
+        if self._processed:
+            self.process_weights()
+        return self
+
+    def _params_dtype_weights(self) -> list[str]:
+        """The weights held in ``params_dtype`` (those whose dtype the scheme ties to it), as loaded."""
+        c = self.config
+        other = torch.float32 if self._dtype != torch.float32 else torch.float16
+        alt = quant.weight_shapes(c.quant, c.num_local_experts, c.hidden_size, c.intermediate_size, other)
+        return [n for n, (_, dtype) in self._weight_specs.items()
+                if alt[n][1] != dtype and getattr(self, n).dtype == self._dtype]
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "MoELayer":
+        """As ``nn.Module.to_empty``; the weights are uninitialized afterwards: load them again."""
+        super().to_empty(device=device, recurse=recurse)
+        self._loaded = self._processed = False
+        return self
 
     # ------------------------------------------------------------------ weights
 
@@ -156,17 +306,20 @@ class MoELayer(nn.Module):
             raise ValueError(f"load_weights for quant={self.config.quant}: missing {sorted(missing)}, "
                              f"unexpected {sorted(unknown)}; expected {sorted(expected)}")
         experts = self.config.local_expert_range
-        for name, full in tensors.items():
+        parts = {}
+        for name, full in tensors.items():  # every check before the first copy: nothing half-loaded
+            if name == "correction_bias":
+                shape, dtype = (self.config.num_experts,), torch.float32
+            else:
+                shape, dtype = self._weight_specs[name]
+                shape = (self.config.num_experts,) + tuple(shape[1:])
+            _check_weight(name, full, dtype)
+            if tuple(full.shape) != shape:
+                raise ValueError(f"load_weights: {name} must have shape {shape} (full checkpoint), got {tuple(full.shape)}")
+            parts[name] = full if name == "correction_bias" else full[experts.start:experts.stop]
+        for name, part in parts.items():
             target = getattr(self, name)
-            part = full if name == "correction_bias" else full[experts.start:experts.stop]
-            shape, dtype = (tuple(target.shape), target.dtype) if name == "correction_bias" \
-                else self._weight_specs[name]
-            if tuple(part.shape) != tuple(shape) or (name != "correction_bias" and full.shape[0] != self.config.num_experts):
-                want = (self.config.num_experts,) + tuple(shape[1:]) if name != "correction_bias" else tuple(shape)
-                raise ValueError(f"load_weights: {name} must have shape {want} (full checkpoint), got {tuple(full.shape)}")
-            if part.dtype != dtype and (part.dtype.is_floating_point != dtype.is_floating_point
-                                        or dtype.itemsize == 1):
-                raise TypeError(f"load_weights: {name} must be {dtype}, got {part.dtype}")
+            dtype = target.dtype if name == "correction_bias" else self._weight_specs[name][1]
             # weights may have been replaced by process_weights (another layout): restore the slot
             if target.shape != part.shape or target.dtype != dtype:
                 target = nn.Parameter(torch.empty(part.shape, dtype=dtype, device=self.device), requires_grad=False)
@@ -178,7 +331,10 @@ class MoELayer(nn.Module):
     def process_weights(self) -> None:
         """Convert the loaded weights to the plan's experts layout (idempotent)."""
         if not self._loaded:
-            raise RuntimeError("MoELayer.process_weights() called before load_weights()")
+            raise RuntimeError("MoELayer.process_weights() called before load_weights() or load_state_dict()")
+        if self.device.type == "meta":
+            raise RuntimeError("MoELayer: the layer is on the meta device (shapes only, no data); "
+                               "materialize it with .to_empty(device=...), then load and process the weights")
         self._process(self)
         self._processed = True
 
@@ -201,7 +357,9 @@ class MoELayer(nn.Module):
             raise self._input_error(hidden_states, topk)
         # under torch.compile the check is the device-side assert on every device (a host read would
         # break the graph)
-        if self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
+        if self._ids_checked_by_group:
+            pass  # under EP: the dispatcher or an exchange makes every rank raise (no rank left waiting)
+        elif self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
             ids = topk.ids
             torch._assert_async(((ids >= -1) & (ids < self._num_experts)).all(),
                                 f"moe_core.MoELayer: topk.ids must be in [-1, {self._num_experts}) (-1 = no expert)")
@@ -211,9 +369,14 @@ class MoELayer(nn.Module):
             if lo < -1 or hi >= self._num_experts:
                 raise ValueError(f"topk.ids must be in [-1, {self._num_experts}) (-1 = no expert), "
                                  f"got values in [{lo}, {hi}]")
+        if self._ids_exchanged and self.check_ids:
+            layer_collectives.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
         if self._fused:
             return self._fused_forward(self, hidden_states, topk)
-        return self._combine(self._apply(self, self._dispatch(hidden_states, topk)))
+        if self._gathers_tokens:  # every rank passes its own tokens, whatever the dispatcher (decision 43)
+            every, every_topk, mine = layer_collectives.gather_tokens(hidden_states, topk, self.config.ep_group)
+            return self._combine(self._apply_experts(self, self._dispatch(every, every_topk)))[mine]
+        return self._combine(self._apply_experts(self, self._dispatch(hidden_states, topk)))
 
     def _route_or_raise(self, hidden_states: Any, topk: Any, router_logits: Any) -> TopK:
         if not self._processed:
@@ -224,6 +387,16 @@ class MoELayer(nn.Module):
             raise TypeError(f"topk must be a moe_core.TopK, got {type(topk).__name__}")
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if not isinstance(router_logits, torch.Tensor):
+            raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
+        t = hidden_states.shape[0] if hidden_states.dim() else None
+        if router_logits.shape != (t, self._num_experts):
+            raise ValueError(f"router_logits must be [T={t}, num_experts={self._num_experts}] "
+                             f"(T from hidden_states), got {tuple(router_logits.shape)}")
+        if not router_logits.is_floating_point():
+            raise TypeError(f"router_logits must be a floating-point tensor, got {router_logits.dtype}")
+        if router_logits.device != self.device:
+            raise ValueError(f"router_logits is on {router_logits.device}, the layer's weights on {self.device}")
         return route(router_logits, self._top_k, self.config.router, self.correction_bias)
 
     def _input_error(self, hidden_states: torch.Tensor, topk: TopK) -> Exception:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role
+from moe_core.backends import BackendSpec, Code, EPSupport, Reason, Role, from_exception
 from moe_core.config import AUTO, MoEConfig
-from moe_core.contracts import Format, WireDtype
+from moe_core.contracts import NVFP4_BLOCK, Format, WireDtype
+from moe_core.devices import DeviceKind, local_device_kind
 from moe_core.dtype_chain import (  # noqa: F401  (NATURAL_DTYPE, the Core* rules: re-exported, their old home)
     NATURAL_DTYPE,
     CoreDtypeDefault,
@@ -106,8 +108,12 @@ class Plan:
             raise RuntimeError("a dry-run plan (availability not checked) cannot be built")
 
         def make(spec: BackendSpec, peer: Optional[BackendSpec]) -> Any:
-            cls = spec.load_impl()
-            return cls(BackendContext(self.config, spec, self.format, self.dispatch_dtype, peer))
+            try:
+                cls = spec.load_impl()
+                return cls(BackendContext(self.config, spec, self.format, self.dispatch_dtype, peer))
+            except Exception as exc:
+                exc.moe_core_backend = spec  # which backend failed: MoELayer may fall back past it
+                raise
 
         dispatcher = None if self.dispatcher is None else make(self.dispatcher, self.experts)
         return dispatcher, make(self.experts, self.dispatcher)
@@ -154,14 +160,19 @@ class Plan:
 # --------------------------------------------------------------------------- negotiation
 
 
-def _matches(choice: str, spec: BackendSpec) -> bool:
-    return choice == AUTO or choice in (spec.name, spec.qualified_name)
+def _matches(choice: str, spec: BackendSpec, manager: PluginManager) -> bool:
+    """``choice`` names ``spec``: ``auto``, its qualified name, or a bare name that the manager
+    resolves to it (a bare name shared by two plugins means one of them, see ``PluginManager``)."""
+    return choice in (AUTO, spec.qualified_name) or (choice == spec.name and manager.spec(choice) is spec)
 
 
 def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, dry_run: bool,
                   notes: list[str]) -> list[Reason]:
     """Reasons one backend alone cannot serve ``config``."""
     reasons: list[Reason] = []
+    if manager.spec(spec.qualified_name) is None:  # its plugin was taken out during this plan (decision 44)
+        record = next((r for r in manager.records if r.name == spec.plugin), None)
+        return [record.status if record else Reason(Code.LOAD_ERROR, f"{spec.qualified_name} was unregistered")]
     availability = manager.availability(spec)
     if not availability.ok:
         if dry_run:
@@ -241,7 +252,17 @@ def negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[Backe
                              f"{'/'.join(map(str, carried))}, {e.qualified_name} accepts "
                              f"{'/'.join(map(str, e.wire_dtypes))}")]
     request = DtypeRequest(config, d, e, fmt, common)
-    decision = manager.hook.select_dispatch_dtype(request=request)
+    try:
+        decision = manager.hook.select_dispatch_dtype(request=request)
+        if decision is not None and not isinstance(decision, DtypeDecision):
+            raise TypeError(f"select_dispatch_dtype answered {decision!r}, not a DtypeDecision or None")
+    except (Exception, SystemExit) as exc:  # a plugin's rule is at fault: take it out, ask the rest (decision 44)
+        culprit = _dtype_rule_culprit(manager, request, exc)
+        if culprit is None:
+            return None, [from_exception(Code.API_MISMATCH, "a select_dispatch_dtype rule failed", exc)]
+        manager.quarantine(culprit, from_exception(
+            Code.API_MISMATCH, f"plugin {culprit!r}: its select_dispatch_dtype rule failed", exc))
+        return _negotiate_dtype(manager, config, d, e, fmt)
     if decision is None:
         return None, [Reason(Code.NO_COMMON_DTYPE, "no dtype rule answered")]
     if decision.rejection is not None:
@@ -251,7 +272,42 @@ def negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[Backe
                                  f"{decision.steps[-1].source}: {decision.steps[-1].reason}) is not carried by both "
                                  f"sides; common: {'/'.join(map(str, common))}",
                                  "choose --dispatch-dtype among the common dtypes")]
+    if decision.dtype is WireDtype.NVFP4 and config.hidden_size % NVFP4_BLOCK:
+        return decision, [Reason(Code.UNSUPPORTED_SHAPE, f"an NVFP4 wire quantizes blocks of {NVFP4_BLOCK} channels; "
+                                 f"hidden_size={config.hidden_size} is not a multiple of {NVFP4_BLOCK}",
+                                 "choose another --dispatch-dtype (bf16) for this hidden size")]
     return decision, []
+
+
+def _dtype_rule_culprit(manager: PluginManager, request: DtypeRequest, exc: BaseException) -> Optional[str]:
+    """The plugin whose ``select_dispatch_dtype`` raised ``exc`` or answered something else than a
+    ``DtypeDecision`` (None when it cannot be told, or when it is the core's own rule)."""
+    impls = manager.hook.select_dispatch_dtype.get_hookimpls()
+    frames = {frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)}
+    name = next((i.plugin_name for i in impls if getattr(i.function, "__code__", None) in frames), None)
+    if name is None and isinstance(exc, TypeError):  # a bad answer: ask each plain rule alone, in call order
+        for impl in reversed(impls):
+            if impl.hookwrapper or getattr(impl, "wrapper", False):
+                continue
+            try:
+                answer = impl.function(request=request) if "request" in impl.argnames else impl.function()
+            except Exception:
+                return impl.plugin_name
+            if answer is not None:
+                name = None if isinstance(answer, DtypeDecision) else impl.plugin_name
+                break
+    core = {"moe_core.dtype_rules", "moe_core.dtype_default"}
+    return name if name is not None and name not in core else None
+
+
+def _import_failure(spec: BackendSpec) -> Optional[Reason]:
+    """``LOAD_ERROR`` when the spec's implementation cannot be imported (checked for the winner only)."""
+    try:
+        spec.load_impl()
+    except (Exception, SystemExit) as exc:
+        return from_exception(Code.LOAD_ERROR, f"importing the implementation of {spec.qualified_name} "
+                              f"({spec.impl}) failed", exc)
+    return None
 
 
 def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run: bool = False) -> Plan:
@@ -264,6 +320,14 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
     """
     if manager is None:
         manager = get_plugin_manager()
+    target = DeviceKind(config.device)
+    if not dry_run and not target.is_present():  # the reference runs anywhere: it must not stand in
+        raise PlanError(f"no {target} device on this machine", (Rejection(
+            config.dispatcher, config.experts,
+            (Reason(Code.NO_DEVICE, f"the layer targets device {target!s}, this machine has none "
+                    f"(it has {local_device_kind()!s})",
+                    f"plan for a target machine with dry_run=True (moe-core plan --dry-run), or use "
+                    f"device={local_device_kind()!s}"),)),))
     specs = manager.specs
     dispatchers = [s for s in specs if s.role is Role.DISPATCHER]
     experts = [s for s in specs if s.role is Role.EXPERTS]
@@ -280,11 +344,11 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
 
     candidates: list[tuple[Optional[BackendSpec], BackendSpec]] = []
     for f in fused:  # a fused backend answers to either choice
-        if config.dispatcher in (AUTO, f.name, f.qualified_name) and config.experts in (AUTO, f.name, f.qualified_name):
+        if _matches(config.dispatcher, f, manager) and _matches(config.experts, f, manager):
             candidates.append((None, f))
     for d in dispatchers:
         for e in experts:
-            if _matches(config.dispatcher, d) and _matches(config.experts, e):
+            if _matches(config.dispatcher, d, manager) and _matches(config.experts, e, manager):
                 candidates.append((d, e))
     # score: dispatcher + experts priority for a pair, the fused backend's own priority for fused
     candidates.sort(key=lambda c: (-(c[1].priority + (c[0].priority if c[0] else 0)),
@@ -317,6 +381,21 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
         summary = f"no MoE backend combination fits this layer{' with ' + choice if choice else ''} " \
                   f"({len(rejected)} candidate(s) rejected)"
         raise PlanError(summary, tuple(rejected))
+    # the winner's implementation must import; else it is rejected (recorded) and the next one wins
+    # (an explicit choice has no next one: it fails closed)
+    while not dry_run and accepted:
+        failures = [(s, r) for s in (accepted[0].dispatcher, accepted[0].experts) if s is not None
+                    for r in [_import_failure(s)] if r is not None]
+        if not failures:
+            break
+        for spec, reason in failures:
+            manager.mark_unusable(spec, reason)
+        top = accepted.pop(0)
+        rejected.append(Rejection(top.dispatcher.qualified_name if top.dispatcher else top.experts.qualified_name,
+                                  top.experts.qualified_name, tuple(r for _, r in failures)))
+    if not accepted:
+        raise PlanError(f"no MoE backend combination fits this layer ({len(rejected)} candidate(s) rejected; "
+                        "the best ones failed to import)", tuple(rejected))
     chosen = dataclasses.replace(accepted[0], rejected=tuple(rejected))
     log.info("moe-core plan: %s x %s, format %s, dispatch dtype %s", chosen.dispatcher_name,
              chosen.experts.name, chosen.format, chosen.dispatch_dtype)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from importlib import metadata  # the stdlib's entry_points(group=...) selects since Python 3.10
 from typing import Any, Iterable, Optional
@@ -33,7 +35,7 @@ log = logging.getLogger("moe_core")
 ENTRY_POINT_GROUP = "moe_core.plugins"
 BUILTIN_PLUGIN = "reference"
 
-__all__ = ["BackendPlugin", "PluginManager", "PluginRecord", "PluginLoadError", "get_plugin_manager"]
+__all__ = ["BackendPlugin", "PluginManager", "PluginRecord", "PluginLoadError", "get_plugin_manager", "PLUGINS_ENV"]
 
 
 class PluginLoadError(RuntimeError):
@@ -113,21 +115,25 @@ class PluginManager:
             why = "blocked by the block-list" if name in self.block else "not in the allow-list"
             self.records.append(PluginRecord(name, version, ep.value, Reason(Code.DISABLED, why)))
             return
+        start = time.monotonic()
         try:
             obj = ep.load()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() on import must not end the process
             reason = from_exception(Code.LOAD_ERROR, f"importing plugin {name!r} ({ep.value}) failed", exc)
             self._fail(PluginRecord(name, version, ep.value, dataclasses.replace(
                 reason, hint=f"fix or uninstall the distribution providing {ep.value.split(':')[0]}")))
             return
+        _warn_if_slow(f"importing plugin {name!r} ({ep.value})", time.monotonic() - start)
         self._register(name, version, ep.value, obj)
 
     def _register(self, name: str, version: str, source: str, obj: Any) -> None:
         declared = getattr(obj, "moe_core_hookspec_version", None)
-        if declared is None or tuple(declared)[0] != HOOKSPEC_VERSION[0] or tuple(declared) > HOOKSPEC_VERSION:
+        well_formed = isinstance(declared, tuple) and bool(declared) and all(type(v) is int for v in declared)
+        if not well_formed or declared[0] != HOOKSPEC_VERSION[0] or declared > HOOKSPEC_VERSION:
             self._fail(PluginRecord(name, version, source, Reason(
                 Code.API_MISMATCH,
-                f"plugin {name!r} declares hookspec version {declared}, core has {HOOKSPEC_VERSION}",
+                f"plugin {name!r} declares hookspec version {declared!r}, core has {HOOKSPEC_VERSION} "
+                "(a tuple of ints, same major)",
                 "set moe_core_hookspec_version on the plugin object and upgrade the plugin or moe-core",
             )))
             return
@@ -167,7 +173,7 @@ class PluginManager:
     def _collect_specs(self) -> _Registry:
         reg = _Registry()
         collected: list[BackendSpec] = []
-        for record in self.records:
+        for record in list(self.records):
             if not record.status.ok:
                 continue
             plugin = self.pm.get_plugin(record.name)
@@ -176,7 +182,7 @@ class PluginManager:
                 specs = declare() if declare is not None else []
                 if not isinstance(specs, (list, tuple)) or not all(isinstance(s, BackendSpec) for s in specs):
                     raise TypeError(f"moe_core_backends() must return a list of BackendSpec, got {specs!r}")
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 self.pm.unregister(plugin)
                 failed = dataclasses.replace(
                     record, status=from_exception(Code.LOAD_ERROR, f"moe_core_backends() of {record.name!r} failed", exc))
@@ -188,17 +194,22 @@ class PluginManager:
                 collected.append(dataclasses.replace(spec, plugin=record.name, plugin_version=record.version))
         # deterministic: highest priority first, then plugin name, then backend name
         collected.sort(key=lambda s: (-s.priority, s.plugin != BUILTIN_PLUGIN, s.plugin, s.name))
+        # the core's bare names ("reference", "standard", ...) always mean the core backends: a plugin
+        # cannot take them over by declaring a higher priority
+        for spec in collected:
+            if spec.plugin == BUILTIN_PLUGIN:
+                reg.specs[spec.name] = spec
         for spec in collected:
             reg.specs[spec.qualified_name] = spec
-            if spec.name in reg.specs:
-                kept = reg.specs[spec.name]
+            kept = reg.specs.get(spec.name)
+            if kept is None:
+                reg.specs[spec.name] = spec
+            elif kept is not spec:
                 reg.duplicates.append(
                     f"backend name {spec.name!r} is declared by plugins {kept.plugin!r} and {spec.plugin!r}: "
                     f"'{spec.name}' means {kept.qualified_name}; use '{spec.qualified_name}' for the other"
                 )
                 log.warning(reg.duplicates[-1])
-            else:
-                reg.specs[spec.name] = spec
             reg.ordered.append(spec)
         return reg
 
@@ -222,11 +233,31 @@ class PluginManager:
         self._registry = self._collect_specs()
         return next(r for r in reversed(self.records) if r.name == name)
 
+    def quarantine(self, plugin_name: str, status: Reason) -> None:
+        """Take a loaded plugin out after a fault at run time (a hook that raised or answered
+        garbage): it is unregistered, its backends leave the registry and its record says why.
+        Strict mode raises instead (decision 44)."""
+        if self.strict:
+            raise PluginLoadError(f"{plugin_name}: {status}")
+        log.warning("moe-core plugin %s disabled: %s", plugin_name, status)
+        plugin = self.pm.get_plugin(plugin_name)
+        if plugin is not None:
+            self.pm.unregister(plugin)
+        self.records = [dataclasses.replace(r, status=status) if r.name == plugin_name else r for r in self.records]
+        self._registry = self._collect_specs()
+
+    def mark_unusable(self, spec: BackendSpec, reason: Reason) -> None:
+        """Record that ``spec`` cannot be used on this machine after all (its implementation failed to
+        import or to build): the planner then rejects it with ``reason`` (``auto`` falls back)."""
+        self._availability[spec.qualified_name] = reason
+
     def availability(self, spec: BackendSpec) -> Reason:
         """The spec's probe result, cached for the life of this manager."""
         key = spec.qualified_name
         if key not in self._availability:
+            start = time.monotonic()
             self._availability[key] = spec.run_probe()
+            _warn_if_slow(f"probe of backend {key}", time.monotonic() - start)
         return self._availability[key]
 
     @property
@@ -242,6 +273,15 @@ def _describe(record: PluginRecord) -> str:
     return f"{record.name}: {record.status}\n{record.status.traceback or ''}"
 
 
+SLOW_SECONDS = 1.0  # a plugin import or probe slower than this delays every command: say so
+
+
+def _warn_if_slow(what: str, seconds: float) -> None:
+    if seconds > SLOW_SECONDS:
+        log.warning("moe-core: %s took %.1f s (every command that loads plugins pays it; "
+                    "MOE_CORE_PLUGINS=-NAME skips a plugin)", what, seconds)
+
+
 def _core_version() -> str:
     try:
         return metadata.version("moe-core")
@@ -254,8 +294,25 @@ def _dist_version(ep: Any) -> str:
     return getattr(dist, "version", None) or "unknown"
 
 
+PLUGINS_ENV = "MOE_CORE_PLUGINS"
+
+
+def plugin_filter_from_env(value: Optional[str]) -> tuple[Optional[frozenset[str]], frozenset[str]]:
+    """``MOE_CORE_PLUGINS`` -> (allow, block), as vLLM's ``VLLM_PLUGINS``: unset, every installed
+    plugin; ``"a,b"`` only those; ``""`` none but the core; ``"-c"`` entries block (``"-c,-d"``: all
+    but those). The core's own ``reference`` plugin loads unless blocked by name."""
+    if value is None:
+        return None, frozenset()
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    block = frozenset(n[1:] for n in names if n.startswith("-"))
+    allow = [n for n in names if not n.startswith("-")]
+    return (frozenset(allow) if allow or not block else None), block
+
+
 @functools.lru_cache(maxsize=None)
 def get_plugin_manager() -> PluginManager:
-    """The process-wide default manager (installed plugins, non-strict). Cached; build your own
-    ``PluginManager`` for allow/block-lists or strict mode and pass it to ``plan``."""
-    return PluginManager()
+    """The process-wide default manager: installed plugins, filtered by ``MOE_CORE_PLUGINS``
+    (see ``plugin_filter_from_env``), non-strict. Cached; build your own ``PluginManager`` for
+    other allow/block-lists or strict mode and pass it to ``plan``."""
+    allow, block = plugin_filter_from_env(os.environ.get(PLUGINS_ENV))
+    return PluginManager(allow=allow, block=block)

@@ -57,6 +57,14 @@ class _Backend:
 
 
 class Dispatcher(_Backend):
+    # True when dispatch itself makes every rank of the EP group raise on any rank's ids outside
+    # [-1, num_experts) (decision 15); otherwise the layer exchanges its own check under EP
+    checks_ids_on_every_rank: bool = False
+    # True when, under EP, dispatch expects the same tokens on every rank (``standard``: local-id
+    # remap, then an all-reduce of the output). MoELayer's rule is that every rank passes its own
+    # tokens (decision 43): for such a dispatcher the layer gathers them first and keeps its rows
+    expects_replicated_input: bool = False
+
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         raise NotImplementedError
 

@@ -442,6 +442,8 @@ class _MaskedHandle:
 class TorchA2ADispatcher(Dispatcher):
     """EP dispatcher over ``torch.distributed`` all-to-all; format EP_NORMAL or EP_MASKED."""
 
+    checks_ids_on_every_rank = True  # normal mode: in the counts exchange; masked: in-band (decision 15)
+
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config

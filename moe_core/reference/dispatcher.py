@@ -1,7 +1,7 @@
 """Dispatcher ``standard``: no communication.
 
-Single rank: ids pass through. Under EP (every rank holds all T tokens, e.g. after an
-all-gather): ids are remapped to local experts (-1 elsewhere) and ``combine`` all-reduces the
+Single rank: ids pass through. Under EP (every rank holds all T tokens: ``MoELayer`` gathers
+every rank's own tokens first, decision 43): ids are remapped to local experts (-1 elsewhere) and ``combine`` all-reduces the
 partial outputs over the EP group.
 """
 
@@ -11,11 +11,22 @@ import torch
 import torch.distributed as dist
 
 from moe_core import quant
+from moe_core.backends import Code, Reason
 from moe_core.contracts import StandardCombine, StandardDispatch, TopK, WireDtype
 from moe_core.runtime import BackendContext, Dispatcher
 
 
+def check(config, spec) -> list[Reason]:
+    """Under EP the layer gathers every rank's tokens (a host read of the counts): not capturable."""
+    if config.ep_size > 1 and config.cuda_graph:
+        return [Reason(Code.NOT_GRAPH_SAFE, "standard under expert parallelism gathers every rank's tokens "
+                       "(a host read of the counts)", "use a graph-safe EP dispatcher (torch_a2a masked mode)")]
+    return []
+
+
 class StandardDispatcher(Dispatcher):
+    expects_replicated_input = True  # under EP; MoELayer gathers every rank's tokens (decision 43)
+
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config

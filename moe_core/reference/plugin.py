@@ -17,7 +17,9 @@ class ReferencePlugin(BackendPlugin):
                 formats=(Format.STANDARD,), devices=ALL_DEVICES,
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4),
                 graph_safe_formats=frozenset({Format.STANDARD}), ep=EPSupport.ANY, priority=0,
-                description="no communication; under EP: local-id remap, then all-reduce of the output",
+                check="moe_core.reference.dispatcher:check",
+                description="no communication; under EP: the layer gathers every rank's tokens, local-id "
+                            "remap, all-reduce of the output",
             ),
             BackendSpec(
                 name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed.torch_a2a:TorchA2ADispatcher",

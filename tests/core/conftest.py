@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from moe_core import quant
 from moe_core.contracts import QuantScheme, TopK
@@ -46,3 +48,13 @@ def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         monkeypatch.syspath_prepend(str(tmp_path))
 
     return install
+
+
+# Property-based tests (hypothesis): a small, bounded profile by default so the whole CI suite stays
+# well under its budget; HYPOTHESIS_PROFILE=thorough for a longer local hunt. No deadline: the
+# first example of a shape pays for lazy initialisation, and the CI machines are shared.
+settings.register_profile("ci", max_examples=30, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=1000, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

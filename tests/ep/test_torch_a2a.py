@@ -111,3 +111,38 @@ def test_host_syncs_and_kernel_counts():
                     counts.setdefault((name, stage), set()).add((s["kernels"], s["collectives"]))
     for key, seen in counts.items():
         assert len(seen) == 1, f"{key}: (kernels, collectives) differ between ranks or worlds: {seen}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_bad_id_on_one_rank_raises_on_every_rank(world):
+    """Default check_ids on CPU: rank 0's bad id reaches every rank, in every dispatcher and mode."""
+    for res in run_ranks("layer_bad_ids", world, TIMEOUT, seed=SEED):
+        for name, c in res["cases"].items():
+            if name.endswith("/after"):
+                assert not c["raised"], (res["rank"], name, c)
+                continue
+            assert c["raised"] and c["type"] == "ValueError", (res["rank"], name, c)
+            assert "[-1, 16)" in c["message"] and "rank" in c["message"], (res["rank"], name, c)
+            assert c["seconds"] < 20, (res["rank"], name, c)
+
+
+def test_ranks_with_different_layers_all_raise_at_build():
+    results = run_ranks("mismatch", 2, TIMEOUT, seed=SEED)
+    for res in results:
+        c = res["cases"]
+        assert not c["same"]["raised"], c["same"]
+        for name, field in (("wire", "dispatch_dtype: rank 0 fp8, rank 1 int8"),
+                            ("quant", "quant: rank 0 fp8_block, rank 1 unquantized"),
+                            ("capacity", "max_tokens_per_rank: rank 0 40, rank 1 41"),
+                            ("top_k", "top_k: rank 0 4, rank 1 3"), ("hidden", "hidden_size: rank 0 256, rank 1 384")):
+            assert c[name]["raised"] and field in c[name]["message"], (res["rank"], name, c[name])
+        failed = c["plan_fails_on_one_rank"]
+        assert failed["raised"] and ("no_such_backend" in failed["message"]), (res["rank"], failed)
+
+
+def test_every_dispatcher_takes_each_ranks_own_tokens():
+    """The EP input rule does not depend on the plan (decision 43): standard and torch_a2a both give
+    the single-process result on each rank's own tokens (different counts per rank, one rank empty)."""
+    for res in run_ranks("input_rule", 2, TIMEOUT, seed=SEED):
+        for name, c in res["cases"].items():
+            assert c["shape_ok"] and c["err"] < TOL["bf16"], (res["rank"], name, c)

@@ -363,7 +363,81 @@ def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict
     return results
 
 
-SCENARIOS = {"layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+def _outcome(fn, *args) -> dict:
+    """Run ``fn(*args)``; report whether it raised, what, and how long it took (a hang shows as the harness timeout)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        fn(*args)
+        res = {"raised": False}
+    except Exception as exc:
+        res = {"raised": True, "type": type(exc).__name__, "message": str(exc)}
+    res["seconds"] = time.monotonic() - start
+    return res
+
+
+def scenario_layer_bad_ids(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """``MoELayer`` with the default ``check_ids``: a bad id on rank 0 only makes every rank raise,
+    for every dispatcher and mode (issue 28 item 10: rank 0 used to raise alone, the others waited)."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    weights = checkpoint(seed)
+    results = {}
+    for dispatcher, fmt in (("torch_a2a", Format.EP_NORMAL), ("torch_a2a", Format.EP_MASKED),
+                            ("standard", Format.STANDARD)):
+        cfg = dataclasses.replace(ep_config(world, rank, "bf16"), dispatcher=dispatcher)
+        layer = build_layer(cfg, fmt, weights, device)
+        t = 0 if rank == world - 1 else 6  # the last rank has no tokens at all
+        x, topk = make_hidden(t, H, torch.bfloat16, gen), make_topk(t, K, E, gen)
+        ids = topk.ids.clone()
+        if rank == 0:
+            ids[3, 1] = E + 2
+        results[f"{dispatcher}/{fmt}"] = _outcome(layer, x.to(device), TopK(topk.weights.to(device), ids.to(device)))
+        # the group is still usable afterwards
+        x, topk = make_hidden(3, H, torch.bfloat16, gen), make_topk(3, K, E, gen)
+        results[f"{dispatcher}/{fmt}/after"] = _outcome(layer, x.to(device), topk)
+    return results
+
+
+def scenario_mismatch(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Ranks built with different configs: every rank raises at build time naming the field and each
+    rank's value (issue 28 item 8), and a layer that fails to plan on one rank fails on all."""
+    base = ep_config(world, rank, "fp8")
+    variants = {
+        "wire": dict(dispatch_dtype="fp8" if rank == 0 else "int8"),
+        "quant": dict(quant="fp8_block" if rank == 0 else "unquantized", dispatch_dtype="auto"),
+        "capacity": dict(max_tokens_per_rank=CAPACITY + rank),
+        "top_k": dict(top_k=K if rank == 0 else K - 1),
+        "hidden": dict(hidden_size=H if rank == 0 else H + 128),
+        "plan_fails_on_one_rank": dict(experts="reference" if rank == 0 else "no_such_backend"),
+        "same": {},
+    }
+    results = {}
+    for name, change in variants.items():
+        cfg = dataclasses.replace(base, **change)
+        results[name] = _outcome(lambda c: MoELayer(c, device=device), cfg)
+    return results
+
+
+def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Every rank passes its own tokens, whichever dispatcher the plan uses (decision 43): the output
+    is the single-process reference layer's on this rank's tokens (issue 28 item 3)."""
+    weights = checkpoint(seed)
+    ref_cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatcher="standard",
+                        experts="reference", device="cpu")
+    ref = build_layer(ref_cfg, Format.STANDARD, weights, torch.device("cpu"))
+    results = {}
+    for dispatcher, fmt in (("standard", Format.STANDARD), ("torch_a2a", Format.EP_NORMAL)):
+        cfg = dataclasses.replace(ep_config(world, rank, "bf16"), dispatcher=dispatcher)
+        layer = build_layer(cfg, fmt, weights, device)
+        for name, (x, topk) in routing_cases(world, rank, seed).items():
+            out = layer(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))).cpu()
+            results[f"{dispatcher}/{name}"] = {"shape_ok": list(out.shape) == list(x.shape),
+                                               "err": rel_error(out, ref(x, topk))}
+    return results
+
+
+SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 

@@ -111,6 +111,18 @@ def _rows_key(d: EPMaskedDispatch, proj: torch.Tensor) -> list[torch.Tensor]:
     return [torch.sort(x[e, :m[e]] @ proj).values for e in range(x.shape[0])]
 
 
+def _rows_bytes(d: EPMaskedDispatch) -> list[list[bytes]]:
+    """Per local expert, the sorted bytes of its valid rows (wire data, then scales): the exact,
+    order-free comparison (a float projection differs in the last bits with BLAS blocking)."""
+    data = d.hidden.data.view(torch.uint8).reshape(d.hidden.data.shape[0], d.hidden.data.shape[1], -1).cpu()
+    scale = d.hidden.scale
+    if scale is not None:
+        scale = scale.contiguous().view(torch.uint8).reshape(scale.shape[0], scale.shape[1], -1).cpu()
+        data = torch.cat([data, scale], dim=-1)
+    m = d.masked_m.tolist()
+    return [sorted(bytes(row.tolist()) for row in data[e, :m[e]]) for e in range(data.shape[0])]
+
+
 def _expected_counts(topks: list[TopK], rank: int, e_local: int) -> torch.Tensor:
     ids = torch.cat([t.ids for t in topks]).long()
     mine = ids[(ids >= rank * e_local) & (ids < (rank + 1) * e_local)] - rank * e_local
@@ -165,12 +177,16 @@ def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: i
         check(dd.masked_m.dtype == torch.int32 and torch.equal(dd.masked_m.cpu().long(), expected),
               f"masked_m {dd.masked_m.tolist()} != pairs routed here {expected.tolist()}")
         if with_a2a:
-            gen = torch.Generator().manual_seed(seed)
-            proj = torch.randn(shape["hidden"], dtype=torch.float64, generator=gen).to(device)
-            for e, (kd, ka) in enumerate(zip(_rows_key(dd, proj), _rows_key(da, proj), strict=True)):
-                tol = 0.0 if exact else 1e-2 * (float(ka.abs().max()) if ka.numel() else 0.0)
-                check(kd.shape == ka.shape and bool(((kd - ka).abs() <= tol).all()),
-                      f"rows received for local expert {e} differ from torch_a2a's")
+            if exact:  # the same bytes, in any order
+                for e, (rd, ra) in enumerate(zip(_rows_bytes(dd), _rows_bytes(da), strict=True)):
+                    check(rd == ra, f"rows received for local expert {e} differ from torch_a2a's")
+            else:  # real DeepEP's FP8 kernel may differ in the last bit: compare projections with a tolerance
+                gen = torch.Generator().manual_seed(seed)
+                proj = torch.randn(shape["hidden"], dtype=torch.float64, generator=gen).to(device)
+                for e, (kd, ka) in enumerate(zip(_rows_key(dd, proj), _rows_key(da, proj), strict=True)):
+                    tol = 1e-2 * (float(ka.abs().max()) if ka.numel() else 0.0)
+                    check(kd.shape == ka.shape and bool(((kd - ka).abs() <= tol).all()),
+                          f"rows received for local expert {e} differ from torch_a2a's")
     ci = _synthetic_experts(dd, rank, shape["experts"])
     out_d = deepep.combine_async(ci).wait() if is_async else deepep.combine(ci)
     out_a = a2a.combine(_synthetic_experts(da, rank, shape["experts"]))
@@ -194,13 +210,21 @@ def run_cases(cases: list[dict], shape: dict, seed: int, rank: int, world: int, 
     return [run_case(c, shape, seed, i, rank, world, device, manager, exact) for i, c in enumerate(cases)]
 
 
+def agreed_seed(seed: Optional[int]) -> int:
+    """One seed for every rank: each rank checks the others' routing, so all must draw the same
+    data (a fresh seed per rank made 15 of 18 cases fail falsely on 2 H100s). Rank 0's wins."""
+    box = [seed if seed is not None else int.from_bytes(os.urandom(3), "little")]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128, help="tokens on rank 0 (fewer on the others)")
-    ap.add_argument("--seed", type=int, default=int.from_bytes(os.urandom(3), "little"))
+    ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, drawn by rank 0 for every rank")
     args = ap.parse_args(argv)
     try:
         import deep_ep  # noqa: F401
@@ -215,6 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device)
+    args.seed = agreed_seed(args.seed)
     shape = dict(hidden=args.hidden, experts=args.experts, topk=args.topk)
     cases = make_cases(world, args.tokens)
     cases += [dict(c, ue8m0=True) for c in cases if c["wire"] == "fp8" and c["scenario"] == "uniform"]

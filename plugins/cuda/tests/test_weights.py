@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from cuda_layer_cases import TOL, layers, needs_gpu, random_topk, random_weights
+
+from moe_core.reference.oracle import relative_error
 
 cuda = torch.cuda.is_available()
 
@@ -50,3 +54,46 @@ def test_process_weights_interleaves_once():
     layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)  # a new checkpoint tensor
     process(backend, layer)
     assert torch.equal(layer.w13, want)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_interleave_mark_works_for_inference_tensors(mode):
+    """Inference tensors have no version counter (issue 28 item 2): the mark must still tell a
+    processed w13 from one reloaded in place."""
+    from moe_plugin_cuda.weights import InterleavedW13, interleave_gate_up_
+
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        w13 = torch.nn.Parameter(torch.randn(3, 8, 16), requires_grad=False)
+        mark = InterleavedW13()
+        assert not mark.is_interleaved(w13)
+        interleave_gate_up_(w13)
+        mark.mark(w13)
+        assert mark.is_interleaved(w13)
+        w13.copy_(torch.randn(3, 8, 16))  # load_weights copies a new checkpoint in place
+        assert not mark.is_interleaved(w13)
+
+
+EVERY_BACKEND = [("triton", "unquantized"), ("triton", "fp8_block"), ("grouped_mm", "unquantized"),
+                 ("grouped_mm", "fp8_per_token"), ("cutlass", "fp8_block"), ("cutlass", "unquantized")]
+MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad, "plain": torch.enable_grad}
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend,quant", EVERY_BACKEND)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_build_load_process_run_under_inference_mode(backend, quant, mode):
+    """Engines create weights, load, process and run under torch.inference_mode(): inference tensors
+    have no version counter (issue 28 item 2: process_weights read ``t._version`` and raised). Reloading
+    a new checkpoint in place must still be processed again."""
+    with MODES[mode]():
+        cfg, layer, ref = layers(backend, quant)
+        x, topk = torch.randn(77, cfg.hidden_size, device="cuda").to(cfg.params_dtype), random_topk(77, cfg)
+        assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+        layer.process_weights()  # idempotent
+        assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]
+        w = random_weights(cfg, torch.Generator(device="cuda").manual_seed(11))
+        for lay in (layer, ref):
+            lay.load_weights(**w)
+            lay.process_weights()
+        assert relative_error(layer(x, topk), ref(x, topk)) < TOL[quant]

@@ -34,6 +34,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from moe_core.plugin_api import DeviceKind
+
 SF_VEC = 16  # elements per NVFP4 block scale
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 E4M3_MAX = 448.0
@@ -251,6 +253,8 @@ def install(monkeypatch: Any, arch: tuple[int, int] = SM100) -> FlashInferEmulat
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(probes, "_cuda_capability", _fake_capability(arch))
+    _real_present = DeviceKind.is_present  # the planner refuses absent device kinds: this machine "has" a GPU
+    monkeypatch.setattr(DeviceKind, "is_present", lambda k: k is DeviceKind.CUDA or _real_present(k))
     return mods["flashinfer"].emulator
 
 
@@ -261,4 +265,6 @@ def install_into_process(arch: tuple[int, int] = SM100) -> FlashInferEmulator:
     mods = modules(arch)
     sys.modules.update(mods)
     probes._cuda_capability = _fake_capability(arch)
+    _real_present = DeviceKind.is_present
+    DeviceKind.is_present = lambda k: k is DeviceKind.CUDA or _real_present(k)
     return mods["flashinfer"].emulator

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 
+from moe_core.plugin_api import DeviceKind
+
 from . import aiter_emu, mori_emu
 
 __all__ = ["install", "aiter_emu", "mori_emu"]
@@ -28,4 +30,7 @@ def install(monkeypatch, arch: str = "gfx942", *, aiter: bool = True, mori: bool
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=hasattr(module, "__path__"))
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(platform, "query_device", lambda: (arch, ""))
+    # the planner refuses a device kind the machine lacks: this emulated machine has an AMD GPU
+    real = DeviceKind.is_present
+    monkeypatch.setattr(DeviceKind, "is_present", lambda kind: kind is DeviceKind.ROCM or real(kind))
     return modules

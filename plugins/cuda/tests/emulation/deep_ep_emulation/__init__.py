@@ -14,6 +14,8 @@ import sys
 import types
 from typing import Any
 
+from moe_core.plugin_api import DeviceKind
+
 from . import buffer
 
 HOPPER = ((9, 0), None)  # what probes._cuda_capability returns on an H100
@@ -34,6 +36,8 @@ def install(monkeypatch: Any) -> types.ModuleType:
     mod = make_module()
     monkeypatch.setitem(sys.modules, "deep_ep", mod)
     monkeypatch.setattr(probes, "_cuda_capability", lambda: HOPPER)
+    _real_present = DeviceKind.is_present  # the planner refuses absent device kinds: this machine "has" a GPU
+    monkeypatch.setattr(DeviceKind, "is_present", lambda k: k is DeviceKind.CUDA or _real_present(k))
     monkeypatch.setattr(deepep, "BUFFERS", deepep.BufferRegistry())
     return mod
 
@@ -44,4 +48,6 @@ def install_into_process() -> types.ModuleType:
     mod = make_module()
     sys.modules["deep_ep"] = mod
     probes._cuda_capability = lambda: HOPPER
+    _real_present = DeviceKind.is_present
+    DeviceKind.is_present = lambda k: k is DeviceKind.CUDA or _real_present(k)
     return mod

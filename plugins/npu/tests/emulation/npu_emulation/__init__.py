@@ -12,6 +12,8 @@ import sys
 import types
 from typing import Any
 
+import torch
+
 from . import deep_ep_ascend, torch_npu_ops
 
 A3_SOC = "Ascend910_9392"
@@ -42,10 +44,13 @@ def install(monkeypatch: Any, **kwargs: Any) -> dict[str, Any]:
     mods = modules(**kwargs)
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    # as ``import torch_npu`` does: torch.npu is how the planner sees that an NPU is present
+    monkeypatch.setattr(torch, "npu", mods["torch_npu"].npu, raising=False)
     return mods
 
 
 def install_into_process(**kwargs: Any) -> dict[str, Any]:
     mods = modules(**kwargs)
     sys.modules.update(mods)
+    torch.npu = mods["torch_npu"].npu
     return mods
