@@ -262,7 +262,7 @@ def negotiate_dtype(manager: PluginManager, config: MoEConfig, d: Optional[Backe
             return None, [from_exception(Code.API_MISMATCH, "a select_dispatch_dtype rule failed", exc)]
         manager.quarantine(culprit, from_exception(
             Code.API_MISMATCH, f"plugin {culprit!r}: its select_dispatch_dtype rule failed", exc))
-        return _negotiate_dtype(manager, config, d, e, fmt)
+        return negotiate_dtype(manager, config, d, e, fmt)
     if decision is None:
         return None, [Reason(Code.NO_COMMON_DTYPE, "no dtype rule answered")]
     if decision.rejection is not None:
