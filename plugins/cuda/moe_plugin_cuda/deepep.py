@@ -1,9 +1,9 @@
 """``deepep``: expert-parallel dispatch and combine through DeepEP's V1 ``deep_ep.Buffer``.
 
-Written strictly to the V1 API of DeepEP v1.2.1 (``vendor-apis.md`` section 1; upstream V2 still
-exports it from ``buffers/legacy.py``). Verified here only against the emulation in
-``plugins/cuda/tests/emulation`` (DeepEP cannot be built on the machines this was developed on);
-``plugins/cuda/scripts/deepep_vs_torch_a2a.py`` runs the same equivalence checks where it can.
+Written strictly to the V1 API of DeepEP v1.2.1 (``vendor-apis.md`` section 1; DeepEP 2.x still
+exports it as the legacy ``deep_ep.Buffer``). Checked against DeepEP v1.2.1 built from source on
+2x H100 (``benchmarks/ep/run_deepep_h100x2.sh``) and, in CI, against the emulation in
+``plugins/cuda/tests/emulation``, whose fidelity test runs the same cases on both.
 
 The plan's format picks the mode:
 
@@ -22,9 +22,13 @@ output is cast back. The DeepEP handle travels in the dispatch output's ``handle
 ``self``. For engines that overlap communication with compute, ``dispatch_async`` and
 ``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
 receive hook, or a stream wait on the normal kernels' event) and returns the result. At most two
-low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued), and a
-low-latency dispatch's slab is a view of DeepEP's buffer: valid until the second low-latency call
-after it is received (consume it before, or copy it).
+low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued).
+The slab and its scales are fresh tensors each call (v1.2.1 allocates them per call).
+
+Low-latency FP8 is DeepEP's own cast, not ``moe_core.quant``'s: ``scale = amax * fl(1/448)`` and
+``q = x * (448/amax)`` round differently from ``amax/448`` and ``x/scale`` (most scales differ in the
+last bit, ~3 e4m3 bytes in 10^4 by one step; docs/decisions.md "low-latency FP8 is DeepEP's cast").
+Scales are column-major views ``[E_local, C, H/128]`` (strides ``(H/128 * C, 1, C)``), kept as they are.
 
 Buffers: one ``deep_ep.Buffer`` per process group, shared by every layer on that group and sized
 for the largest need declared when the layers were built (see ``BufferRegistry``).

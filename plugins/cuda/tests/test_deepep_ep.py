@@ -28,7 +28,7 @@ def test_emulated_ops_match_their_documentation():
     for r in _world(2):
         assert r["ops"]["checked"] == ["get_dispatch_layout", "dispatch-bf16", "dispatch-fp8", "combine",
                                        "clean_low_latency_buffer", "low_latency-bf16", "low_latency-fp8-hook",
-                                       "low_latency-fp8-ue8m0", "two-result-buffers"]
+                                       "low_latency-fp8-ue8m0", "fresh-result-tensors"]
 
 
 @pytest.mark.multiproc

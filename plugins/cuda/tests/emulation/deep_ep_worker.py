@@ -149,17 +149,20 @@ def part_ops(rank: int, world: int, seed: int) -> dict:
                     if not use_fp8:
                         assert torch.equal(data[j, row], ref)
                         continue
-                    # the section 1 recipe, element by element
+                    # DeepEP's in-kernel recipe (calculate_fp8_scales), element by element
                     groups = ref.float().view(-1, 128)
-                    sinv = groups.abs().amax(1).clamp(min=1e-4) / 448
+                    amax = groups.abs().amax(1).clamp(min=1e-4)
+                    sinv = amax * torch.tensor(1 / 448, dtype=torch.float32)
+                    mult = torch.full_like(amax, 448.0).div(amax)
                     if ue8m0:
                         sinv = 2.0 ** torch.ceil(torch.log2(sinv))
+                        mult = 1 / sinv
                         packed = recv_x[1][j, row]  # int32 [H/512]
                         exps = packed.contiguous().view(torch.uint8)
                         assert torch.equal(exps.long(), torch.log2(sinv).long() + 127)
                     else:
                         assert torch.equal(recv_x[1][j, row], sinv)
-                    q = (groups / sinv[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
+                    q = (groups * mult[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(-1)
                     assert torch.equal(data[j, row].view(torch.uint8), q.view(torch.uint8))
             assert sorted(got) == want and sum(int(layout_range[j, s_]) & 0xFFFFFFFF for s_ in range(world)) == len(want)
             if not use_fp8 and len(want) < world * num_max:
@@ -188,10 +191,10 @@ def part_ops(rank: int, world: int, seed: int) -> dict:
             err = float((out.double() - want_out).norm() / want_out.norm())
             assert err < 1e-2, f"low_latency_combine relative error {err}"
         checked.append(f"low_latency-{'fp8' if use_fp8 else 'bf16'}{'-ue8m0' if ue8m0 else ''}{'-hook' if hook else ''}")
-    # only two result buffers: a third dispatch reuses the first one's slab
+    # result tensors are fresh allocations (v1.2.1 deep_ep.cpp): earlier results stay valid
     again = [ll.low_latency_dispatch(x, idx, num_max, e, use_fp8=False)[0] for _ in range(3)]
-    assert again[0].data_ptr() == again[2].data_ptr() != again[1].data_ptr()
-    checked.append("two-result-buffers")
+    assert len({a.data_ptr() for a in again}) == 3
+    checked.append("fresh-result-tensors")
     return {"checked": checked}
 
 
@@ -211,7 +214,7 @@ def part_equivalence(rank: int, world: int, seed: int) -> dict:
               for m in ("normal", "low_latency")]
     cases += [dict(mode=m, wire="bf16", scenario="uniform", counts=[6 + r for r in range(world)], **{"async": True})
               for m in ("normal", "low_latency")]
-    results = eq.run_cases(cases, SHAPE, seed, rank, world, torch.device("cpu"), manager, exact=True)
+    results = eq.run_cases(cases, SHAPE, seed, rank, world, torch.device("cpu"), manager)
     import moe_plugin_cuda.deepep as deepep
 
     calls: Counter = Counter()
@@ -315,7 +318,7 @@ def part_in_flight(rank: int, world: int, seed: int) -> dict:
         third_sync = None
     except RuntimeError as exc:
         third_sync = str(exc)
-    m1 = first.wait().masked_m.clone()  # the slab itself is only valid until the second call after it
+    m1 = first.wait().masked_m.clone()
     again = d.dispatch_async(x, topk)  # allowed again
     m2, out = second.wait().masked_m.clone(), again.wait()
     comb = d.combine_async(eq._synthetic_experts(out, rank, SHAPE["experts"]))
