@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from deepep_fidelity import on_cpu
 
 from moe_core.testing.world import run_gloo_world
