@@ -13,6 +13,9 @@ step() { echo "== $1: rc=$2 ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.
 t0=$(date +%s)
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', deep_ep.__file__)"; } > "$out/summary.txt" 2>&1
 
+# the CUTLASS experts' library compiles at first use (~1-2 min of CPU): build it beside the first steps
+# (a file lock makes the layer checks wait for it if they reach cutlass first)
+python3 -c "from moe_plugin_cuda import cutlass_lib as c; print(c.missing() or c.library())" > "$out/cutlass_build.log" 2>&1 &
 run2 120 plugins/cuda/scripts/deepep_vs_torch_a2a.py > "$out/vs_torch_a2a.log" 2>&1; step "deepep_vs_torch_a2a" $?
 run2 60 plugins/cuda/tests/emulation/deepep_fidelity.py > "$out/fidelity.log" 2>&1; step "fidelity (real deep_ep)" $?
 run2 170 plugins/cuda/scripts/deepep_gpu_checks.py > "$out/gpu_checks.log" 2>&1; step "layer/graph/overlap" $?

@@ -1,7 +1,7 @@
 """``deepep`` on real GPUs beyond the dispatcher equivalence (``torchrun --nproc-per-node 2``):
 
-- ``layer``: ``MoELayer`` with dispatcher ``deepep`` and each CUDA experts backend (triton, cutlass,
-  grouped_mm) x EP_NORMAL / EP_MASKED x (bf16, unquantized) / (fp8, fp8_block), against the
+- ``layer``: ``MoELayer`` with dispatcher ``deepep`` and each CUDA experts backend (triton, grouped_mm,
+  cutlass) x EP_NORMAL / EP_MASKED x (bf16, unquantized) / (fp8, fp8_block), against the
   single-GPU reference layer (standard dispatcher, reference experts) on the same tokens; a
   combination the planner refuses is reported with its reason, not counted as run;
 - ``graph``: a low-latency (EP_MASKED, triton experts) layer captured in a CUDA graph and replayed on
@@ -65,32 +65,30 @@ def _tokens(rank: int, seed: int, t: int):
     return x, TopK(tk.weights.cuda(), tk.ids.cuda())
 
 
-def check_layers(rank: int, world: int) -> list[dict]:
-    out = []
-    for scheme, wire in (("unquantized", "bf16"), ("fp8_block", "fp8")):
-        ckpt = _ckpt(scheme)
-        ref = _reference(scheme, wire, ckpt)
-        for experts in ("triton", "cutlass", "grouped_mm"):
-            for fmt in ("ep_normal", "ep_masked"):
-                row = dict(check="layer", experts=experts, format=fmt, wire=wire, quant=scheme)
-                try:
-                    layer = _layer(_config(experts, fmt, scheme, wire, rank, world), ckpt)
-                except PlanError as exc:
-                    row.update(status="refused", reason=str(exc).splitlines()[0][:200])
-                    out.append(row)
-                    continue
-                errs = []
-                for i, t in enumerate((64, 37 - 30 * rank, 1)):  # a full batch, odd sizes, T=1
-                    x, topk = _tokens(rank, 100 + i, t)
-                    y = layer(x, topk)
-                    errs.append(rel_error(y, ref(x, topk)))
-                tol = tolerance(scheme, wire)
-                ok = all(e <= tol for e in errs)
-                row.update(status="passed" if ok else "failed", errs=[float(f"{e:.3g}") for e in errs], tol=tol,
-                           plan=f"{layer.plan.dispatcher_name} x {layer.plan.experts.name} {layer.plan.format} "
-                                f"{layer.plan.dispatch_dtype}")
-                out.append(row)
-    return out
+def layer_cases() -> list[tuple[str, str, str, str]]:
+    """(experts, format, quant scheme, wire): cutlass last (its library may compile at first use)."""
+    return [(experts, fmt, scheme, wire) for experts in ("triton", "grouped_mm", "cutlass")
+            for scheme, wire in (("unquantized", "bf16"), ("fp8_block", "fp8")) for fmt in ("ep_normal", "ep_masked")]
+
+
+def check_layer(rank: int, world: int, experts: str, fmt: str, scheme: str, wire: str) -> dict:
+    row = dict(check="layer", experts=experts, format=fmt, wire=wire, quant=scheme)
+    ckpt = _ckpt(scheme)
+    try:
+        layer = _layer(_config(experts, fmt, scheme, wire, rank, world), ckpt)
+    except PlanError as exc:  # the same on every rank: no collective was started
+        return dict(row, status="refused", reason=" ".join(str(exc).split())[:300])
+    ref = _reference(scheme, wire, ckpt)
+    errs = []
+    for i, t in enumerate((64, 37 - 30 * rank, 1)):  # a full batch, odd sizes, T=1
+        x, topk = _tokens(rank, 100 + i, t)
+        y = layer(x, topk)
+        errs.append(rel_error(y, ref(x, topk)))
+    tol = tolerance(scheme, wire)
+    return dict(row, status="passed" if all(e <= tol for e in errs) else "failed",
+                errs=[float(f"{e:.3g}") for e in errs], tol=tol,
+                plan=f"{layer.plan.dispatcher_name} x {layer.plan.experts.name} {layer.plan.format} "
+                     f"{layer.plan.dispatch_dtype}")
 
 
 def check_graph(rank: int, world: int) -> dict:
@@ -182,23 +180,23 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    cases = [("layer", check_layer, case) for case in layer_cases()]
+    checks = cases[:4] + [("cuda_graph", check_graph, ()), ("async_overlap", check_overlap, ())] + cases[4:]
     results = []
-    for name, fn in (("layer", check_layers), ("graph", check_graph), ("overlap", check_overlap)):
+    for name, fn, args in checks:  # results printed as they come (a step killed at its limit keeps them)
         try:
-            r = fn(rank, world)
-            results += r if isinstance(r, list) else [r]
+            r = fn(rank, world, *args)
         except Exception as exc:  # one broken check must not hide the others
-            results.append(dict(check=name, status="error", error=f"{type(exc).__name__}: {exc}"[:400]))
+            r = dict(check=name, case=list(args), status="error", error=f"{type(exc).__name__}: {exc}"[:400])
         torch.cuda.synchronize()
-        dist.barrier()
-    gathered = _gather_json(results, world)
-    if rank == 0:
-        for per_rank in zip(*gathered, strict=True):
+        results.append(r)
+        per_rank = _gather_json(r, world)
+        if rank == 0:
             merged = dict(per_rank[0])
-            merged["status"] = "passed" if all(r["status"] == "passed" for r in per_rank) else \
-                ("refused" if all(r["status"] == "refused" for r in per_rank) else "failed")
-            if merged["status"] == "failed":
-                merged["per_rank"] = list(per_rank)
+            states = {x["status"] for x in per_rank}
+            merged["status"] = states.pop() if len(states) == 1 else "failed"
+            if merged["status"] != per_rank[0]["status"] or merged["status"] in ("failed", "error"):
+                merged["per_rank"] = per_rank
             print("RESULT " + json.dumps(merged), flush=True)
     failed = any(r["status"] in ("failed", "error") for r in results)
     dist.barrier()
