@@ -296,10 +296,14 @@ class DeepEPDispatcher(Dispatcher):
             payload: Any = (q, s)
         else:
             payload = x.to(torch.bfloat16).contiguous()
+        # async: DeepEP's comm stream waits for previous_event *instead of* the compute stream, so the
+        # event must be taken after the payload was written (the layout's event predates the FP8 cast:
+        # async FP8 rows came out wrong on 2x H100, docs/decisions.md); the layout itself ran earlier
+        # on the same comm stream
         recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
             payload, topk_idx=idx, topk_weights=topk.weights, num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            previous_event=event if async_ else None, async_finish=async_,
+            previous_event=self._deep_ep.Buffer.capture() if async_ else None, async_finish=async_,
             allocate_on_comm_stream=on_comm and async_)
         device, dtype = x.device, x.dtype
 
@@ -323,8 +327,14 @@ class DeepEPDispatcher(Dispatcher):
         if y.shape != (h.num_recv, self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
         self._entry.used_normal = True
+        wire = y.to(torch.bfloat16).contiguous()
+        if async_ and previous_event is not None and wire is not y:
+            # the cast ran on this stream after the caller's event, which DeepEP's comm stream would
+            # wait for instead of this stream: order the cast after it, then hand DeepEP this stream
+            previous_event.current_stream_wait()
+            previous_event = self._deep_ep.Buffer.capture()
         combined, _, event = self.buffer.combine(
-            y.to(torch.bfloat16).contiguous(), h.deepep, previous_event=previous_event, async_finish=async_,
+            wire, h.deepep, previous_event=previous_event, async_finish=async_,
             allocate_on_comm_stream=previous_event is not None and async_)
         return Pending(lambda: combined.to(h.dtype), event if async_ else None)
 
