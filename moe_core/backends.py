@@ -113,6 +113,9 @@ class BackendSpec:
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
     - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
       ``"required"`` (only with an EP group of size > 1).
+    - ``priority``: higher wins among candidates that can serve a layer; ``priority_reason`` says why
+      this backend ranks where it does (the plan quotes it when it picks this backend over a
+      lower-priority one that could also serve).
     """
 
     name: str
@@ -126,6 +129,7 @@ class BackendSpec:
     graph_safe_formats: frozenset[Format] = frozenset()
     ep: str = "any"
     priority: int = 0
+    priority_reason: str = ""
     probe: Optional[Union[str, Probe]] = None
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False
