@@ -224,3 +224,19 @@ def test_probe_refuses_a_buffer_without_the_v1_methods(deep_ep_emu, monkeypatch)
     monkeypatch.setattr(deep_ep_emu, "Buffer", type("Buffer", (), {"dispatch": None}))
     r = probe_deepep()
     assert r.code is Code.API_MISMATCH and "low_latency_dispatch" in r.message, r
+
+
+def test_emulation_refuses_inputs_written_after_previous_event():
+    """DeepEP's comm stream waits for ``previous_event`` instead of the compute stream: the emulation
+    stamps tensors with host order and refuses an input newer than the event (the async FP8 bug)."""
+    from deep_ep_emulation.buffer import EventOverlap, StreamOrder, _check_written_before
+
+    with StreamOrder():
+        before = torch.randn(4, 128)
+        event = EventOverlap()
+        same = before.contiguous()  # no write: keeps its stamp
+        after = before.to(torch.float8_e4m3fn)  # a cast after the event
+    _check_written_before(event, "dispatch", x=same)
+    _check_written_before(None, "dispatch", x=after)
+    with pytest.raises(RuntimeError, match="written after previous_event"):
+        _check_written_before(event, "dispatch", x=after)

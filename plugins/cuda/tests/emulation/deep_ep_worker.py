@@ -212,8 +212,8 @@ def part_equivalence(rank: int, world: int, seed: int) -> dict:
     cases = eq.make_cases(world, 9)
     cases += [dict(mode=m, wire="fp8", scenario="uniform", counts=[7 + r for r in range(world)], ue8m0=True)
               for m in ("normal", "low_latency")]
-    cases += [dict(mode=m, wire="bf16", scenario="uniform", counts=[6 + r for r in range(world)], **{"async": True})
-              for m in ("normal", "low_latency")]
+    cases += [dict(mode=m, wire=w, scenario="uniform", counts=[6 + r for r in range(world)], **{"async": True})
+              for m in ("normal", "low_latency") for w in ("bf16", "fp8")]
     results = eq.run_cases(cases, SHAPE, seed, rank, world, torch.device("cpu"), manager)
     import moe_plugin_cuda.deepep as deepep
 

@@ -33,12 +33,14 @@ DeepEP's ``config.hpp``; only their monotonicity matters here).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 NUM_MAX_NVL_PEERS = 8
 ALIGNMENT = 128  # NUM_BUFFER_ALIGNMENT_BYTES
@@ -80,9 +82,40 @@ class Config:
         return _align((self.num_sms // 2) * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * per_token * 2)
 
 
+# --------------------------------------------------------------------------- stream order
+# DeepEP runs its normal kernels on its own comm stream, which waits for ``previous_event`` when one
+# is given *instead of* the compute stream: an input written after that event may be read before it
+# exists (on 2x H100 the async FP8 dispatch read rows the cast had not written yet). On the CPU all
+# happens in host order, so tensors are stamped with it (``StreamOrder``, on in spawned workers) and
+# events too, and the ops refuse an input newer than their ``previous_event``.
+_CLOCK = itertools.count(1)
+
+
+class StreamOrder(TorchFunctionMode):
+    """Stamps each tensor a torch op creates with the host's order (a returned existing tensor keeps
+    its stamp: ``x.contiguous()`` of a contiguous ``x`` writes nothing)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and getattr(t, "_emulated_written_at", None) is None:
+                t._emulated_written_at = next(_CLOCK)
+        return out
+
+
+def _check_written_before(previous_event: Any, op: str, **inputs: Any) -> None:
+    if previous_event is None:
+        return
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and getattr(t, "_emulated_written_at", 0) > previous_event.at:
+            raise RuntimeError(f"{op}: {name} was written after previous_event; DeepEP's comm stream waits for "
+                               "previous_event instead of the compute stream, so it could read it unwritten")
+
+
 class EventOverlap:
     def __init__(self, event: Any = None, extra_tensors: Any = None) -> None:
         self.event, self.extra_tensors = event, extra_tensors
+        self.at = next(_CLOCK)  # host order stands in for the stream position
 
     def current_stream_wait(self) -> None:  # CPU: everything already happened in program order
         pass
@@ -231,6 +264,7 @@ class Buffer:
         self.calls["get_dispatch_layout"] += 1
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
+        _check_written_before(previous_event, "get_dispatch_layout", topk_idx=topk_idx)
         if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
             raise TypeError(f"topk_idx must be int64 [T, K], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
         R = self.group_size
@@ -257,6 +291,8 @@ class Buffer:
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
         x, scales = x if isinstance(x, tuple) else (x, None)
+        _check_written_before(previous_event, "dispatch", x=x, x_scales=scales, topk_idx=topk_idx,
+                              topk_weights=topk_weights)
         t, h = x.shape
         if scales is None:
             if x.dtype != torch.bfloat16 or not x.is_contiguous() or (h * 2) % 16:
@@ -312,6 +348,7 @@ class Buffer:
         self.calls["combine"] += 1
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
+        _check_written_before(previous_event, "combine", x=x, topk_weights=topk_weights)
         rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, send_head = handle
         R, me = self.group_size, self.rank
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != recv_src_idx.numel():
