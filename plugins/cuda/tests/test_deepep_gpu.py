@@ -45,7 +45,7 @@ def test_layer_per_experts_backend_graph_and_hook():
     hook = next(r for r in ran if r["check"] == "async_overlap")
     others = [r for r in ran if r is not hook]
     assert all(r["status"] == "passed" for r in others), [r for r in others if r["status"] != "passed"]
-    assert hook["same_result"], hook
+    assert hook.get("same_result"), hook
     if hook["status"] != "passed":  # seen on 2x H100: over NVLink the send kernel moves the data itself
         pytest.xfail(f"the receive hook hid no time: {hook}")
 
