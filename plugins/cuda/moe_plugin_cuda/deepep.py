@@ -342,12 +342,14 @@ class DeepEPDispatcher(Dispatcher):
         if y.shape != (h.num_recv, self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
         self._entry.used_normal = True
-        wire = y.to(torch.bfloat16).contiguous()
-        if async_ and previous_event is not None and wire is not y:
-            # the cast ran on this stream after the caller's event, which DeepEP's comm stream would
-            # wait for instead of this stream: order the cast after it, then hand DeepEP this stream
+        if async_ and previous_event is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous()):
+            # DeepEP's comm stream waits for the caller's event instead of this stream, so a cast here
+            # must follow that event and DeepEP must follow the cast: wait, cast, hand over this stream
             previous_event.current_stream_wait()
+            wire = y.to(torch.bfloat16).contiguous()
             previous_event = self._deep_ep.Buffer.capture()
+        else:
+            wire = y.to(torch.bfloat16).contiguous()
         combined, _, event = self.buffer.combine(
             wire, h.deepep, previous_event=previous_event, async_finish=async_,
             allocate_on_comm_stream=previous_event is not None and async_)
