@@ -280,6 +280,12 @@ class DeepEPDispatcher(Dispatcher):
 
     def _dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any, async_: bool) -> Pending[DispatchOutput]:
         self._validate(x, topk)
+        if previous_event is not None and topk.ids.dtype != torch.int64:
+            # DeepEP's comm stream would wait for the caller's event instead of this stream, and the id
+            # cast below writes on this stream after it: order this stream after the event and let
+            # DeepEP wait for this stream (no previous_event) instead
+            previous_event.current_stream_wait()
+            previous_event = None
         idx = topk.ids.to(torch.int64)  # deep_ep.topk_idx_t
         if self.low_latency:
             return self._dispatch_low_latency(x, topk, idx, async_)

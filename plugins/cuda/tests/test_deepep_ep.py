@@ -97,3 +97,10 @@ def test_low_latency_in_flight_limit():
         assert r["third_sync"] and "in flight" in r["third_sync"], (rank, r)
         assert r["same_counts"] and r["combined_rows"] == 5, (rank, r)
 
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_async_normal_mode_orders_casts_after_the_callers_event():
+    for rank, r in enumerate(run_world(2, ["async_events"], random.randrange(1 << 30))):
+        assert r["async_events"] == {"same_dispatch": True, "same_combine": True}, (rank, r)

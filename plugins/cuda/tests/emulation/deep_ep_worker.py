@@ -327,7 +327,33 @@ def part_in_flight(rank: int, world: int, seed: int) -> dict:
             "combined_rows": int(y.shape[0])}
 
 
-PARTS = {"ops": part_ops, "equivalence": part_equivalence, "layer": part_layer, "in_flight": part_in_flight}
+def part_async_events(rank: int, world: int, seed: int) -> dict:
+    """Normal mode's async API with a caller's ``previous_event``: an FP8 dispatch (the cast follows the
+    event) and a combine of fp32 rows (the bf16 cast follows it too) go through the emulation's
+    stream-order checks and match the synchronous results."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import deep_ep
+    import deepep_vs_torch_a2a as eq
+
+    from moe_core.contracts import EPNormalCombine
+    from moe_core.plugins import PluginManager
+    from moe_core.testing.data import make_hidden, make_topk
+
+    case = dict(mode="normal", wire="fp8", scenario="uniform", counts=[7] * world)
+    d = eq._dispatcher("deepep", case, SHAPE, SHAPE["topk"], rank, world, PluginManager())
+    gen = torch.Generator().manual_seed(seed + rank)
+    x, topk = make_hidden(7, SHAPE["hidden"], torch.bfloat16, gen), make_topk(7, SHAPE["topk"], SHAPE["experts"], gen)
+    sync = d.dispatch(x, topk)
+    out = d.dispatch_async(x, topk, previous_event=deep_ep.Buffer.capture()).wait()
+    same_dispatch = torch.equal(out.hidden.data.view(torch.uint8), sync.hidden.data.view(torch.uint8))
+    y = out.hidden.dequantize(torch.float32)  # fp32: the combine casts to bf16 after the caller's event
+    combined = d.combine_async(EPNormalCombine(y, out.handle), previous_event=deep_ep.Buffer.capture()).wait()
+    want = d.combine(EPNormalCombine(y.to(torch.bfloat16), sync.handle))
+    return {"same_dispatch": same_dispatch, "same_combine": bool(torch.equal(combined, want.to(combined.dtype)))}
+
+
+PARTS = {"async_events": part_async_events, "ops": part_ops, "equivalence": part_equivalence, "layer": part_layer, "in_flight": part_in_flight}
 
 
 def _parts(rank: int, world: int, seed: int, parts: list) -> dict:
