@@ -135,6 +135,9 @@ class BackendSpec:
       group) or ``REQUIRED`` (only with an EP group of size > 1). The strings ``"none"``, ``"any"``,
       ``"required"`` are accepted and converted here, once.
     - ``plugin`` / ``plugin_version``: ``None`` until the plugin manager registers the spec.
+    - ``priority``: higher wins among candidates that can serve a layer; ``priority_reason`` says why
+      this backend ranks where it does (the plan quotes it when it picks this backend over a
+      lower-priority one that could also serve).
     """
 
     name: str
@@ -148,6 +151,7 @@ class BackendSpec:
     graph_safe_formats: frozenset[Format] = frozenset()
     ep: EPSupport = EPSupport.ANY
     priority: int = 0
+    priority_reason: str = ""
     probe: Optional[Union[str, Probe]] = None
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False

@@ -47,8 +47,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
         return 0
     table = [("PLUGIN", "VERSION", "BACKEND", "ROLE", "STATUS", "DETAIL")]
     for r in rows:
-        detail = r["message"] if not r["available"] else ""
-        if r["hint"]:
+        detail = r["message"] or ""  # for a usable backend, what it found (a vendor library's version, say)
+        if r["hint"] and not r["available"]:
             detail += f" (hint: {r['hint']})"
         table.append((r["plugin"], r["plugin_version"], r["backend"] or "-", r["role"] or "-",
                       "available" if r["available"] else r["code"], detail))

@@ -160,6 +160,26 @@ class Plan:
 # --------------------------------------------------------------------------- negotiation
 
 
+def _preference_notes(accepted: list[Plan]) -> tuple[str, ...]:
+    """Why the chosen plan's dispatcher (experts) beat another that could serve with the same experts
+    (dispatcher): the priorities, and the winner's declared ``priority_reason``."""
+    chosen, notes = accepted[0], []
+    for role in ("dispatcher", "experts"):
+        other_role = "experts" if role == "dispatcher" else "dispatcher"
+        mine = getattr(chosen, role)
+        if mine is None:
+            continue
+        losers = {getattr(p, role).qualified_name: getattr(p, role).priority for p in accepted[1:]
+                  if getattr(p, role) is not None and getattr(p, other_role) == getattr(chosen, other_role)
+                  and getattr(p, role).priority < mine.priority}
+        if losers:
+            others = ", ".join(f"{name} ({prio})" for name, prio in sorted(losers.items(), key=lambda kv: -kv[1]))
+            why = f": {mine.priority_reason}" if mine.priority_reason else ""
+            notes.append(f"{role} {mine.qualified_name} (priority {mine.priority}) preferred over {others}, "
+                         f"which could also serve{why}")
+    return tuple(notes)
+
+
 def _matches(choice: str, spec: BackendSpec, manager: PluginManager) -> bool:
     """``choice`` names ``spec``: ``auto``, its qualified name, or a bare name that the manager
     resolves to it (a bare name shared by two plugins means one of them, see ``PluginManager``)."""
@@ -396,7 +416,8 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
     if not accepted:
         raise PlanError(f"no MoE backend combination fits this layer ({len(rejected)} candidate(s) rejected; "
                         "the best ones failed to import)", tuple(rejected))
-    chosen = dataclasses.replace(accepted[0], rejected=tuple(rejected))
+    chosen = dataclasses.replace(accepted[0], rejected=tuple(rejected),
+                                 notes=accepted[0].notes + _preference_notes(accepted))
     log.info("moe-core plan: %s x %s, format %s, dispatch dtype %s", chosen.dispatcher_name,
              chosen.experts.name, chosen.format, chosen.dispatch_dtype)
     return chosen

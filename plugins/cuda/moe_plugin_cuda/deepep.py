@@ -1,9 +1,9 @@
 """``deepep``: expert-parallel dispatch and combine through DeepEP's V1 ``deep_ep.Buffer``.
 
-Written strictly to the V1 API of DeepEP v1.2.1 (``vendor-apis.md`` section 1; upstream V2 still
-exports it from ``buffers/legacy.py``). Verified here only against the emulation in
-``plugins/cuda/tests/emulation`` (DeepEP cannot be built on the machines this was developed on);
-``plugins/cuda/scripts/deepep_vs_torch_a2a.py`` runs the same equivalence checks where it can.
+Written strictly to the V1 API of DeepEP v1.2.1 (``vendor-apis.md`` section 1; DeepEP 2.x still
+exports it as the legacy ``deep_ep.Buffer``). Checked against DeepEP v1.2.1 built from source on
+2x H100 (``benchmarks/ep/run_deepep_h100x2.sh``) and, in CI, against the emulation in
+``plugins/cuda/tests/emulation``, whose fidelity test runs the same cases on both.
 
 The plan's format picks the mode:
 
@@ -22,9 +22,13 @@ output is cast back. The DeepEP handle travels in the dispatch output's ``handle
 ``self``. For engines that overlap communication with compute, ``dispatch_async`` and
 ``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
 receive hook, or a stream wait on the normal kernels' event) and returns the result. At most two
-low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued), and a
-low-latency dispatch's slab is a view of DeepEP's buffer: valid until the second low-latency call
-after it is received (consume it before, or copy it).
+low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued).
+The slab and its scales are fresh tensors each call (v1.2.1 allocates them per call).
+
+Low-latency FP8 is DeepEP's own cast, not ``moe_core.quant``'s: ``scale = amax * fl(1/448)`` and
+``q = x * (448/amax)`` round differently from ``amax/448`` and ``x/scale`` (most scales differ in the
+last bit, ~3 e4m3 bytes in 10^4 by one step; docs/decisions.md "low-latency FP8 is DeepEP's cast").
+Scales are column-major views ``[E_local, C, H/128]`` (strides ``(H/128 * C, 1, C)``), kept as they are.
 
 Buffers: one ``deep_ep.Buffer`` per process group, shared by every layer on that group and sized
 for the largest need declared when the layers were built (see ``BufferRegistry``).
@@ -121,6 +125,8 @@ class BufferRegistry:
 
     @staticmethod
     def get(entry: _GroupBuffer, deep_ep: Any) -> Any:
+        if entry.built_for is entry.need:  # the hot path: nothing declared since the buffer was built
+            return entry.buffer
         if entry.buffer is None or not entry.built_for.covers(entry.need):
             need = entry.need
             kwargs = {} if need.num_qps_per_rank is None else {"num_qps_per_rank": need.num_qps_per_rank}
@@ -129,6 +135,8 @@ class BufferRegistry:
                                           low_latency_mode=need.low_latency_mode, **kwargs)
             entry.built_for = need
             entry.used_normal = False
+        else:  # a later need the buffer already covers: size it as built, so the hot path applies again
+            entry.need = entry.built_for
         return entry.buffer
 
     def clear(self) -> None:
@@ -178,6 +186,15 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field."""
     exp = packed.contiguous().view(torch.uint8)[..., :groups]
     return (exp.to(torch.int32) << 23).view(torch.float32)
+
+
+def _count_local(local_ids: torch.Tensor, num_local: int) -> torch.Tensor:
+    """int32 ``[num_local]``: how many entries of ``local_ids`` (int64, -1 = elsewhere) name each local
+    expert, computed on the device without a host sync (``bincount`` on CUDA syncs for its size)."""
+    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=local_ids.device)
+    flat = local_ids.reshape(-1) + 1
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return counts[1:]
 
 
 # --------------------------------------------------------------------------- dispatcher
@@ -264,6 +281,12 @@ class DeepEPDispatcher(Dispatcher):
 
     def _dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any, async_: bool) -> Pending[DispatchOutput]:
         self._validate(x, topk)
+        if previous_event is not None and topk.ids.dtype != torch.int64:
+            # DeepEP's comm stream would wait for the caller's event instead of this stream, and the id
+            # cast below writes on this stream after it: order this stream after the event and let
+            # DeepEP wait for this stream (no previous_event) instead
+            previous_event.current_stream_wait()
+            previous_event = None
         idx = topk.ids.to(torch.int64)  # deep_ep.topk_idx_t
         if self.low_latency:
             return self._dispatch_low_latency(x, topk, idx, async_)
@@ -293,12 +316,16 @@ class DeepEPDispatcher(Dispatcher):
             payload: Any = (q, s)
         else:
             payload = x.to(torch.bfloat16).contiguous()
+        # async: DeepEP's comm stream waits for previous_event *instead of* the compute stream, so the
+        # event must be taken after the payload was written (the layout's event predates the FP8 cast:
+        # async FP8 rows came out wrong on 2x H100, docs/decisions.md); the layout itself ran earlier
+        # on the same comm stream
         recv_x, recv_idx, recv_w, counts, handle, event = buf.dispatch(
             payload, topk_idx=idx, topk_weights=topk.weights, num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            previous_event=event if async_ else None, async_finish=async_,
+            previous_event=self._deep_ep.Buffer.capture() if async_ else None, async_finish=async_,
             allocate_on_comm_stream=on_comm and async_)
-        device, dtype = x.device, x.dtype
+        dtype, num_local = x.dtype, len(counts)
 
         def finish() -> EPNormalDispatch:
             if self.fp8:
@@ -307,9 +334,11 @@ class DeepEPDispatcher(Dispatcher):
             else:
                 hidden = QuantizedActivations(recv_x)
             n = hidden.data.shape[0]
-            # DeepEP already read the counts on the host: keep both copies
-            counts_dev = torch.tensor(counts, dtype=torch.int32, device=device)
-            return EPNormalDispatch(hidden, TopK(recv_w.float(), recv_idx.to(torch.int32)), counts_dev,
+            ids = recv_idx.to(torch.int32)
+            # DeepEP gives the counts as a host list only; a host-to-device copy of it would wait for
+            # the stream (pageable memory) and leave the GPU idle while Python finishes (+200 us a
+            # dispatch on 2x H100), so count the received ids on the device instead (no sync)
+            return EPNormalDispatch(hidden, TopK(recv_w.float(), ids), _count_local(recv_idx, num_local),
                                     tuple(int(c) for c in counts), _NormalHandle(handle, n, dtype))
 
         return Pending(finish, event if async_ else None)
@@ -320,8 +349,16 @@ class DeepEPDispatcher(Dispatcher):
         if y.shape != (h.num_recv, self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
         self._entry.used_normal = True
+        if async_ and previous_event is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous()):
+            # DeepEP's comm stream waits for the caller's event instead of this stream, so a cast here
+            # must follow that event and DeepEP must follow the cast: wait, cast, hand over this stream
+            previous_event.current_stream_wait()
+            wire = y.to(torch.bfloat16).contiguous()
+            previous_event = self._deep_ep.Buffer.capture()
+        else:
+            wire = y.to(torch.bfloat16).contiguous()
         combined, _, event = self.buffer.combine(
-            y.to(torch.bfloat16).contiguous(), h.deepep, previous_event=previous_event, async_finish=async_,
+            wire, h.deepep, previous_event=previous_event, async_finish=async_,
             allocate_on_comm_stream=previous_event is not None and async_)
         return Pending(lambda: combined.to(h.dtype), event if async_ else None)
 

@@ -107,18 +107,34 @@ def probe_cutlass() -> Reason:
                      + (f"not used ({deepgemm})" if deepgemm else f"library {deepgemm_lib.where()}"))
 
 
+# what DeepEPDispatcher calls on deep_ep.Buffer (DeepEP v1.2.1; 2.x's legacy Buffer keeps them)
+DEEPEP_V1_METHODS = ("get_dispatch_config", "get_combine_config", "get_low_latency_rdma_size_hint", "capture",
+                     "get_dispatch_layout", "dispatch", "combine", "clean_low_latency_buffer",
+                     "low_latency_dispatch", "low_latency_combine")
+
+
 def probe_deepep() -> Reason:
     mod, why = _import("deep_ep", "build DeepEP from source (github.com/deepseek-ai/DeepEP, V1 Buffer API, "
                        "e.g. v1.2.1); it is not on PyPI")
     if why:
         return why
-    if not hasattr(mod, "Buffer"):
-        return unavailable(Code.API_MISMATCH, "deep_ep has no V1 Buffer class",
-                           "install a DeepEP version that still exports deep_ep.Buffer (V1 API)")
+    version = getattr(mod, "__version__", None)
+    buf = getattr(mod, "Buffer", None)
+    if buf is None:
+        return unavailable(Code.API_MISMATCH, f"deep_ep {version or ''} has no V1 Buffer class".replace("  ", " "),
+                           "install a DeepEP version that still exports deep_ep.Buffer (V1 API: 1.x, or 2.x's "
+                           "legacy Buffer)")
+    missing = [m for m in DEEPEP_V1_METHODS if not hasattr(buf, m)]
+    if missing:
+        return unavailable(Code.API_MISMATCH, f"deep_ep.Buffer lacks the V1 method(s) {', '.join(missing)}",
+                           "install DeepEP v1.2.1 or a 2.x whose legacy Buffer keeps the V1 API")
     cap, why = _cuda_capability()
     if why:
         return why
-    return available(f"deep_ep on SM{cap[0]}{cap[1]}")
+    # 2.x exports ElasticBuffer beside the legacy V1 Buffer, which is what moe-core drives
+    api = "the legacy V1 deep_ep.Buffer API (not ElasticBuffer)" if hasattr(mod, "ElasticBuffer") \
+        else "the V1 deep_ep.Buffer API"
+    return available(f"DeepEP {version or '1.x (no __version__)'} on SM{cap[0]}{cap[1]}, through {api}")
 
 
 def probe_cutedsl() -> Reason:

@@ -11,10 +11,11 @@ Without ``deep_ep`` it exits with status 2 and says so. The CPU tests
 Per case (normal / low-latency mode x BF16 / FP8 wire x routing scenario), on every rank:
 
 - dispatch: normal mode must deliver exactly what ``torch_a2a`` delivers (both keep source-rank then
-  token order): rows, FP8 scales, local ids, weights, per-expert counts. Low-latency mode's row order
-  is not deterministic, so per local expert the *multiset* of valid rows is compared (sorted by a
-  random projection), and ``masked_m`` against the pairs routed here, counted from every rank's
-  routing;
+  token order): rows, FP8 scales, local ids, weights, per-expert counts, bit for bit. Low-latency
+  mode's row order is not deterministic, so per local expert the valid rows are paired with
+  torch_a2a's by nearest neighbour (``_compare_masked``): BF16 equal bit for bit, FP8 within one
+  e4m3 step (DeepEP casts in its kernel with its own rounding); ``masked_m`` against the pairs
+  routed here, counted from every rank's routing;
 - combine: a synthetic expert ``g_e(x) = x * (1 + e / E)`` is applied to each dispatcher's own output
   (weighted for EP_NORMAL, unweighted for EP_MASKED, rows past ``masked_m`` left as the garbage they
   are), combined, and compared with each other and with the float64 value
@@ -104,11 +105,46 @@ def _oracle(x: torch.Tensor, topk: TopK, wire: str, ue8m0: bool, num_experts: in
     return xw * factor.unsqueeze(1)
 
 
-def _rows_key(d: EPMaskedDispatch, proj: torch.Tensor) -> list[torch.Tensor]:
-    """Per local expert, the sorted random projections of its valid rows (order-free fingerprint)."""
-    x = d.hidden.dequantize(torch.float64)
-    m = d.masked_m.tolist()
-    return [torch.sort(x[e, :m[e]] @ proj).values for e in range(x.shape[0])]
+def _e4m3_step(q: torch.Tensor) -> torch.Tensor:
+    """The spacing of e4m3 values at ``|q|`` (scaled units): ``2^(floor(log2 |q|) - 3)``, ``2^-9`` below 2^-6."""
+    return torch.exp2(torch.floor(torch.log2(q.abs().clamp(min=2.0 ** -6))) - 3)
+
+
+def _compare_masked(dd: EPMaskedDispatch, da: EPMaskedDispatch, wire: str) -> list[str]:
+    """Per local expert, deepep's valid rows against torch_a2a's, paired by nearest neighbour (the
+    receive order is free): a bijection; BF16 rows equal bit for bit; FP8 rows within one e4m3 step
+    per element and scales within 2^-20 relative, with at most 1% of the e4m3 bytes differing at all
+    (DeepEP casts with its own recipe; bf16 inputs often land on exact e4m3 ties, which the two
+    recipes break differently: up to 0.21% of the bytes per expert on 2x H100 against torch_a2a's
+    compiled cast; docs/decisions.md "low-latency FP8 is DeepEP's cast")."""
+    problems = []
+    xd, xa = dd.hidden.dequantize(torch.float64), da.hidden.dequantize(torch.float64)
+    for e, (n, n_a) in enumerate(zip(dd.masked_m.tolist(), da.masked_m.tolist(), strict=True)):
+        if n != n_a:
+            problems.append(f"local expert {e}: {n} rows vs torch_a2a's {n_a}")
+            continue
+        if not n:
+            continue
+        a, b = xd[e, :n], xa[e, :n]
+        pair = torch.cdist(a, b).argmin(dim=1)
+        if torch.unique(pair).numel() != n:
+            problems.append(f"local expert {e}: rows do not pair one to one with torch_a2a's")
+            continue
+        b = b[pair]
+        if wire == "bf16":
+            if not torch.equal(a, b):
+                problems.append(f"local expert {e}: BF16 rows differ from torch_a2a's")
+            continue
+        sa, sb = dd.hidden.scale[e, :n].double(), da.hidden.scale[e, :n][pair].double()
+        s_full = sb.repeat_interleave(128, dim=1)
+        allowed = _e4m3_step(torch.maximum(a.abs(), b.abs()) / s_full) * s_full * (1 + 2.0 ** -18)
+        far = int(((a - b).abs() > allowed).sum())
+        differ = int((dd.hidden.data[e, :n].view(torch.uint8) != da.hidden.data[e, :n][pair].view(torch.uint8)).sum())
+        scale_rel = float(((sa - sb).abs() / sb).max())
+        if far or differ > 1e-2 * a.numel() or scale_rel > 2.0 ** -20:
+            problems.append(f"local expert {e}: {far} elements more than one e4m3 step from torch_a2a's, "
+                            f"{differ}/{a.numel()} e4m3 bytes differ, scales {scale_rel:.2g} apart")
+    return problems
 
 
 def _rows_bytes(d: EPMaskedDispatch) -> list[list[bytes]]:
@@ -130,13 +166,9 @@ def _expected_counts(topks: list[TopK], rank: int, e_local: int) -> torch.Tensor
 
 
 def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: int, device: torch.device,
-             manager: Any = None, exact: bool = True) -> dict:
+             manager: Any = None) -> dict:
     """One case on this rank. Every collective runs before a mismatch is reported (an early raise would
-    leave the other ranks waiting), then ``AssertionError`` lists every mismatch.
-
-    :param exact: the emulation quantizes FP8 with the same recipe as moe-core, so rows match
-        bit for bit; on real DeepEP allow last-bit differences of its FP8 kernel.
-    """
+    leave the other ranks waiting), then ``AssertionError`` lists every mismatch."""
     xs, topks = _data(case, shape, seed, index)
     x, topk = xs[rank].to(device), TopK(topks[rank].weights.to(device), topks[rank].ids.to(device))
     top_k = topks[0].ids.shape[1]
@@ -165,10 +197,8 @@ def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: i
                   f"{da.hidden.data.dtype} {tuple(da.hidden.data.shape)}")
             if dd.hidden.data.shape == da.hidden.data.shape:
                 same = torch.equal(dd.hidden.data.view(torch.uint8), da.hidden.data.view(torch.uint8))
-                if not exact:
-                    same = same or rel_error(dd.hidden.dequantize(), da.hidden.dequantize()) < 1e-2
                 check(same, "received rows differ from torch_a2a's")
-                if exact and dd.hidden.scale is not None:
+                if dd.hidden.scale is not None:
                     check(torch.equal(dd.hidden.scale, da.hidden.scale), "received FP8 scales differ")
                 check(torch.equal(dd.topk.ids, da.topk.ids) and torch.equal(dd.topk.weights, da.topk.weights),
                       "received local ids / weights differ from torch_a2a's")
@@ -177,16 +207,7 @@ def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: i
         check(dd.masked_m.dtype == torch.int32 and torch.equal(dd.masked_m.cpu().long(), expected),
               f"masked_m {dd.masked_m.tolist()} != pairs routed here {expected.tolist()}")
         if with_a2a:
-            if exact:  # the same bytes, in any order
-                for e, (rd, ra) in enumerate(zip(_rows_bytes(dd), _rows_bytes(da), strict=True)):
-                    check(rd == ra, f"rows received for local expert {e} differ from torch_a2a's")
-            else:  # real DeepEP's FP8 kernel may differ in the last bit: compare projections with a tolerance
-                gen = torch.Generator().manual_seed(seed)
-                proj = torch.randn(shape["hidden"], dtype=torch.float64, generator=gen).to(device)
-                for e, (kd, ka) in enumerate(zip(_rows_key(dd, proj), _rows_key(da, proj), strict=True)):
-                    tol = 1e-2 * (float(ka.abs().max()) if ka.numel() else 0.0)
-                    check(kd.shape == ka.shape and bool(((kd - ka).abs() <= tol).all()),
-                          f"rows received for local expert {e} differ from torch_a2a's")
+            problems += _compare_masked(dd, da, case["wire"])
     ci = _synthetic_experts(dd, rank, shape["experts"])
     out_d = deepep.combine_async(ci).wait() if is_async else deepep.combine(ci)
     out_a = a2a.combine(_synthetic_experts(da, rank, shape["experts"]))
@@ -206,8 +227,8 @@ def run_case(case: dict, shape: dict, seed: int, index: int, rank: int, world: i
 
 
 def run_cases(cases: list[dict], shape: dict, seed: int, rank: int, world: int, device: torch.device,
-              manager: Any = None, exact: bool = True) -> list[dict]:
-    return [run_case(c, shape, seed, i, rank, world, device, manager, exact) for i, c in enumerate(cases)]
+              manager: Any = None) -> list[dict]:
+    return [run_case(c, shape, seed, i, rank, world, device, manager) for i, c in enumerate(cases)]
 
 
 def agreed_seed(seed: Optional[int]) -> int:
@@ -224,7 +245,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128, help="tokens on rank 0 (fewer on the others)")
-    ap.add_argument("--seed", type=int, default=None, help="default: a fresh one, drawn by rank 0 for every rank")
+    ap.add_argument("--seed", type=int, default=None, help="the data's seed (default: drawn on rank 0, sent to all)")
     args = ap.parse_args(argv)
     try:
         import deep_ep  # noqa: F401
@@ -247,7 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     failures = 0
     for i, case in enumerate(cases):
         try:
-            r = run_case(case, shape, args.seed, i, rank, world, device, exact=False)
+            r = run_case(case, shape, args.seed, i, rank, world, device)
             if rank == 0:
                 print(f"ok   {case['mode']:<11} {case['wire']:<4} {case['scenario']:<10} ue8m0={case.get('ue8m0', False)!s:<5} "
                       f"async={case.get('async', False)!s:<5} err vs fp64 {r['err_ref']:.2e}  vs torch_a2a {r['err_a2a']:.2e}")

@@ -144,8 +144,12 @@ def test_unpack_ue8m0_inverts_deepep_packing(deep_ep_emu):
 
 
 def test_emulated_fp8_quantization_follows_the_recipe():
+    """DeepEP's in-kernel cast (``calculate_fp8_scales``), one group at a time in fp32 scalars:
+    ``scale_inv = amax * fl(1/448)``, ``q = x * fl(448 / amax)`` (power-of-two scales with
+    ``round_scale``); the real library agrees bit for bit (test_deepep_fidelity.py, gpu)."""
     from deep_ep_emulation.buffer import pack_ue8m0, quantize_fp8_ll
 
+    f32 = torch.float32
     x = (torch.randn(7, 512) * torch.rand(7, 1) * 10).to(torch.bfloat16)
     x[0, :128] = 0  # an all-zero group: amax floor 1e-4
     for round_scale in (False, True):
@@ -153,11 +157,14 @@ def test_emulated_fp8_quantization_follows_the_recipe():
         for t in range(7):
             for gi in range(4):
                 v = x[t, gi * 128:(gi + 1) * 128].float()
-                sinv = max(v.abs().max().item(), 1e-4) / 448
+                amax = torch.tensor(max(v.abs().max().item(), 1e-4), dtype=f32)
+                sinv = amax * torch.tensor(1 / 448, dtype=f32)
+                mult = torch.tensor(448.0, dtype=f32) / amax
                 if round_scale:
-                    sinv = 2.0 ** torch.ceil(torch.log2(torch.tensor(sinv))).item()
-                assert s[t, gi].item() == pytest.approx(sinv, rel=1e-6)
-                want = (v / s[t, gi]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    sinv = torch.exp2(torch.ceil(torch.log2(sinv.double()))).to(f32)
+                    mult = 1 / sinv
+                assert s[t, gi].item() == sinv.item()
+                want = (v * mult).clamp(-448, 448).to(torch.float8_e4m3fn)
                 assert torch.equal(q[t, gi * 128:(gi + 1) * 128].view(torch.uint8), want.view(torch.uint8))
         if round_scale:
             e = pack_ue8m0(s).view(torch.uint8).view(7, 4).long()
@@ -185,3 +192,51 @@ def test_emulated_config_tables_and_asserts():
     assert c.get_rdma_buffer_size_hint(4096, 8) == 0
     h = Buffer.get_low_latency_rdma_size_hint
     assert h(128, 7168, 8, 256) > h(64, 7168, 8, 256) and h(128, 7168, 8, 256) % 128 == 0
+
+
+# --------------------------------------------------------------------------- preference and DeepEP 2.x
+
+
+def test_planner_prefers_deepep_over_torch_a2a_and_says_why(deepep_manager):
+    p = plan(_cfg(dispatcher="auto", quant="fp8_block"), manager=deepep_manager)
+    assert p.dispatcher.name == "deepep"
+    assert any(r.dispatcher == "torch_a2a" for r in p.rejected) is False  # torch_a2a could serve: not rejected
+    note = next(n for n in p.notes if n.startswith("dispatcher cuda.deepep (priority 20) preferred over"))
+    assert "reference.torch_a2a (10)" in note and "faster than torch_a2a" in note, p.notes
+    assert note in p.explain() and note in p.to_json()["plan"]["notes"]
+
+
+def test_backends_reports_deepep_2x_usable_through_the_legacy_buffer(deep_ep_emu, capsys):
+    """DeepEP 2.x exports ElasticBuffer beside the legacy V1 Buffer: usable, and the listing says
+    which API moe-core drives."""
+    from moe_core import cli
+
+    deep_ep_emu.__version__ = "2.1.0"
+    deep_ep_emu.ElasticBuffer = type("ElasticBuffer", (), {})
+    assert cli.main(["backends"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[2:3] == ["deepep"])
+    assert "available" in row and "DeepEP 2.1.0" in row and "legacy V1 deep_ep.Buffer API" in row, row
+
+
+def test_probe_refuses_a_buffer_without_the_v1_methods(deep_ep_emu, monkeypatch):
+    from moe_plugin_cuda.probes import probe_deepep
+
+    monkeypatch.setattr(deep_ep_emu, "Buffer", type("Buffer", (), {"dispatch": None}))
+    r = probe_deepep()
+    assert r.code is Code.API_MISMATCH and "low_latency_dispatch" in r.message, r
+
+
+def test_emulation_refuses_inputs_written_after_previous_event():
+    """DeepEP's comm stream waits for ``previous_event`` instead of the compute stream: the emulation
+    stamps tensors with host order and refuses an input newer than the event (the async FP8 bug)."""
+    from deep_ep_emulation.buffer import EventOverlap, StreamOrder, _check_written_before
+
+    with StreamOrder():
+        before = torch.randn(4, 128)
+        event = EventOverlap()
+        same = before.contiguous()  # no write: keeps its stamp
+        after = before.to(torch.float8_e4m3fn)  # a cast after the event
+    _check_written_before(event, "dispatch", x=same)
+    _check_written_before(None, "dispatch", x=after)
+    with pytest.raises(RuntimeError, match="written after previous_event"):
+        _check_written_before(event, "dispatch", x=after)

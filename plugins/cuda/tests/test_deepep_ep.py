@@ -28,7 +28,7 @@ def test_emulated_ops_match_their_documentation():
     for r in _world(2):
         assert r["ops"]["checked"] == ["get_dispatch_layout", "dispatch-bf16", "dispatch-fp8", "combine",
                                        "clean_low_latency_buffer", "low_latency-bf16", "low_latency-fp8-hook",
-                                       "low_latency-fp8-ue8m0", "two-result-buffers"]
+                                       "low_latency-fp8-ue8m0", "fresh-result-tensors"]
 
 
 @pytest.mark.multiproc
@@ -36,12 +36,13 @@ def test_emulated_ops_match_their_documentation():
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepep_matches_torch_a2a(world):
     """Normal and low-latency x BF16 and FP8 x uniform / skewed / empty-rank routing (-1 ids, a token
-    routed nowhere), UE8M0 scales and the async API; the checks themselves are in
+    routed nowhere), UE8M0 scales and the async API (BF16 and FP8: the emulation refuses a payload
+    written after the ``previous_event`` DeepEP is given); the checks themselves are in
     ``scripts/deepep_vs_torch_a2a.py`` (failures raise in the workers)."""
     results = _world(world)
     for rank, r in enumerate(results):
         cases = r["equivalence"]["results"]
-        assert len(cases) == 16
+        assert len(cases) == 18
         seen = {(c["mode"], c["wire"], c["scenario"]) for c in cases}
         assert len(seen) == 12
         assert any(c.get("ue8m0") for c in cases) and any(c.get("async") for c in cases)
@@ -96,3 +97,10 @@ def test_low_latency_in_flight_limit():
         assert r["third_sync"] and "in flight" in r["third_sync"], (rank, r)
         assert r["same_counts"] and r["combined_rows"] == 5, (rank, r)
 
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_async_normal_mode_orders_casts_after_the_callers_event():
+    for rank, r in enumerate(run_world(2, ["async_events"], random.randrange(1 << 30))):
+        assert r["async_events"] == {"same_dispatch": True, "same_combine": True}, (rank, r)

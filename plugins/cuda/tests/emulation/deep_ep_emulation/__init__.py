@@ -4,7 +4,8 @@
 ``install_into_process()`` does the same for a whole spawned worker (the conformance kit's ``setup``
 hook: ``"deep_ep_emulation:install_into_process"``). Both also make the plugin's probes see an
 SM90 GPU, since the emulation stands in for the GPUs as well (tensors stay on the CPU), and give
-the plugin a fresh buffer registry.
+the plugin a fresh buffer registry. In spawned workers, ``buffer.StreamOrder`` stamps tensors with
+the host's order so the normal ops can refuse inputs written after their ``previous_event``.
 """
 
 from __future__ import annotations
@@ -50,4 +51,5 @@ def install_into_process() -> types.ModuleType:
     probes._cuda_capability = lambda: HOPPER
     _real_present = DeviceKind.is_present
     DeviceKind.is_present = lambda k: k is DeviceKind.CUDA or _real_present(k)
+    buffer.StreamOrder().__enter__()  # for the rest of the worker: stream-order checks need the stamps
     return mod

@@ -12,9 +12,10 @@ and 8; the constraints DeepEP asserts are asserted here too, so a plugin bug fai
 - ``low_latency_dispatch``: one row per (token, expert) in a ``[E_l, R*num_max, H]`` slab; source-rank
   blocks per expert in a **random order, and rows inside a block shuffled too** (on the hardware the
   order comes from atomics), so tests cannot depend on it; rows past ``recv_count`` are garbage
-  (NaN / random bytes); FP8 quantization by the section 1 recipe; scales as column-major views
-  (fp32 ``[.., H/128]``, or UE8M0 int32 ``[.., H/512]``); only two result slabs exist (a third
-  dispatch overwrites the first one's result); with ``return_recv_hook`` the slab and counts hold
+  (NaN / random bytes); FP8 quantization by DeepEP's own in-kernel recipe, bit for bit
+  (``quantize_fp8_ll``); scales as column-major views (fp32 ``[.., H/128]``, or UE8M0 int32
+  ``[.., H/512]``, 4 exponent bytes per int, low byte first); result tensors are fresh allocations
+  each call, as in v1.2.1's ``deep_ep.cpp``; with ``return_recv_hook`` the slab and counts hold
   garbage until the hook is called.
 - ``low_latency_combine``: ``sum_k [id != -1] w * y`` with the sender's own ids and weights, as bf16.
 - Low-latency kernels after normal kernels without ``clean_low_latency_buffer`` raise (on the
@@ -32,18 +33,21 @@ DeepEP's ``config.hpp``; only their monotonicity matters here).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 NUM_MAX_NVL_PEERS = 8
 ALIGNMENT = 128  # NUM_BUFFER_ALIGNMENT_BYTES
 LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 QP_DEPTH = 1024
 FP8_MAX = 448.0
+FP8_MARGIN = 1e-4  # kFP8Margin: the floor of each group's amax
 topk_idx_t = torch.int64
 
 
@@ -78,9 +82,40 @@ class Config:
         return _align((self.num_sms // 2) * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * per_token * 2)
 
 
+# --------------------------------------------------------------------------- stream order
+# DeepEP runs its normal kernels on its own comm stream, which waits for ``previous_event`` when one
+# is given *instead of* the compute stream: an input written after that event may be read before it
+# exists (on 2x H100 the async FP8 dispatch read rows the cast had not written yet). On the CPU all
+# happens in host order, so tensors are stamped with it (``StreamOrder``, on in spawned workers) and
+# events too, and the ops refuse an input newer than their ``previous_event``.
+_CLOCK = itertools.count(1)
+
+
+class StreamOrder(TorchFunctionMode):
+    """Stamps each tensor a torch op creates with the host's order (a returned existing tensor keeps
+    its stamp: ``x.contiguous()`` of a contiguous ``x`` writes nothing)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and getattr(t, "_emulated_written_at", None) is None:
+                t._emulated_written_at = next(_CLOCK)
+        return out
+
+
+def _check_written_before(previous_event: Any, op: str, **inputs: Any) -> None:
+    if previous_event is None:
+        return
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and getattr(t, "_emulated_written_at", 0) > previous_event.at:
+            raise RuntimeError(f"{op}: {name} was written after previous_event; DeepEP's comm stream waits for "
+                               "previous_event instead of the compute stream, so it could read it unwritten")
+
+
 class EventOverlap:
     def __init__(self, event: Any = None, extra_tensors: Any = None) -> None:
         self.event, self.extra_tensors = event, extra_tensors
+        self.at = next(_CLOCK)  # host order stands in for the stream position
 
     def current_stream_wait(self) -> None:  # CPU: everything already happened in program order
         pass
@@ -120,14 +155,26 @@ def exchange(group: Any, world: int, per_dest: list[dict[str, torch.Tensor]]) ->
 
 
 def quantize_fp8_ll(x: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Section 1 recipe per 128 channels: ``amax = max(|x|, 1e-4)``; ``scale_inv = amax/448`` (a power
-    of two rounded up with ``round_scale``); ``q = satfinite_e4m3(x / scale_inv)``."""
+    """DeepEP v1.2.1's in-kernel cast (``internode_ll.cu`` dispatch + ``calculate_fp8_scales`` in
+    ``utils.cuh``), bit for bit, per 128 channels of the bf16 row in fp32:
+    ``amax = max(1e-4, max |x|)``; without ``round_scale``: ``scale_inv = amax * fl(1/448)`` and
+    ``scale = 448 / amax`` (two roundings, not ``amax / 448``: about 3 e4m3 bytes in 10^4 and most
+    scales differ in the last bit from ``moe_core.quant``, docs/decisions.md); with ``round_scale``:
+    ``e = ceil(log2(amax * fl(1/448)))`` from the float's bits, ``scale_inv = 2^e``, ``scale = 2^-e``;
+    ``q = satfinite_e4m3_rn(x * scale)``. Returns (e4m3 ``[T, H]``, fp32 ``scale_inv [T, H/128]``)."""
     t, h = x.shape
     xg = x.float().view(t, h // 128, 128)
-    scale_inv = xg.abs().amax(dim=-1).clamp(min=1e-4) / FP8_MAX
+    amax = xg.abs().amax(dim=-1).clamp(min=FP8_MARGIN) if t else torch.zeros(0, h // 128)
+    scaled = amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32)  # kFinfoAmaxInvE4M3 is a float
     if round_scale:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
-    q = (xg / scale_inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        bits = scaled.view(torch.int32)
+        exp = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # fast_log2_ceil
+        scale_inv = ((exp + 127) << 23).view(torch.float32)  # fast_pow2
+        scale = ((127 - exp) << 23).view(torch.float32)
+    else:
+        # a true division (``448.0 / tensor`` would be ``reciprocal(tensor) * 448``: two roundings)
+        scale_inv, scale = scaled, torch.full_like(amax, FP8_MAX).div(amax)
+    q = (xg * scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(t, h), scale_inv
 
 
@@ -174,8 +221,6 @@ class Buffer:
                 raise RuntimeError(f"ranks created DeepEP buffers with different settings: {every}")
         self.calls: Counter = Counter()  # test introspection
         self._dirty = False  # normal kernels ran since the last clean_low_latency_buffer
-        self._ll_slabs: list[dict[Any, tuple]] = [{}, {}]  # the two low-latency result buffers
-        self._ll_phase = 0
         self._rng = torch.Generator().manual_seed(7919 * (self.rank + 1))  # arrival order, per rank
 
     # ------------------------------------------------------------ static API
@@ -219,6 +264,7 @@ class Buffer:
         self.calls["get_dispatch_layout"] += 1
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
+        _check_written_before(previous_event, "get_dispatch_layout", topk_idx=topk_idx)
         if topk_idx.dtype != topk_idx_t or topk_idx.dim() != 2:
             raise TypeError(f"topk_idx must be int64 [T, K], got {topk_idx.dtype} {tuple(topk_idx.shape)}")
         R = self.group_size
@@ -245,6 +291,8 @@ class Buffer:
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
         x, scales = x if isinstance(x, tuple) else (x, None)
+        _check_written_before(previous_event, "dispatch", x=x, x_scales=scales, topk_idx=topk_idx,
+                              topk_weights=topk_weights)
         t, h = x.shape
         if scales is None:
             if x.dtype != torch.bfloat16 or not x.is_contiguous() or (h * 2) % 16:
@@ -300,6 +348,7 @@ class Buffer:
         self.calls["combine"] += 1
         if allocate_on_comm_stream:
             assert previous_event is not None and async_finish
+        _check_written_before(previous_event, "combine", x=x, topk_weights=topk_weights)
         rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, send_head = handle
         R, me = self.group_size, self.rank
         if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] != recv_src_idx.numel():
@@ -387,17 +436,11 @@ class Buffer:
             per_dest.append(fields)
         got = exchange(self.group, R, per_dest)
 
-        # result slabs: one of two persistent buffers, garbage first
-        key = (e_local, cap, h, use_fp8, use_ue8m0)
-        phase = self._ll_phase
-        self._ll_phase ^= 1
-        if key not in self._ll_slabs[phase]:
-            g = h // 128
-            self._ll_slabs[phase][key] = (
-                torch.empty(e_local, cap, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
-                torch.empty(e_local, g // 4 if use_ue8m0 else g, cap,
-                            dtype=torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None)
-        data, scales_cm = self._ll_slabs[phase][key]
+        # result tensors: fresh allocations each call (deep_ep.cpp's torch::empty), garbage until received
+        g = h // 128
+        data = torch.empty(e_local, cap, h, dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
+        scales_cm = torch.empty(e_local, g // 4 if use_ue8m0 else g, cap,
+                                dtype=torch.int32 if use_ue8m0 else torch.float32) if use_fp8 else None
         recv_count = torch.full((e_local,), -7, dtype=torch.int32)
         src_info = torch.full((e_local, cap), -1, dtype=torch.int32)
         layout_range = torch.zeros(e_local, R, dtype=torch.int64)
@@ -415,7 +458,6 @@ class Buffer:
             assert pos <= cap
 
         def receive() -> None:
-            self._fill_garbage(data, scales_cm)  # the other phase's data must not leak in either
             counts = torch.zeros(e_local, dtype=torch.int32)
             for e, pos, r, hit in writes:
                 n = hit.numel()

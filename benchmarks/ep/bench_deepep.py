@@ -1,0 +1,204 @@
+"""Dispatch and combine through moe-core's ``deepep`` against DeepEP's own kernels called directly on the
+same buffer with the same tokens, ``torch_a2a``, and a raw ``all_to_all_single`` of the same bytes.
+
+    torchrun --nproc-per-node 2 benchmarks/ep/bench_deepep.py --out deepep-h100x2.json [--cases-passed N --cases-total M]
+
+Cases (issue #30): normal mode, 4096 tokens a rank, hidden 7168, top-8 of 256, BF16 and FP8 wire;
+low latency, 128 tokens a rank, same shape, BF16 and FP8. Each stage is timed with CUDA events
+around one call (median of ``--iters`` after ``--warmup``; moe-core and direct calls alternate so
+drift hits both), as the max over ranks of each rank's median. "direct" does what a DeepEP user does
+for the same result: the FP8 normal wire is quantized with the same function before
+``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
+Raw bytes: the rows each rank sends (token x destination rank for normal mode, token x expert for
+low latency), at the wire's row size, split evenly over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moe_core.config import MoEConfig
+from moe_core.contracts import EPMaskedCombine, EPNormalCombine, TopK
+from moe_core.planner import plan as make_plan
+from moe_core.quant import quantize_fp8_per_token_group
+
+E, K, H = 256, 8, 7168
+DEVICE = torch.device("cuda")
+
+
+def timed(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
+    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run)."""
+    out = []
+    for i in range(warmup + iters):
+        if DEVICE.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            us = a.elapsed_time(b) * 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            us = (time.perf_counter() - t0) * 1e6
+        if i >= warmup:
+            out.append(us)
+    return out
+
+
+def median_over_ranks(samples: list[float]) -> float:
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: int):
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=256,
+                    quant="fp8_block" if wire == "fp8" else "unquantized", ep_size=world, ep_rank=rank,
+                    ep_group=dist.group.WORLD, max_tokens_per_rank=tokens, device="cuda", dispatcher=name,
+                    experts="reference", dispatch_dtype=wire,
+                    dispatch_format="ep_masked" if mode == "low_latency" else "ep_normal")
+    return make_plan(cfg).build()[0]
+
+
+def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: int, warmup: int) -> list[dict]:
+    gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
+    x = torch.randn(tokens, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+    scores = torch.rand(tokens, E, device=DEVICE, generator=gen)
+    ids64 = scores.topk(K, dim=1).indices
+    w = torch.rand(tokens, K, device=DEVICE, generator=gen)
+    w = w / w.sum(1, keepdim=True)
+    topk = TopK(w, ids64.to(torch.int32))
+    d = dispatcher("deepep", mode, wire, tokens, rank, world)
+    a2a = dispatcher("torch_a2a", mode, wire, tokens, rank, world)
+    buf = d.buffer
+    fp8 = wire == "fp8"
+    rows = {}
+
+    if mode == "normal":
+        out = d.dispatch(x, topk)
+        y = out.hidden.dequantize(torch.bfloat16).contiguous()
+        handle = out.handle
+
+        def direct_dispatch():
+            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids64, E)
+            payload = quantize_fp8_per_token_group(x) if fp8 else x
+            return buf.dispatch(payload, topk_idx=ids64, topk_weights=w, num_tokens_per_rank=per_rank,
+                                num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert)
+
+        recv = direct_dispatch()
+        direct_y, direct_handle = (recv[0][0] if fp8 else recv[0]).to(torch.bfloat16), recv[4]
+        stages = {
+            "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
+            "combine": (lambda: d.combine(EPNormalCombine(y, handle)),
+                        lambda: buf.combine(direct_y, direct_handle),
+                        None),
+        }
+        a_out = a2a.dispatch(x, topk)
+        a_y = a_out.hidden.dequantize(torch.bfloat16)
+        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPNormalCombine(a_y, a_out.handle)),)
+        local = E // world
+        dests = torch.stack([((ids64 >= r * local) & (ids64 < (r + 1) * local)).any(1) for r in range(world)], 1)
+        rows["dispatch"] = int(dests.sum())
+        rows["combine"] = int(dests.sum())
+    else:
+        num_max = d.num_max
+        out = d.dispatch(x, topk)
+        y = out.hidden.dequantize(torch.bfloat16).contiguous()
+        handle = out.handle
+
+        def direct_dispatch():
+            return buf.low_latency_dispatch(x, ids64, num_max, E, use_fp8=fp8)
+
+        recv = direct_dispatch()
+        direct_handle = recv[2]
+        stages = {
+            "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
+            "combine": (lambda: d.combine(EPMaskedCombine(y, topk, handle)),
+                        lambda: buf.low_latency_combine(y, ids64, w, direct_handle), None),
+        }
+        a_out = a2a.dispatch(x, topk)
+        a_y = a_out.hidden.dequantize(torch.bfloat16)
+        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPMaskedCombine(a_y, topk, a_out.handle)),)
+        rows["dispatch"] = rows["combine"] = int((ids64 >= 0).sum())
+
+    results = []
+    for stage, (mc, direct, ta) in stages.items():
+        row_bytes = (H + H // 128 * 4) if (fp8 and stage == "dispatch") else H * 2
+        nbytes = rows[stage] * row_bytes
+        chunk = -(-nbytes // world)
+        send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
+        recv_raw = torch.empty_like(send)
+        mc_t, dir_t = [], []
+        for _ in range(3):  # alternate so clock and thermal drift hit both
+            mc_t += timed(mc, iters // 3, warmup)
+            dir_t += timed(direct, iters // 3, warmup)
+        ta_t = timed(ta, iters, warmup)
+        raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), iters, warmup)
+        results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
+                        "moe_core_us": round(median_over_ranks(mc_t), 2),
+                        "deepep_direct_us": round(median_over_ranks(dir_t), 2),
+                        "torch_a2a_us": round(median_over_ranks(ta_t), 2),
+                        "raw_a2a_us": round(median_over_ranks(raw_t), 2)})
+        if rank == 0:
+            print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--cases-passed", type=int, default=None)
+    ap.add_argument("--cases-total", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU, gloo, the emulated deep_ep, hidden 2048, 32 experts, few tokens (tests the script)")
+    args = ap.parse_args()
+    global DEVICE, E, H
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sizes = (("normal", 4096), ("low_latency", 128))
+    if args.smoke:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "plugins/cuda/tests/emulation"))
+        import deep_ep_emulation
+
+        deep_ep_emulation.install_into_process()
+        DEVICE, E, H, sizes = torch.device("cpu"), 32, 2048, (("normal", 37), ("low_latency", 12))
+        dist.init_process_group("gloo")
+    else:
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE)
+    import deep_ep
+
+    rows = []
+    for mode, tokens in sizes:
+        for wire in ("bf16", "fp8"):
+            rows += run_case(mode, wire, tokens, rank, world, args.iters, args.warmup)
+    if rank == 0:
+        version = getattr(deep_ep, "__version__", None) or "1.2.1 (built from source, tag commit 9af0e0d)"
+        name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU (emulated deep_ep, smoke)"
+        doc = {"device": f"{world}x {name}, torch {torch.__version__}",
+               "deep_ep_version": version, "cases_passed": args.cases_passed, "cases_total": args.cases_total,
+               "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

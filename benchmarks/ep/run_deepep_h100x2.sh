@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every real-GPU check of the `deepep` dispatcher in one command, on 2 GPUs with DeepEP built
+# (issue #30; `source .deepep/build.sh build` first, see ../shared/deepep/build.sh):
+#     bash benchmarks/ep/run_deepep_h100x2.sh OUT
+# Writes to OUT (8 files): summary.txt, vs_torch_a2a.log, fidelity.log, bench.log, deepep-h100x2.json,
+# gpu_checks.log, kit.log, cutlass_build.log. Each step has its own time limit (under 7 minutes in
+# all, most important first) and a failing step does not stop the next.
+set -u
+out=${1:?usage: run_deepep_h100x2.sh OUT}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+run2() { timeout "$1" python3 -m torch.distributed.run --nproc-per-node 2 "${@:2}"; }
+step() { echo "== $1: rc=$2 ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"; }
+t0=$(date +%s)
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, deep_ep; print('torch', torch.__version__, 'deep_ep', deep_ep.__file__)"; } > "$out/summary.txt" 2>&1
+
+# the CUTLASS experts' library compiles at first use (~1-2 min of CPU): build it beside the first steps
+# (a file lock makes the layer checks wait for it if they reach cutlass first)
+python3 -c "from moe_plugin_cuda import cutlass_lib as c; print(c.missing() or c.library())" > "$out/cutlass_build.log" 2>&1 &
+run2 90 plugins/cuda/scripts/deepep_vs_torch_a2a.py > "$out/vs_torch_a2a.log" 2>&1; step "deepep_vs_torch_a2a" $?
+run2 40 plugins/cuda/tests/emulation/deepep_fidelity.py > "$out/fidelity.log" 2>&1; step "fidelity (real deep_ep)" $?
+run2 100 benchmarks/ep/bench_deepep.py --out "$out/deepep-h100x2.json" > "$out/bench.log" 2>&1; step "bench_deepep" $?
+run2 120 plugins/cuda/scripts/deepep_gpu_checks.py > "$out/gpu_checks.log" 2>&1; step "layer/graph/overlap" $?
+timeout 75 python3 plugins/cuda/scripts/deepep_kit_ep2.py > "$out/kit.log" 2>&1; step "conformance kit ep2" $?
+
+# cases: the equivalence cases, the fidelity run, every layer/graph/overlap check that ran, the kit
+python3 - "$out" <<'PY' | tee -a "$out/summary.txt"
+import json, pathlib, re, sys
+out = pathlib.Path(sys.argv[1])
+def read(name): return (out / name).read_text(errors="replace") if (out / name).exists() else ""
+m = re.findall(r"(\d+)/(\d+) cases passed", read("vs_torch_a2a.log"))
+passed, total = (int(m[-1][0]), int(m[-1][1])) if m else (0, 18)
+passed, total = passed + (read("fidelity.log").count("fidelity ok") == 2), total + 1
+checks = [json.loads(l[7:]) for l in read("gpu_checks.log").splitlines() if l.startswith("RESULT ")]
+ran = [c for c in checks if c["status"] != "refused"]
+passed, total = passed + sum(c["status"] == "passed" for c in ran), total + max(len(ran), 8)
+kit = re.findall(r"KIT (\w+)", read("kit.log"))
+passed, total = passed + (kit == ["ok"]), total + 1
+path = out / "deepep-h100x2.json"
+if path.exists():
+    doc = json.loads(path.read_text())
+    doc.update(cases_passed=passed, cases_total=total)
+    path.write_text(json.dumps(doc, indent=1))
+print(f"cases passed {passed}/{total}")
+PY
+grep -h "^ok\|^FAIL\|cases passed" "$out/vs_torch_a2a.log" | cut -c1-300 | tail -25
+grep -h "fidelity ok" "$out/fidelity.log" | cut -c1-200
+grep -h '^{"mode"' "$out/bench.log"
+grep -h "^RESULT" "$out/gpu_checks.log" | cut -c1-300
+grep -h "^KIT" "$out/kit.log"; cat "$out/summary.txt"

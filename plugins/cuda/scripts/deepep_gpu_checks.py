@@ -1,0 +1,208 @@
+"""``deepep`` on real GPUs beyond the dispatcher equivalence (``torchrun --nproc-per-node 2``):
+
+- ``layer``: ``MoELayer`` with dispatcher ``deepep`` and each CUDA experts backend (triton, grouped_mm,
+  cutlass) x EP_NORMAL / EP_MASKED x (bf16, unquantized) / (fp8, fp8_block), against the
+  single-GPU reference layer (standard dispatcher, reference experts) on the same tokens; a
+  combination the planner refuses is reported with its reason, not counted as run;
+- ``graph``: a low-latency (EP_MASKED, triton experts) layer captured in a CUDA graph and replayed on
+  fresh tokens, against eager and the reference;
+- ``overlap``: ``dispatch_async`` / ``combine_async`` (DeepEP's receive hook) with a matmul between
+  issue and ``wait()``, against the same steps in sequence.
+
+Prints one ``RESULT {json}`` line per check on rank 0 and exits non-zero if any ran and failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_core import quant
+from moe_core.config import MoEConfig
+from moe_core.contracts import EPMaskedCombine, TopK
+from moe_core.layer import MoELayer
+from moe_core.planner import PlanError
+from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
+
+E, K, H, INTER = 16, 4, 2048, 512
+
+
+def _ckpt(scheme: str) -> dict:
+    w13, w2 = make_float_weights(E, H, INTER, torch.Generator().manual_seed(77))
+    if scheme == "unquantized":
+        w13, w2 = w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+    return quant.quantize_weights(w13, w2, scheme)
+
+
+def _layer(cfg: MoEConfig, ckpt: dict) -> MoELayer:
+    layer = MoELayer(cfg, device=f"cuda:{torch.cuda.current_device()}")
+    layer.load_weights(**{k: v.cuda() for k, v in ckpt.items()})
+    layer.process_weights()
+    return layer
+
+
+def _config(experts: str, fmt: str, scheme: str, wire: str, rank: int, world: int, **kw) -> MoEConfig:
+    return MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER, quant=scheme, ep_size=world,
+                     ep_rank=rank, ep_group=dist.group.WORLD, max_tokens_per_rank=64, device="cuda",
+                     dispatcher="deepep", experts=experts, dispatch_dtype=wire, dispatch_format=fmt, **kw)
+
+
+def _reference(scheme: str, wire: str, ckpt: dict) -> MoELayer:
+    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=INTER, quant=scheme, device="cuda",
+                    dispatcher="standard", experts="reference", dispatch_dtype=wire)
+    return _layer(cfg, ckpt)
+
+
+def _tokens(rank: int, seed: int, t: int):
+    gen = torch.Generator().manual_seed(seed * 7 + rank)
+    x = make_hidden(t, H, torch.bfloat16, gen).cuda()
+    tk = make_topk(t, K, E, gen, neg_fraction=0.2, empty_token=t >= 3)
+    return x, TopK(tk.weights.cuda(), tk.ids.cuda())
+
+
+def layer_cases() -> list[tuple[str, str, str, str]]:
+    """(experts, format, quant scheme, wire): cutlass last (its library may compile at first use)."""
+    return [(experts, fmt, scheme, wire) for experts in ("triton", "grouped_mm", "cutlass")
+            for scheme, wire in (("unquantized", "bf16"), ("fp8_block", "fp8")) for fmt in ("ep_normal", "ep_masked")]
+
+
+def check_layer(rank: int, world: int, experts: str, fmt: str, scheme: str, wire: str) -> dict:
+    row = dict(check="layer", experts=experts, format=fmt, wire=wire, quant=scheme)
+    ckpt = _ckpt(scheme)
+    try:
+        layer = _layer(_config(experts, fmt, scheme, wire, rank, world), ckpt)
+    except PlanError as exc:  # the same on every rank: no collective was started
+        return dict(row, status="refused", reason=" ".join(str(exc).split())[:300])
+    ref = _reference(scheme, wire, ckpt)
+    errs = []
+    for i, t in enumerate((64, 37 - 30 * rank, 1)):  # a full batch, odd sizes, T=1
+        x, topk = _tokens(rank, 100 + i, t)
+        y = layer(x, topk)
+        errs.append(rel_error(y, ref(x, topk)))
+    tol = tolerance(scheme, wire)
+    return dict(row, status="passed" if all(e <= tol for e in errs) else "failed",
+                errs=[float(f"{e:.3g}") for e in errs], tol=tol,
+                plan=f"{layer.plan.dispatcher_name} x {layer.plan.experts.name} {layer.plan.format} "
+                     f"{layer.plan.dispatch_dtype}")
+
+
+def check_graph(rank: int, world: int) -> dict:
+    ckpt = _ckpt("unquantized")
+    cfg = _config("triton", "ep_masked", "unquantized", "bf16", rank, world, cuda_graph=True)
+    layer = _layer(cfg, ckpt)
+    ref = _reference("unquantized", "bf16", ckpt)
+    x, topk = _tokens(rank, 5, 48)
+    sx, sw, si = x.clone(), topk.weights.clone(), topk.ids.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            layer(sx, TopK(sw, si))
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sy = layer(sx, TopK(sw, si))
+    errs = []
+    for i in range(3):
+        x, topk = _tokens(rank, 50 + i, 48)
+        sx.copy_(x), sw.copy_(topk.weights), si.copy_(topk.ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = layer(x, topk)
+        errs.append((rel_error(sy, ref(x, topk)), rel_error(sy, eager)))
+    tol = tolerance("unquantized", "bf16")
+    ok = layer.plan.graph_safe and all(a <= tol and b <= tol for a, b in errs)
+    return dict(check="cuda_graph", status="passed" if ok else "failed", graph_safe=layer.plan.graph_safe,
+                errs=[[float(f"{a:.3g}"), float(f"{b:.3g}")] for a, b in errs], replays=3)
+
+
+def check_overlap(rank: int, world: int) -> dict:
+    ckpt = _ckpt("unquantized")
+    layer = _layer(_config("triton", "ep_masked", "unquantized", "bf16", rank, world), ckpt)
+    d = layer.dispatcher
+    x, topk = _tokens(rank, 9, 64)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def mm():
+        return a @ a
+
+    def seq():
+        out = d.dispatch(x, topk)
+        mm()
+        y = d.combine(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        mm()
+        return y
+
+    def overlapped():
+        p = d.dispatch_async(x, topk)
+        mm()  # runs while the tokens travel
+        out = p.wait()
+        c = d.combine_async(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        mm()
+        return c.wait()
+
+    def bench(fn, n=30):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    t_seq, t_ovl, t_mm = bench(seq), bench(overlapped), bench(lambda: (mm(), mm()))
+    same = rel_error(overlapped(), seq()) <= 1e-3
+    hidden = (t_seq - t_ovl) / max(t_seq - t_mm, 1e-9)
+    return dict(check="async_overlap", status="passed" if same and t_ovl < t_seq else "failed",
+                sequential_us=round(t_seq, 1), overlapped_us=round(t_ovl, 1), two_matmuls_us=round(t_mm, 1),
+                comm_hidden_fraction=round(hidden, 3), same_result=same)
+
+
+def _gather_json(obj: object, world: int) -> list:
+    """Every rank's ``obj`` (JSON-able), through a byte tensor (no pickle, no numpy)."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device="cuda")
+    sizes = [torch.zeros(1, dtype=torch.int64, device="cuda") for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device="cuda"))
+    n = max(int(s) for s in sizes)
+    bufs = [torch.zeros(n, dtype=torch.uint8, device="cuda") for _ in range(world)]
+    dist.all_gather(bufs, torch.cat([data, torch.zeros(n - data.numel(), dtype=torch.uint8, device="cuda")]))
+    return [json.loads(bytes(b[:int(s)].tolist()).decode()) for b, s in zip(bufs, sizes, strict=True)]
+
+
+def main() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    cases = [("layer", check_layer, case) for case in layer_cases()]
+    checks = cases[:4] + [("cuda_graph", check_graph, ()), ("async_overlap", check_overlap, ())] + cases[4:]
+    results = []
+    for name, fn, args in checks:  # results printed as they come (a step killed at its limit keeps them)
+        try:
+            r = fn(rank, world, *args)
+        except Exception as exc:  # one broken check must not hide the others
+            r = dict(check=name, case=list(args), status="error", error=f"{type(exc).__name__}: {exc}"[:400])
+        torch.cuda.synchronize()
+        results.append(r)
+        per_rank = _gather_json(r, world)
+        if rank == 0:
+            merged = dict(per_rank[0])
+            states = {x["status"] for x in per_rank}
+            merged["status"] = states.pop() if len(states) == 1 else "failed"
+            if merged["status"] != per_rank[0]["status"] or merged["status"] in ("failed", "error"):
+                merged["per_rank"] = per_rank
+            print("RESULT " + json.dumps(merged), flush=True)
+    failed = any(r["status"] in ("failed", "error") for r in results)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
