@@ -17,7 +17,7 @@ t0=$(date +%s)
 
 # the CUTLASS experts' library compiles at first use (~1-2 min of CPU): build it beside the first steps
 # (a file lock makes the layer checks wait for it if they reach cutlass first)
-python3 -c "from moe_plugin_cuda import cutlass_lib as c; print(c.missing() or c.library())" > "$out/cutlass_build.log" 2>&1 &
+python3 -c "from moe_plugin_cuda.cutlass import lib as c; print(c.missing() or c.library())" > "$out/cutlass_build.log" 2>&1 &
 run2 90 plugins/cuda/scripts/deepep_vs_torch_a2a.py > "$out/vs_torch_a2a.log" 2>&1; step "deepep_vs_torch_a2a" $?
 run2 40 plugins/cuda/tests/emulation/deepep_fidelity.py > "$out/fidelity.log" 2>&1; step "fidelity (real deep_ep)" $?
 run2 100 benchmarks/ep/bench_deepep.py --out "$out/deepep-h100x2.json" > "$out/bench.log" 2>&1; step "bench_deepep" $?
