@@ -37,6 +37,7 @@ class Code(_StrEnum):
     UNSUPPORTED_QUANT = "UNSUPPORTED_QUANT"
     UNSUPPORTED_SHAPE = "UNSUPPORTED_SHAPE"
     UNSUPPORTED_PARALLEL = "UNSUPPORTED_PARALLEL"
+    UNSUPPORTED_FEATURE = "UNSUPPORTED_FEATURE"  # a model feature the backend does not declare (expert biases)
     FORMAT_MISMATCH = "FORMAT_MISMATCH"
     NO_COMMON_DTYPE = "NO_COMMON_DTYPE"
     NOT_GRAPH_SAFE = "NOT_GRAPH_SAFE"
@@ -113,6 +114,9 @@ class BackendSpec:
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
     - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
       ``"required"`` (only with an EP group of size > 1).
+    - ``expert_bias``: the experts add ``w13_bias`` / ``w2_bias`` (``MoEConfig.expert_bias``);
+      undeclared means refused. The clamped ``Activation.SWIGLU_OAI`` is declared in
+      ``activations`` like any other activation.
     """
 
     name: str
@@ -130,6 +134,7 @@ class BackendSpec:
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False
     description: str = ""
+    expert_bias: bool = False
     # filled in by the plugin manager at registration:
     plugin: str = ""
     plugin_version: str = ""
