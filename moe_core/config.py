@@ -216,7 +216,7 @@ def _hf_family(model_type: str, c: Any) -> dict[str, Any]:
     if model_type in ("mixtral", "minimax_m2", "gpt_oss"):
         sizes = dict(num_experts=c.num_local_experts, intermediate_size=c.intermediate_size)
     elif model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe"):
-        sizes = dict(num_experts=c.num_experts, intermediate_size=get("moe_intermediate_size", c.intermediate_size))
+        sizes = dict(num_experts=c.num_experts, intermediate_size=get("moe_intermediate_size") or c.intermediate_size)
     elif model_type == "llama4_text":
         sizes = dict(num_experts=c.num_local_experts, intermediate_size=c.intermediate_size)
     else:  # deepseek_v2, deepseek_v3, glm4_moe

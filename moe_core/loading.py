@@ -83,12 +83,12 @@ def _shard_rows(name: str, rows: int, shard: Optional[str], layer: "MoELayer") -
         return slice(0, rows)
     if shard not in SHARDS:
         raise ValueError(f"weight_loader: shard must be None, 'gate' or 'up', got {shard!r}")
-    if rows % 2:
-        raise ValueError(f"weight_loader: {name} has {rows} rows, which do not split into gate and up halves")
     if name == "w13_scale" and layer.config.quant is QuantScheme.FP8_BLOCK \
             and layer.config.intermediate_size % FP8_GROUP:
         raise ValueError(f"weight_loader: FP8 block scales of w13 split by shard only when the intermediate size "
                          f"is a multiple of {FP8_GROUP}, got {layer.config.intermediate_size}; load w13_scale whole")
+    if rows % 2:
+        raise ValueError(f"weight_loader: {name} has {rows} rows, which do not split into gate and up halves")
     half = rows // 2
     return slice(0, half) if shard == "gate" else slice(half, rows)
 
