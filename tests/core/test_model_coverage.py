@@ -17,7 +17,7 @@ from moe_core.reference.oracle import moe_float64, relative_error
 
 from .conftest import random_topk, random_weights
 
-E, K, H, I = 6, 2, 40, 24  # odd-ish sizes; H not a multiple of 128
+E, K, H, I = 6, 2, 40, 24  # noqa: E741 (I: intermediate size, as in the vendors' notation); H not a multiple of 128
 
 
 def _manager():
