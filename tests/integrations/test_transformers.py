@@ -130,3 +130,52 @@ def test_bf16_logits(family):
     model.set_experts_implementation("moe_core")
     assert relative_error(_logits(model, ids), eager) <= 2e-2
     assert moe_hf.plans(model)
+
+
+def test_importing_moe_core_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, moe_core, moe_core.layer, moe_core.integrations; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_refused_activation_names_the_class_and_the_reason():
+    config = _configs()["mixtral"]()
+    config.hidden_act = "relu"
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="moe_core")
+    with pytest.raises(NotImplementedError, match="MixtralExperts's activation ReLU"):
+        model(input_ids=torch.randint(3, 97, (1, 4)))
+
+
+@pytest.mark.parametrize("t", [1, 13])
+def test_fp8_block_experts_run_as_the_core_scheme(t):
+    """transformers' FP8Experts (128x128 blocks, as FineGrainedFP8Config loads them) through moe_core,
+    against float64 with the dequantized weights (transformers' own FP8 path needs CUDA kernels)."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.moe import use_experts_implementation
+
+    from moe_core import quant
+    from moe_core.reference.oracle import fp8_round_trip, moe_float64
+
+    config = transformers.Qwen3MoeConfig(**{**COMMON, "hidden_size": 136}, head_dim=8, moe_intermediate_size=128,
+                                         num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = "moe_core"
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    module = cls(config, block_size=(128, 128), activation_scheme="dynamic")
+    w13, w2 = torch.randn(4, 256, 136) / 136 ** 0.5, torch.randn(4, 136, 128) / 128 ** 0.5
+    ckpt = quant.quantize_weights(w13, w2, "fp8_block")
+    with torch.no_grad():
+        for ours, theirs in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+            getattr(module, theirs).data = ckpt[ours]
+            getattr(module, theirs + "_scale_inv").data = ckpt[ours + "_scale"]
+    x = torch.randn(t, 136, dtype=torch.bfloat16)
+    ids = torch.rand(t, 4).argsort(-1)[:, :2]
+    weights = torch.rand(t, 2, dtype=torch.bfloat16)
+    out = module(x, ids, weights)
+    assert [p.experts.name for p in moe_hf.plans(torch.nn.ModuleDict({"experts": module})).values()] == ["reference"]
+    dq13, dq2 = quant.dequantize_weights(ckpt, "fp8_block")
+    # the scheme's activation rounding too (per token, 128-channel groups), written independently
+    expected = moe_float64(x.float(), weights.float(), ids, dq13, dq2,
+                           quantize_activation=lambda v, which, e: fp8_round_trip(v, 128))
+    assert relative_error(out, expected) <= 1e-2
