@@ -108,7 +108,9 @@ def _moe_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if isinstance(module, modeling_llama4.Llama4TextMoe):
-            found.append((name + ".experts", module.experts, module.top_k))
+            llama4_config = module.__dict__.get("_moe_core_config")
+            if llama4_config is not None and llama4_config._experts_implementation == NAME:
+                found.append((name + ".experts", module.experts, module.top_k))
         elif hasattr(module, "has_gate") and config is not None and getattr(config, "_experts_implementation", None) == NAME:
             found.append((name, module, config.num_experts_per_tok))
     return found
