@@ -114,6 +114,9 @@ class BackendSpec:
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
     - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
       ``"required"`` (only with an EP group of size > 1).
+    - ``keeps_loaded_weights``: ``process_weights`` never rewrites the loaded tensors in place,
+      so they may be shared with their owner (``MoELayer.adopt_weights`` of a Hugging Face
+      module's parameters); undeclared means the owner's tensors are copied once first.
     - ``expert_bias``: the experts add ``w13_bias`` / ``w2_bias`` (``MoEConfig.expert_bias``);
       undeclared means refused. The clamped ``Activation.SWIGLU_OAI`` is declared in
       ``activations`` like any other activation.
@@ -135,6 +138,7 @@ class BackendSpec:
     quantizes_internally: bool = False
     description: str = ""
     expert_bias: bool = False
+    keeps_loaded_weights: bool = False
     # filled in by the plugin manager at registration:
     plugin: str = ""
     plugin_version: str = ""

@@ -194,8 +194,9 @@ class MoELayer(nn.Module):
         """Use ``tensors`` as the layer's weights without copying them (views of a model's own
         parameters, e.g. Hugging Face's); same names and full ``[num_experts, ...]`` shapes as
         ``load_weights``, in the scheme's dtypes. Under EP the layer keeps a view of its slice.
-        The tensors must outlive the layer's use of them; call ``process_weights()`` afterwards
-        (a backend that changes the layout then makes its own copy)."""
+        The tensors must outlive the layer's use of them; call ``process_weights()`` afterwards.
+        Backends whose spec does not declare ``keeps_loaded_weights`` may rewrite them in place
+        there: share only tensors their owner no longer reads (or pass copies)."""
         expected = set(self._weight_names)
         if set(tensors) != expected:
             raise ValueError(f"adopt_weights for quant={self.config.quant}: expected {sorted(expected)}, "

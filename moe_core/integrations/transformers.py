@@ -11,11 +11,11 @@
 ``FineGrainedFP8Config`` models with 128x128 weight blocks). The model's own router stays in
 charge: the experts function receives its ``top_k_index`` / ``top_k_weights`` (routed scaling
 already applied by HF) and runs a ``MoELayer`` planned for the module's sizes, dtype, device and
-features (the best installed backends for them). The layer takes the module's weights once, as
-views (gpt-oss's interleaved ``gate_up_proj`` is de-interleaved once: one copy), and takes them
+features (the best installed backends for them). The layer takes the module's weights once: as
+views when the backend keeps loaded weights as they are, else one copy (see ``register``;
+gpt-oss's interleaved ``gate_up_proj`` is de-interleaved once, a copy either way). It takes them
 again when a weight tensor is replaced or modified in place (its ``data_ptr`` or ``_version``
-changes), e.g. by ``load_state_dict`` or ``model.to(dtype)``. Backends whose ``process_weights``
-converts the layout make their own copy then.
+changes), e.g. by ``load_state_dict`` or ``model.to(dtype)``.
 
 Llama-4 (transformers 5.17) does not route its experts through the interface (its experts
 compute every token against every expert, weighted on the input); ``register()`` gives
@@ -64,18 +64,25 @@ class _State:
     key: tuple  # (data_ptr, _version) of every source tensor, dtype and device
 
 
-def register(**config_overrides: Any) -> None:
+def register(*, share_weights: bool = False, **config_overrides: Any) -> None:
     """Make ``experts_implementation="moe_core"`` available. ``config_overrides`` go into every
     layer's ``MoEConfig`` (e.g. ``cuda_graph=True`` to plan graph-safe backends, ``experts=`` to
-    force a backend, ``backend_options=``). Calling it again replaces the overrides."""
-    global _OVERRIDES
-    _OVERRIDES = dict(config_overrides)
+    force a backend, ``backend_options=``). Calling it again replaces the settings.
+
+    Weights are shared with the HF module (views, no copy) when the planned experts backend
+    declares ``keeps_loaded_weights`` (the core ``reference``); otherwise the layer copies them
+    once, because such a backend may rewrite them in place (the cuda plugin interleaves gate and
+    up rows). ``share_weights=True`` shares them anyway and halves the memory: the HF modules'
+    expert weights are then in the backend's layout, so only ``moe_core`` may run that model."""
+    global _OVERRIDES, _SHARE
+    _OVERRIDES, _SHARE = dict(config_overrides), share_weights
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
     ALL_FP8_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
     _register_llama4()
 
 
 _OVERRIDES: dict[str, Any] = {}
+_SHARE = False
 
 
 def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -143,6 +150,8 @@ def _layer(module: nn.Module, top_k: int) -> MoELayer:
         layer = state.layer  # same plan: take the new weights
     else:
         layer = MoELayer(config, device=sources["gate_up_proj"].device)
+    if not (_SHARE or layer.plan.experts.keeps_loaded_weights):
+        tensors = {k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     layer.adopt_weights(**tensors)
     layer.process_weights()
     module.__dict__[_STATE] = _State(layer, _key(sources))
