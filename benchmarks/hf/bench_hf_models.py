@@ -77,22 +77,24 @@ def to_fp8_block(model: torch.nn.Module) -> None:
     activations: what FineGrainedFP8Config(weight_block_size=(128, 128)) loads), quantized from
     the bf16 weights with moe_core.quant (the same block format: dequant = q * scale_inv)."""
     fp8_cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
-    for name, module in list(model.named_modules()):
-        if not (name.endswith(".experts") and getattr(module, "has_gate", False)):
-            continue
+    names = [n for n, m in model.named_modules() if n.endswith(".experts") and getattr(m, "has_gate", False)]
+    for name in names:  # one layer at a time, in chunks of experts: no float32 copy of a whole layer
         parent = model.get_submodule(name.rsplit(".", 1)[0])
-        device = module.gate_up_proj.device
-        with torch.device(device):
-            new = fp8_cls(module.config, block_size=(128, 128), activation_scheme="dynamic")
-        ckpt = quant.quantize_weights(module.gate_up_proj.data, module.down_proj.data, "fp8_block")
+        old = parent.experts
+        with torch.device(old.gate_up_proj.device):
+            new = fp8_cls(old.config, block_size=(128, 128), activation_scheme="dynamic")
         with torch.no_grad():
-            new.gate_up_proj.data = ckpt["w13"]
-            new.gate_up_proj_scale_inv.data = ckpt["w13_scale"]
-            new.down_proj.data = ckpt["w2"]
-            new.down_proj_scale_inv.data = ckpt["w2_scale"]
+            for e in range(0, old.gate_up_proj.shape[0], 16):
+                ck = quant.quantize_weights(old.gate_up_proj[e:e + 16], old.down_proj[e:e + 16], "fp8_block")
+                new.gate_up_proj[e:e + 16] = ck["w13"]
+                new.gate_up_proj_scale_inv[e:e + 16] = ck["w13_scale"]
+                new.down_proj[e:e + 16] = ck["w2"]
+                new.down_proj_scale_inv[e:e + 16] = ck["w2_scale"]
         parent.experts = new
-        del module
+        del old
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def build(name: str, config, fmt: str, device: torch.device, smoke: bool) -> torch.nn.Module:
@@ -207,7 +209,8 @@ def main(argv=None) -> int:
     iters = args.iters or (2 if args.smoke else 10)
     graphs = not args.no_graphs
     # decode cells are captured in CUDA graphs: plan graph-safe backends for them
-    moe_hf.register(experts=args.moe_core_experts, cuda_graph=graphs and device.type == "cuda")
+    # share_weights: one copy of the experts in memory (DeepSeek-V3's two layers are ~45 GB in bf16)
+    moe_hf.register(share_weights=True, experts=args.moe_core_experts, cuda_graph=graphs and device.type == "cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     meta = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
@@ -227,17 +230,22 @@ def main(argv=None) -> int:
             except Exception as exc:
                 rows.append({"model": name, "format": fmt, "error": f"build: {type(exc).__name__}: {exc}"})
                 continue
-            for kind, batch, tokens in shapes(args.smoke):
-                cell = {"model": name, "format": fmt, "kind": kind, "batch": batch, "tokens": tokens, "impls": {}}
-                logits = {}
-                for impl in args.impls.split(","):
+            # every HF implementation over every shape first, moe_core last: moe_core shares the HF
+            # expert weights (register(share_weights=True)) and its backend may rewrite them in place
+            impls = [i for i in args.impls.split(",") if i != "moe_core"] + \
+                (["moe_core"] if "moe_core" in args.impls.split(",") else [])
+            cells = {shape: {"model": name, "format": fmt, "kind": shape[0], "batch": shape[1], "tokens": shape[2],
+                             "impls": {}} for shape in shapes(args.smoke)}
+            logits: dict[tuple, dict[str, torch.Tensor]] = {shape: {} for shape in cells}
+            for impl in impls:
+                for (kind, batch, tokens), cell in cells.items():
                     if impl == "batched_mm" and batched_mm_bytes(model, batch, tokens) > free // 2:
                         cell["impls"][impl] = {"skipped": f"gathers {batched_mm_bytes(model, batch, tokens) / 2**30:.0f} "
                                                           "GiB of weights (one matrix per token-expert pair)"}
                         continue
                     try:
                         r = run_cell(model, impl, kind, batch, tokens, device, iters, graphs)
-                        logits[impl] = r.pop("logits")
+                        logits[(kind, batch, tokens)][impl] = r.pop("logits")
                         cell["impls"][impl] = r
                     except Exception as exc:
                         cell["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -245,17 +253,19 @@ def main(argv=None) -> int:
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                     print(f"  {kind} {batch}x{tokens} {impl}: {cell['impls'][impl]}", flush=True)
-                key = (name, kind, batch, tokens)
-                if fmt == "bf16" and "eager" in logits:
-                    bf16_eager[key] = logits["eager"]
-                base = "eager" if "eager" in logits else ("grouped_mm" if "grouped_mm" in logits else None)
-                reference = logits.get(base) if base else bf16_eager.get(key)
-                if "moe_core" in logits and reference is not None:
+            for shape, cell in cells.items():
+                got = logits[shape]
+                key = (name,) + shape
+                if fmt == "bf16" and "eager" in got:
+                    bf16_eager[key] = got["eager"]
+                base = "eager" if "eager" in got else ("grouped_mm" if "grouped_mm" in got else None)
+                reference = got.get(base) if base else bf16_eager.get(key)
+                if "moe_core" in got and reference is not None:
                     cell["moe_core_vs"] = base or "bf16 eager"
-                    cell["moe_core_rel_err"] = relative_error(logits["moe_core"], reference)
-                    cell["moe_core_top1_agree"] = float((logits["moe_core"].argmax(-1) == reference.argmax(-1))
+                    cell["moe_core_rel_err"] = relative_error(got["moe_core"], reference)
+                    cell["moe_core_top1_agree"] = float((got["moe_core"].argmax(-1) == reference.argmax(-1))
                                                         .float().mean())
-                if "moe_core" in cell["impls"] and "ms" in cell["impls"]["moe_core"]:
+                if "ms" in cell["impls"].get("moe_core", {}):
                     cell["moe_core_plans"] = sorted({f"{pl.dispatcher_name} x {pl.experts.name} [{pl.dispatch_dtype}]"
                                                      for pl in moe_hf.plans(model).values()})
                 rows.append(cell)

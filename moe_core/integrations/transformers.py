@@ -41,7 +41,7 @@ from moe_core.contracts import Activation, QuantScheme, TopK
 from moe_core.layer import MoELayer
 from moe_core.planner import Plan
 
-__all__ = ["NAME", "register", "prepare", "plans", "UNSUPPORTED"]
+__all__ = ["NAME", "register", "prepare", "plans", "layers", "UNSUPPORTED"]
 
 NAME = "moe_core"
 _STATE = "_moe_core_state"  # kept in the module's __dict__: not a submodule, not in its state_dict
@@ -102,11 +102,16 @@ def prepare(model: nn.Module) -> dict[str, Plan]:
 
 def plans(model: nn.Module) -> dict[str, Plan]:
     """``{module name: Plan}`` of the MoE modules that have a ``MoELayer`` (see ``prepare``)."""
+    return {name: layer.plan for name, layer in layers(model).items()}
+
+
+def layers(model: nn.Module) -> dict[str, MoELayer]:
+    """``{module name: MoELayer}`` of the MoE modules that have one (see ``prepare``)."""
     out = {}
     for name, module, _ in _moe_modules(model):
         state = module.__dict__.get(_STATE)
         if state is not None:
-            out[name] = state.layer.plan
+            out[name] = state.layer
     return out
 
 

@@ -98,6 +98,11 @@ def test_fp32_bf16_logits_generate_and_reload(family, tmp_path):
     plans = moe_hf.plans(model)
     assert plans and all(p.experts.name == "reference" for p in plans.values()), plans
     assert relative_error(ours, eager) <= 1e-5
+    # the reference keeps loaded weights as they are: the layers use HF's own storage (gpt-oss: one
+    # de-interleaved copy)
+    for name, layer in moe_hf.layers(model).items():
+        shared = layer.w13.data_ptr() == model.get_submodule(name).gate_up_proj.data_ptr()
+        assert shared == (family != "gpt_oss"), name
     # the experts matter: without the routed experts' output the logits move far beyond the tolerance
     layer_name = next(iter(plans))
     experts = model.get_submodule(layer_name)
