@@ -15,8 +15,10 @@ COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def _configs() -> dict:
+def _configs(**over) -> dict:
+    """``over`` replaces entries of COMMON (e.g. the layer count)."""
     t = transformers
+    COMMON = {**globals()["COMMON"], **over}
     return {
         "mixtral": lambda: t.MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=5, num_experts_per_tok=2),
         "qwen3_moe": lambda: t.Qwen3MoeConfig(**COMMON, head_dim=8, intermediate_size=40, moe_intermediate_size=24,
@@ -75,9 +77,9 @@ def _randomize(model: torch.nn.Module) -> None:
                 b.normal_(0.0, 0.1)
 
 
-def _model(family: str, dtype: torch.dtype, implementation: str = "eager"):
+def _model(family: str, dtype: torch.dtype, implementation: str = "eager", **over):
     torch.manual_seed(torch.seed() % 2**31)  # fresh weights each run
-    config = _configs()[family]()
+    config = _configs(**over)[family]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=implementation)
     _randomize(model)
     return model.eval()
@@ -129,7 +131,11 @@ def test_fp32_bf16_logits_generate_and_reload(family, tmp_path):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_logits(family):
-    model = _model(family, torch.bfloat16)
+    # one MoE layer: with a second one, eager's and moe_core's different bf16 roundings (eager rounds
+    # each GEMM, the reference once) can flip a near-tie in the next router, and one token's logits
+    # then differ by far more than the experts' arithmetic (seen once in ~40 runs at 2 layers)
+    dense_first = family in ("deepseek_v3", "deepseek_v2", "glm4_moe")
+    model = _model(family, torch.bfloat16, num_hidden_layers=2 if dense_first else 1)
     ids = torch.randint(3, 97, (2, 7))
     eager = _logits(model, ids)
     model.set_experts_implementation("moe_core")
