@@ -45,6 +45,7 @@ class Code(_StrEnum):
     UNSUPPORTED_QUANT = "UNSUPPORTED_QUANT"
     UNSUPPORTED_SHAPE = "UNSUPPORTED_SHAPE"
     UNSUPPORTED_PARALLEL = "UNSUPPORTED_PARALLEL"
+    UNSUPPORTED_FEATURE = "UNSUPPORTED_FEATURE"  # a model feature the backend does not declare (expert biases)
     FORMAT_MISMATCH = "FORMAT_MISMATCH"
     NO_COMMON_DTYPE = "NO_COMMON_DTYPE"
     NOT_GRAPH_SAFE = "NOT_GRAPH_SAFE"
@@ -138,6 +139,12 @@ class BackendSpec:
     - ``priority``: higher wins among candidates that can serve a layer; ``priority_reason`` says why
       this backend ranks where it does (the plan quotes it when it picks this backend over a
       lower-priority one that could also serve).
+    - ``keeps_loaded_weights``: ``process_weights`` never rewrites the loaded tensors in place,
+      so they may be shared with their owner (``MoELayer.adopt_weights`` of a Hugging Face
+      module's parameters); undeclared means the owner's tensors are copied once first.
+    - ``expert_bias``: the experts add ``w13_bias`` / ``w2_bias`` (``MoEConfig.expert_bias``);
+      undeclared means refused. The clamped ``Activation.SWIGLU_OAI`` is declared in
+      ``activations`` like any other activation.
     """
 
     name: str
@@ -156,6 +163,8 @@ class BackendSpec:
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False
     description: str = ""
+    expert_bias: bool = False
+    keeps_loaded_weights: bool = False
     # filled in by the plugin manager at registration:
     plugin: Optional[str] = None
     plugin_version: Optional[str] = None

@@ -133,10 +133,17 @@ class QuantScheme(_StrEnum):
 
 
 class Activation(_StrEnum):
-    """Gated activation of the first GEMM's output ``[gate | up]``: ``act(gate) * up``."""
+    """Gated activation of the first GEMM's output ``[gate | up]``: ``act(gate) * up``.
+
+    ``swiglu_oai`` (gpt-oss) is clamped: ``g = clamp(gate, max=limit)``,
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``MoEConfig.swiglu_alpha`` /
+    ``swiglu_limit``; the weights keep the core layout (gate rows, then up rows; gpt-oss's
+    interleaved checkpoints are de-interleaved at load).
+    """
 
     SILU = "silu"  # SwiGLU
     GELU = "gelu"  # gated GELU (tanh approximation off)
+    SWIGLU_OAI = "swiglu_oai"  # gpt-oss's clamped SwiGLU
 
 
 # --------------------------------------------------------------------------- routing
@@ -148,6 +155,10 @@ class TopK:
 
     ``weights``: float32 ``[T, K]``; ``ids``: int32 ``[T, K]``; id ``-1`` means "no expert"
     (padding, or an expert on another rank after a local remap) and its weight is ignored.
+
+    Routers that return bf16/fp16 weights or int64 ids (Hugging Face's do) may pass them as they
+    are: they are converted once, here, to float32 / int32 (one cast each; no copy when already
+    in the contract's dtypes). Every stage after this sees only float32 / int32.
     """
 
     weights: torch.Tensor
@@ -157,10 +168,16 @@ class TopK:
         w, i = self.weights, self.ids
         if not isinstance(w, torch.Tensor) or not isinstance(i, torch.Tensor):
             raise TypeError("TopK.weights and TopK.ids must be torch.Tensor")
+        if w.dtype in (torch.bfloat16, torch.float16):
+            w = w.float()
+            object.__setattr__(self, "weights", w)
+        if i.dtype == torch.int64:
+            i = i.to(torch.int32)
+            object.__setattr__(self, "ids", i)
         if w.dtype != torch.float32:
-            raise TypeError(f"TopK.weights must be torch.float32, got {w.dtype}")
+            raise TypeError(f"TopK.weights must be torch.float32 (or bf16/fp16, converted), got {w.dtype}")
         if i.dtype != torch.int32:
-            raise TypeError(f"TopK.ids must be torch.int32, got {i.dtype}")
+            raise TypeError(f"TopK.ids must be torch.int32 (or int64, converted), got {i.dtype}")
         if w.dim() != 2 or w.shape != i.shape:
             raise ValueError(
                 f"TopK.weights and TopK.ids must both be [T, K]; got {tuple(w.shape)} and "

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from moe_core import quant
+from moe_core import loading, quant
 from moe_core.backends import Code, from_exception
 from moe_core.config import AUTO, MoEConfig
 from moe_core.contracts import TopK
@@ -24,6 +24,7 @@ from moe_core.planner import Plan
 from moe_core.planner import plan as make_plan
 from moe_core.plugins import get_plugin_manager
 from moe_core.router import route
+from moe_core.shared import SharedExperts
 
 __all__ = ["MoELayer"]
 
@@ -147,6 +148,10 @@ class MoELayer(nn.Module):
         # the checkpoint layout, kept to validate reloads after process_weights changed the slots
         self._weight_specs = quant.weight_shapes(config.quant, config.num_local_experts, config.hidden_size,
                                                  config.intermediate_size, config.params_dtype)
+        if config.expert_bias:  # per expert, sliced and loaded like the weights (whatever the quant scheme)
+            e, dtype = config.num_local_experts, config.params_dtype
+            self._weight_specs.update(w13_bias=((e, 2 * config.intermediate_size), dtype),
+                                      w2_bias=((e, config.hidden_size), dtype))
         self._weight_names = tuple(self._allocate(self._weight_specs))
         self.correction_bias: Optional[torch.Tensor]
         if config.router.use_correction_bias:
@@ -155,6 +160,7 @@ class MoELayer(nn.Module):
             self.correction_bias = None
         self._loaded = False
         self._processed = False
+        self.shared_experts = SharedExperts(config, self.device) if config.shared_intermediate_size else None
         # plain attributes read on every forward (cheaper than going through config / plan)
         self._hidden, self._top_k, self._num_experts = config.hidden_size, config.top_k, config.num_experts
         self._dtype, self._fused = config.params_dtype, plan.fused
@@ -328,6 +334,37 @@ class MoELayer(nn.Module):
         self._loaded = True
         self._processed = False
 
+    def weight_loader(self, name: str, tensor: torch.Tensor, *, expert_id: Optional[int] = None,
+                      shard: Optional[str] = None) -> bool:
+        """Load one checkpoint tensor: one expert (``expert_id``) or one shard of it (``"gate"`` /
+        ``"up"`` of ``w13``), keeping only this rank's experts; ``False`` when the expert lives on
+        another rank. Names and shapes: ``moe_core.loading``. Call ``process_weights()`` after the
+        last one."""
+        return loading.load_tensor(self, name, tensor, expert_id=expert_id, shard=shard)
+
+    @torch.no_grad()
+    def adopt_weights(self, **tensors: torch.Tensor) -> None:
+        """Use ``tensors`` as the layer's weights without copying them (views of a model's own
+        parameters, e.g. Hugging Face's); same names and full ``[num_experts, ...]`` shapes as
+        ``load_weights``, in the scheme's dtypes. Under EP the layer keeps a view of its slice.
+        The tensors must outlive the layer's use of them; call ``process_weights()`` afterwards.
+        Backends whose spec does not declare ``keeps_loaded_weights`` may rewrite them in place
+        there: share only tensors their owner no longer reads (or pass copies)."""
+        expected = set(self._weight_names)
+        if set(tensors) != expected:
+            raise ValueError(f"adopt_weights for quant={self.config.quant}: expected {sorted(expected)}, "
+                             f"got {sorted(tensors)}")
+        experts = self.config.local_expert_range
+        for name, full in tensors.items():
+            shape, dtype = self._weight_specs[name]
+            want = (self.config.num_experts,) + tuple(shape[1:])
+            if tuple(full.shape) != want or full.dtype != dtype or full.device != self.device:
+                raise ValueError(f"adopt_weights: {name} must be a {want} {dtype} tensor on {self.device}, got "
+                                 f"{tuple(full.shape)} {full.dtype} on {full.device}")
+            setattr(self, name, nn.Parameter(full[experts.start:experts.stop], requires_grad=False))
+        self._loaded = True
+        self._processed = False
+
     def process_weights(self) -> None:
         """Convert the loaded weights to the plan's experts layout (idempotent)."""
         if not self._loaded:
@@ -347,6 +384,8 @@ class MoELayer(nn.Module):
         *,
         router_logits: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
+            return self._forward_flat(hidden_states, topk, router_logits)
         if topk is None or router_logits is not None or type(topk) is not TopK or not self._processed:
             topk = self._route_or_raise(hidden_states, topk, router_logits)
         # one cheap expression on the hot path; _input_error works out the precise message
@@ -371,12 +410,36 @@ class MoELayer(nn.Module):
                                  f"got values in [{lo}, {hi}]")
         if self._ids_exchanged and self.check_ids:
             layer_collectives.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
+        if self.shared_experts is not None:
+            return self._forward_with_shared(hidden_states, topk)
+        return self._routed(hidden_states, topk)
+
+    def _routed(self, hidden_states: torch.Tensor, topk: TopK) -> torch.Tensor:
         if self._fused:
             return self._fused_forward(self, hidden_states, topk)
         if self._gathers_tokens:  # every rank passes its own tokens, whatever the dispatcher (decision 43)
             every, every_topk, mine = layer_collectives.gather_tokens(hidden_states, topk, self.config.ep_group)
             return self._combine(self._apply_experts(self, self._dispatch(every, every_topk)))[mine]
         return self._combine(self._apply_experts(self, self._dispatch(hidden_states, topk)))
+
+    def _forward_flat(self, hidden_states: torch.Tensor, topk: Optional[TopK],
+                      router_logits: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[..., H]`` (any leading shape, 1-D included) -> the same shape; ``topk`` is ``[N, K]``
+        with ``N`` the number of rows, ``router_logits`` ``[..., E]``."""
+        shape = hidden_states.shape
+        if router_logits is not None:
+            router_logits = router_logits.reshape(-1, router_logits.shape[-1])
+        out = self.forward(hidden_states.reshape(-1, shape[-1]), topk, router_logits=router_logits)
+        return out.view(shape)
+
+    def _forward_with_shared(self, hidden_states: torch.Tensor, topk: TopK) -> torch.Tensor:
+        # shared experts between dispatch and combine: an asynchronous dispatcher overlaps them
+        # (moe_core.shared); the EP combine (all-reduce / all-to-all) never sees their output
+        if self._fused or self._gathers_tokens:
+            return self._routed(hidden_states, topk) + self.shared_experts(hidden_states)
+        dispatched = self._dispatch(hidden_states, topk)
+        shared = self.shared_experts(hidden_states)
+        return self._combine(self._apply_experts(self, dispatched)) + shared
 
     def _route_or_raise(self, hidden_states: Any, topk: Any, router_logits: Any) -> TopK:
         if not self._processed:

@@ -217,6 +217,10 @@ def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, 
         if config.activation not in spec.activations:
             reasons.append(Reason(Code.UNSUPPORTED_SHAPE, f"{spec.qualified_name} does not support activation "
                                   f"{config.activation}", "supported: " + ", ".join(sorted(map(str, spec.activations)))))
+        if config.expert_bias and not spec.expert_bias:
+            reasons.append(Reason(Code.UNSUPPORTED_FEATURE, f"{spec.qualified_name} does not declare expert biases "
+                                  "(MoEConfig.expert_bias=True, e.g. gpt-oss)",
+                                  "use a backend whose BackendSpec sets expert_bias=True (the core 'reference')"))
     reasons += spec.run_check(config)
     return reasons
 

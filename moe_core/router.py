@@ -21,11 +21,13 @@ def route(
     """``router_logits [T, E]`` -> ``TopK``.
 
     DeepSeek-V3 style when ``config.num_expert_group`` is set: the bias-corrected scores pick
-    the ``topk_group`` best groups (a group scores the sum of its two best experts, or its best
-    one without bias), then the top-k experts inside them; the weights are the uncorrected scores.
+    the ``topk_group`` best groups (a group scores the sum of its two best experts or its best
+    one, per ``config.group_scoring``), then the top-k experts inside them; the weights are the
+    uncorrected scores. ``router_logits`` may have any leading shape ``[..., E]``.
     """
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [T, E], got shape {tuple(router_logits.shape)}")
+    if router_logits.dim() < 1:
+        raise ValueError(f"router_logits must be [..., E], got shape {tuple(router_logits.shape)}")
+    router_logits = router_logits.reshape(-1, router_logits.shape[-1])
     t, e = router_logits.shape
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if config.scoring == "softmax" else torch.sigmoid(logits)
@@ -39,8 +41,8 @@ def route(
         if e % g:
             raise ValueError(f"num_experts={e} is not divisible by num_expert_group={g}")
         grouped = choice.view(t, g, e // g)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if config.use_correction_bias and e // g >= 2 \
-            else grouped.amax(dim=-1)
+        top2 = config.group_scoring == "top2_sum" or (config.group_scoring == "auto" and config.use_correction_bias)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1) if top2 and e // g >= 2 else grouped.amax(dim=-1)
         keep = group_scores.topk(config.topk_group, dim=-1).indices
         group_mask = torch.zeros(t, g, dtype=torch.bool, device=logits.device).scatter_(1, keep, True)
         choice = choice.masked_fill(~group_mask.repeat_interleave(e // g, dim=1), float("-inf"))

@@ -41,6 +41,19 @@ ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def gated_activation(activation: Activation, alpha: float = 1.702,
+                     limit: float = 7.0) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn(gate, up) -> h`` for ``activation``; ``alpha`` / ``limit`` parametrize ``swiglu_oai``."""
+    activation = Activation(activation)
+    if activation is Activation.SWIGLU_OAI:
+        def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            g = gate.clamp(max=limit)
+            return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+        return swiglu_oai
+    act = ACTIVATIONS[activation]
+    return lambda gate, up: act(gate) * up
+
+
 # the wire dtype that carries activations already quantized as the scheme quantizes them
 # (W4A4's int4 has no wire dtype: it always arrives unquantized or as INT8 and is requantized;
 # fp8_per_token's per-row scale is not the FP8 wire's 1x128 groups: requantized per token)
@@ -77,7 +90,7 @@ class ReferenceExperts(Experts):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
         cfg = ctx.config
-        self.act = ACTIVATIONS[cfg.activation]
+        self.glu = gated_activation(cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
         self.quantize = activation_quantizer(cfg.quant)
         # Activations that arrive already quantized in the scheme's own format are the GEMM1
         # input as they are; quantizing them again (with other scales) would add error.
@@ -96,6 +109,10 @@ class ReferenceExperts(Experts):
         # (recomputed from the loaded tensors on every call, so calling twice is harmless).
         w13, w2 = quant.dequantize_weights(layer.weight_tensors(), self.config.quant)
         self.w13, self.w2 = w13, w2
+        # expert biases (MoEConfig.expert_bias), added after each GEMM
+        b13, b2 = getattr(layer, "w13_bias", None), getattr(layer, "w2_bias", None)
+        self.b13 = None if b13 is None else b13.float()
+        self.b2 = None if b2 is None else b2.float()
         self.gs13 = getattr(layer, "a13_global_scale", None)
         self.gs2 = getattr(layer, "a2_global_scale", None)
 
@@ -108,11 +125,15 @@ class ReferenceExperts(Experts):
         """``x [n, H]`` float32 through expert ``e`` -> ``[n, H]`` float32 (unweighted)."""
         if self.quantize_input:
             x = self.quantize(x, None if self.gs13 is None else self.gs13[e])
-        gate, up = (x @ self.w13[e].t()).chunk(2, dim=-1)
-        h = self.act(gate) * up
+        gate_up = x @ self.w13[e].t()
+        if self.b13 is not None:
+            gate_up = gate_up + self.b13[e]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.glu(gate, up)
         if self.quantize is not None:
             h = self.quantize(h, None if self.gs2 is None else self.gs2[e])
-        return h @ self.w2[e].t()
+        y = h @ self.w2[e].t()
+        return y if self.b2 is None else y + self.b2[e]
 
     # ------------------------------------------------------------------ formats
 

@@ -22,6 +22,14 @@ def _act(x: torch.Tensor, activation: Activation) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: Activation, alpha: float, limit: float) -> torch.Tensor:
+    if Activation(activation) is Activation.SWIGLU_OAI:  # gpt-oss, written out elementwise
+        g = torch.minimum(gate, torch.full_like(gate, limit))
+        u = torch.maximum(torch.minimum(up, torch.full_like(up, limit)), torch.full_like(up, -limit))
+        return (u + 1.0) * g / (1.0 + torch.exp(-alpha * g))
+    return _act(gate, activation) * up
+
+
 def moe_float64(
     hidden_states: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -33,9 +41,14 @@ def moe_float64(
     routed_scaling_factor: float = 1.0,
     apply_router_weight_on_input: bool = False,
     quantize_activation: Optional[Callable[[torch.Tensor, str, int], torch.Tensor]] = None,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """``out[t] = rsf * sum_k w[t,k] * W2[e] (act(W1[e] x) * (W3[e] x))`` with ``e = ids[t,k]``,
-    skipping ``ids == -1``; ``w13 = [W1 (gate); W3 (up)]``. All in float64; returns float64."""
+    skipping ``ids == -1``; ``w13 = [W1 (gate); W3 (up)]``. All in float64; returns float64.
+    With expert biases: ``W1[e] x + b1[e]`` (``w13_bias = [b1; b3]``) and ``W2[e] h + b2[e]``."""
     x = hidden_states.double()
     w13, w2 = w13.double(), w2.double()
     inter = w2.shape[-1]
@@ -49,10 +62,15 @@ def moe_float64(
                 xt = quantize_activation(xt.unsqueeze(0), "a13", e).squeeze(0).double()
             gate = w13[e, :inter] @ xt
             up = w13[e, inter:] @ xt
-            h = _act(gate, activation) * up
+            if w13_bias is not None:
+                gate = gate + w13_bias[e, :inter].double()
+                up = up + w13_bias[e, inter:].double()
+            h = _glu(gate, up, activation, swiglu_alpha, swiglu_limit)
             if quantize_activation is not None:
                 h = quantize_activation(h.unsqueeze(0), "a2", e).squeeze(0).double()
             y = w2[e] @ h
+            if w2_bias is not None:
+                y = y + w2_bias[e].double()
             out[t] += y if apply_router_weight_on_input else weight * y
     return out * routed_scaling_factor
 

@@ -33,7 +33,7 @@ class ReferencePlugin(BackendPlugin):
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=ALL_DEVICES,
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4),
                 quant_schemes=frozenset(QuantScheme), activations=frozenset(Activation),
-                graph_safe_formats=frozenset(), ep=EPSupport.ANY, priority=0,
+                graph_safe_formats=frozenset(), ep=EPSupport.ANY, priority=0, expert_bias=True, keeps_loaded_weights=True,
                 description="pure PyTorch, every format and scheme; the oracle (syncs with the host)",
             ),
         ]

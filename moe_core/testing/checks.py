@@ -477,6 +477,8 @@ def add_honesty_cases(spec: BackendSpec, add: Callable[..., None]) -> None:
             add(f"honesty-unclaimed-quant-{q}", honesty, change={"quant": q})
         for a in sorted(set(Activation) - spec.activations, key=str):
             add(f"honesty-unclaimed-activation-{a}", honesty, change={"activation": a})
+        if not spec.expert_bias:
+            add("honesty-unclaimed-expert-bias", honesty, change={"expert_bias": True})
         if spec.role is Role.EXPERTS:
             for f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED):
                 if f not in spec.formats:

@@ -69,9 +69,9 @@ def test_torch_compile_matches_eager_and_keeps_the_id_check(layer):
 
 def test_topk_dtypes_are_checked_at_construction():
     with pytest.raises(TypeError, match="TopK.ids must be torch.int32"):
-        mc.TopK(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int64))
+        mc.TopK(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int16))
     with pytest.raises(TypeError, match="TopK.weights must be torch.float32"):
-        mc.TopK(torch.ones(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.int32))
+        mc.TopK(torch.ones(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"both be \[T, K\]"):
         mc.TopK(torch.ones(2, 2), torch.zeros(2, 3, dtype=torch.int32))
 

@@ -1,0 +1,317 @@
+"""Whole Hugging Face models (real MoE layer sizes, random weights) per experts implementation.
+
+For each model x weight format x shape, times one forward with ``experts_implementation`` in
+eager, grouped_mm, batched_mm and moe_core, and checks moe_core's logits against eager's (or
+against grouped_mm's where eager cannot run). Writes ``results.json`` and ``results.md`` to
+``--out``. See benchmarks/hf/README.md.
+
+    python benchmarks/hf/bench_hf_models.py --out benchmarks/hf/h100_YYYY-MM-DD     # one H100, < 6 min
+    python benchmarks/hf/bench_hf_models.py --out /tmp/hf_smoke --smoke            # tiny sizes on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig, StaticCache
+from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+from transformers.integrations.moe import use_experts_implementation
+
+import moe_core
+import moe_core.integrations.transformers as moe_hf
+from moe_core import quant
+from moe_core.reference.oracle import relative_error
+
+IMPLS = ("eager", "grouped_mm", "batched_mm", "moe_core")
+VOCAB = 32000  # the MoE layers are what is measured; a real vocabulary would only add lm_head time
+
+
+def model_configs(smoke: bool) -> dict[str, object]:
+    if smoke:
+        return {
+            "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, norm_topk_prob=True),
+            "deepseek-v3": DeepseekV3Config(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                                            n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                            n_shared_experts=1, first_k_dense_replace=0, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                                            q_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16),
+        }
+    return {
+        # Qwen/Qwen3-30B-A3B config.json, 4 layers
+        "qwen3-30b-a3b": Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                        num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, norm_topk_prob=True, max_position_embeddings=8192),
+        # deepseek-ai/DeepSeek-V3 config.json, 2 layers, both MoE
+        "deepseek-v3": DeepseekV3Config(vocab_size=VOCAB, hidden_size=7168, intermediate_size=18432,
+                                        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                                        n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
+                                        first_k_dense_replace=0, num_hidden_layers=2, num_attention_heads=128,
+                                        num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536,
+                                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                        max_position_embeddings=8192),
+    }
+
+
+def shapes(smoke: bool) -> list[tuple[str, int, int]]:
+    """(kind, batch, tokens per sequence); decode runs one token on a cache of ``CONTEXT`` tokens."""
+    if smoke:
+        return [("prefill", 1, 64), ("prefill", 4, 16), ("decode", 1, 1), ("decode", 4, 1)]
+    return [("prefill", 1, 4096), ("prefill", 16, 1024), ("decode", 1, 1), ("decode", 32, 1)]
+
+
+def to_fp8_block(model: torch.nn.Module) -> None:
+    """Swap every experts module for transformers' own FP8Experts (128x128 blocks, dynamic
+    activations: what FineGrainedFP8Config(weight_block_size=(128, 128)) loads), quantized from
+    the bf16 weights with moe_core.quant (the same block format: dequant = q * scale_inv)."""
+    fp8_cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    names = [n for n, m in model.named_modules() if n.endswith(".experts") and getattr(m, "has_gate", False)]
+    for name in names:  # one layer at a time, in chunks of experts: no float32 copy of a whole layer
+        parent = model.get_submodule(name.rsplit(".", 1)[0])
+        old = parent.experts
+        with torch.device(old.gate_up_proj.device):
+            new = fp8_cls(old.config, block_size=(128, 128), activation_scheme="dynamic")
+        with torch.no_grad():
+            for e in range(0, old.gate_up_proj.shape[0], 16):
+                ck = quant.quantize_weights(old.gate_up_proj[e:e + 16], old.down_proj[e:e + 16], "fp8_block")
+                new.gate_up_proj[e:e + 16] = ck["w13"]
+                new.gate_up_proj_scale_inv[e:e + 16] = ck["w13_scale"]
+                new.down_proj[e:e + 16] = ck["w2"]
+                new.down_proj_scale_inv[e:e + 16] = ck["w2_scale"]
+        parent.experts = new
+        del old
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def build(name: str, config, fmt: str, device: torch.device, smoke: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, experts_implementation="eager")
+    if smoke:  # HF's init (std 0.02) leaves tiny experts outputs; O(1) weights make the check meaningful
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.dim() >= 2 and "norm" not in pname:
+                    p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+    if fmt == "fp8_block":
+        to_fp8_block(model)
+    return model.eval()
+
+
+def inputs(kind: str, batch: int, tokens: int, vocab: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(batch * 7919 + tokens)
+    return torch.randint(3, vocab, (batch, tokens), generator=g).to(device)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    """Median seconds of ``iters`` calls after two warm-ups."""
+    fn(), fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def batched_mm_bytes(model, batch: int, tokens: int) -> int:
+    """batched_mm gathers one weight matrix per (token, expert) pair: the bytes it would allocate."""
+    experts = next(m for n, m in model.named_modules() if n.endswith(".experts"))
+    per_pair = experts.gate_up_proj[0].numel() * experts.gate_up_proj.element_size()
+    return batch * tokens * model.config.num_experts_per_tok * per_pair
+
+
+CONTEXT = 256
+
+
+def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch.device, iters: int,
+             graphs: bool) -> dict:
+    model.set_experts_implementation(impl)
+    if impl == "moe_core":
+        moe_hf.prepare(model)
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        if kind == "prefill":
+            ids = inputs(kind, batch, tokens, vocab, device)
+
+            def step():
+                return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+            seconds = timed(step, device, iters)
+            return {"ms": seconds * 1e3, "logits": step().float().cpu(), "graph": False}
+        cache = StaticCache(config=model.config, max_cache_len=CONTEXT + 8)
+        ctx = inputs("ctx", batch, CONTEXT, vocab, device)
+        model(input_ids=ctx, past_key_values=cache, use_cache=True)
+        ids = inputs(kind, batch, 1, vocab, device)
+        pos = torch.tensor([CONTEXT], device=device)
+
+        def step():
+            return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        out = step()
+        graph_note = False
+        if graphs and device.type == "cuda":
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    step(), step()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = step()
+                seconds = timed(graph.replay, device, iters)
+                return {"ms": seconds * 1e3, "logits": static_out.float().cpu(), "graph": True}
+            except Exception as exc:  # not capturable (host syncs in the experts): time it eagerly
+                graph_note = f"not capturable: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                torch.cuda.synchronize()
+        seconds = timed(step, device, iters)
+        return {"ms": seconds * 1e3, "logits": out.float().cpu(), "graph": graph_note}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="directory for results.json and results.md")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (checks the script, times nothing real)")
+    p.add_argument("--models", default="qwen3-30b-a3b,deepseek-v3")
+    p.add_argument("--formats", default="bf16,fp8_block")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--iters", type=int, default=None, help="timed calls per cell (median); default 10 (smoke: 2)")
+    p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
+    p.add_argument("--moe-core-experts", default="auto", help="force moe_core's experts backend (MoEConfig.experts)")
+    args = p.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    iters = args.iters or (2 if args.smoke else 10)
+    graphs = not args.no_graphs
+    # decode cells are captured in CUDA graphs: plan graph-safe backends for them
+    # share_weights: one copy of the experts in memory (DeepSeek-V3's two layers are ~45 GB in bf16)
+    moe_hf.register(share_weights=True, experts=args.moe_core_experts, cuda_graph=graphs and device.type == "cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    meta = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "moe_core": getattr(moe_core, "__version__", "0.1.0"), "context_for_decode": CONTEXT, "iters": iters}
+    rows = []
+    bf16_eager: dict[tuple, torch.Tensor] = {}  # the FP8 cells' fallback reference (quantization error included)
+    configs = model_configs(args.smoke)
+    free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
+    for name in args.models.split(","):
+        for fmt in args.formats.split(","):
+            print(f"== {name} {fmt}", flush=True)
+            try:
+                model = build(name, configs[name], fmt, device, args.smoke)
+            except Exception as exc:
+                rows.append({"model": name, "format": fmt, "error": f"build: {type(exc).__name__}: {exc}"})
+                continue
+            # every HF implementation over every shape first, moe_core last: moe_core shares the HF
+            # expert weights (register(share_weights=True)) and its backend may rewrite them in place
+            impls = [i for i in args.impls.split(",") if i != "moe_core"] + \
+                (["moe_core"] if "moe_core" in args.impls.split(",") else [])
+            cells = {shape: {"model": name, "format": fmt, "kind": shape[0], "batch": shape[1], "tokens": shape[2],
+                             "impls": {}} for shape in shapes(args.smoke)}
+            logits: dict[tuple, dict[str, torch.Tensor]] = {shape: {} for shape in cells}
+            for impl in impls:
+                for (kind, batch, tokens), cell in cells.items():
+                    if impl == "batched_mm" and batched_mm_bytes(model, batch, tokens) > free // 2:
+                        cell["impls"][impl] = {"skipped": f"gathers {batched_mm_bytes(model, batch, tokens) / 2**30:.0f} "
+                                                          "GiB of weights (one matrix per token-expert pair)"}
+                        continue
+                    try:
+                        r = run_cell(model, impl, kind, batch, tokens, device, iters, graphs)
+                        logits[(kind, batch, tokens)][impl] = r.pop("logits")
+                        cell["impls"][impl] = r
+                    except Exception as exc:
+                        cell["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+                        traceback.print_exc()
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    print(f"  {kind} {batch}x{tokens} {impl}: {cell['impls'][impl]}", flush=True)
+            for shape, cell in cells.items():
+                got = logits[shape]
+                key = (name,) + shape
+                if fmt == "bf16" and "eager" in got:
+                    bf16_eager[key] = got["eager"]
+                base = "eager" if "eager" in got else ("grouped_mm" if "grouped_mm" in got else None)
+                reference = got.get(base) if base else bf16_eager.get(key)
+                if "moe_core" in got and reference is not None:
+                    cell["moe_core_vs"] = base or "bf16 eager"
+                    cell["moe_core_rel_err"] = relative_error(got["moe_core"], reference)
+                    cell["moe_core_top1_agree"] = float((got["moe_core"].argmax(-1) == reference.argmax(-1))
+                                                        .float().mean())
+                if "ms" in cell["impls"].get("moe_core", {}):
+                    cell["moe_core_plans"] = sorted({f"{pl.dispatcher_name} x {pl.experts.name} [{pl.dispatch_dtype}]"
+                                                     for pl in moe_hf.plans(model).values()})
+                rows.append(cell)
+            del model
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    meta["total_seconds"] = round(time.time() - started, 1)
+    (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "results.md").write_text(markdown(meta, rows, args.impls.split(",")))
+    print((args.out / "results.md").read_text())
+    return 0
+
+
+def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
+    lines = [f"# HF models per experts implementation ({meta['date_utc']} UTC)", "",
+             f"`{meta['command']}` on {meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}; "
+             f"median of {meta['iters']} calls; decode = one token per sequence on a {meta['context_for_decode']}-token "
+             f"static cache (CUDA graph where marked g); total {meta.get('total_seconds')} s.", "",
+             "| model | format | shape | " + " | ".join(f"{i} ms" for i in impls)
+             + " | moe_core vs fastest HF | moe_core rel err (vs) | moe_core plan |",
+             "|---|---|---|" + "---|" * len(impls) + "---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['format']} | build failed: {r['error']} |")
+            continue
+        cells = []
+        for i in impls:
+            v = r["impls"].get(i, {})
+            cells.append(f"{v['ms']:.3f}{' g' if v.get('graph') is True else ''}" if "ms" in v
+                         else ("skip" if "skipped" in v else ("error" if "error" in v else "-")))
+        hf = [r["impls"][i]["ms"] for i in impls if i != "moe_core" and "ms" in r["impls"].get(i, {})]
+        ours = r["impls"].get("moe_core", {}).get("ms")
+        speed = f"{min(hf) / ours:.2f}x" if hf and ours else "-"
+        err = f"{r['moe_core_rel_err']:.2e} ({r['moe_core_vs']})" if "moe_core_rel_err" in r else "-"
+        lines.append(f"| {r['model']} | {r['format']} | {r['kind']} {r['batch']}x{r['tokens']} | " + " | ".join(cells)
+                     + f" | {speed} | {err} | {'; '.join(r.get('moe_core_plans', []))} |")
+    notes: dict[str, list[str]] = {}  # one line per distinct message
+    for r in rows:
+        for i, v in r.get("impls", {}).items():
+            if "error" in v or "skipped" in v or isinstance(v.get("graph"), str):
+                message = v.get("error") or v.get("skipped") or v.get("graph")
+                notes.setdefault(message, []).append(f"{r['model']} {r['format']} {r['kind']} {r['batch']}x{r['tokens']} {i}")
+    notes = [f"- {m}: {', '.join(where)}" for m, where in notes.items()]
+    return "\n".join(lines + ([""] + ["Notes:"] + notes if notes else [])) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
