@@ -113,6 +113,8 @@ class BackendSpec:
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
     - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
       ``"required"`` (only with an EP group of size > 1).
+    - ``packages``: import names of the vendor Python packages the backend needs (what its probe
+      looks for); ``moe-core doctor`` reports their installed versions. Never imported by the core.
     """
 
     name: str
@@ -130,6 +132,7 @@ class BackendSpec:
     check: Optional[Union[str, Check]] = None
     quantizes_internally: bool = False
     description: str = ""
+    packages: tuple[str, ...] = ()
     # filled in by the plugin manager at registration:
     plugin: str = ""
     plugin_version: str = ""

@@ -35,7 +35,7 @@ class CudaPlugin(BackendPlugin):
                 activations=_ALL_ACTS,
                 # no host sync: grids are sized from shapes, counts stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
+                packages=("triton",), priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
             ),
             BackendSpec(
@@ -46,6 +46,7 @@ class CudaPlugin(BackendPlugin):
                 activations=frozenset({Activation.SILU}),
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
+                packages=("triton", "cutlass_library", "deep_gemm"),
                 priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
                 description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled and bf16; "
                             "Triton below the tuned crossover",
@@ -71,7 +72,7 @@ class CudaPlugin(BackendPlugin):
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 # normal mode busy-waits on the host for the receive counts
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                ep="required", priority=PRIORITY_DEEPEP, probe=f"{_P}.probes:probe_deepep",
+                ep="required", packages=("deep_ep",), priority=PRIORITY_DEEPEP, probe=f"{_P}.probes:probe_deepep",
                 check=f"{_P}.probes:check_deepep",
                 description="DeepEP V1 Buffer: normal (intranode/internode) and low-latency all-to-all",
             ),
@@ -81,7 +82,7 @@ class CudaPlugin(BackendPlugin):
                 wire_dtypes=(WireDtype.NVFP4, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.NVFP4}), activations=frozenset({Activation.SILU}),
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                priority=PRIORITY_CUTEDSL, probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
+                packages=("flashinfer",), priority=PRIORITY_CUTEDSL, probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
                 description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
             ),
         ]
