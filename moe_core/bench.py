@@ -335,7 +335,9 @@ def run(settings: Settings, manager: PluginManager, log: Console, out: Console) 
                                  hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size)
                         results.append(r)
                         floor = "" if r["frac_floor"] is None else f"  {r['frac_floor']:.2f} of floor"
-                        log.print(f"  [{done}/{total}] {time.time() - t_start:6.0f}s {name:16s} {q:11s} "
+                        elapsed = time.time() - t_start
+                        eta = elapsed / done * (total - done)
+                        log.print(f"  [{done}/{total}] {elapsed:6.0f}s ETA {eta:4.0f}s {name:16s} {q:11s} "
                                   f"{backend:10s} T={T:<6d} {r['best_us']:10.1f} us  {_rate(r['flops'], r['best_us'])}"
                                   f"{floor}" + (f"  ({r['graph_error']})" if r["graph_error"] else ""))
                         progress.advance(task)
