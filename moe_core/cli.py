@@ -171,7 +171,7 @@ def _backend_row(manager: PluginManager, spec: BackendSpec, distribution: str) -
             "qualified_name": spec.qualified_name, "distribution": distribution,
             "devices": sorted(spec.devices), "quant_schemes": sorted(map(str, spec.quant_schemes)),
             "formats": [str(f) for f in spec.formats], "wire_dtypes": [str(d) for d in spec.wire_dtypes],
-            "activations": sorted(map(str, spec.activations)), "priority": spec.priority, "ep": spec.ep,
+            "activations": sorted(map(str, spec.activations)), "priority": spec.priority, "ep": str(spec.ep),
             "graph_safe_formats": sorted(map(str, spec.graph_safe_formats)),
             "quantizes_internally": spec.quantizes_internally, "packages": list(spec.packages),
             "description": spec.description}
