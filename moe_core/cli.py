@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 import time
 from typing import Any, Iterable, Optional, Sequence
 
@@ -448,7 +449,8 @@ def doctor(options: Options, as_json: bool) -> int:
              + (f", HIP {env['torch_hip']}" if env["torch_hip"] else "") + f"; this machine's device kind: "
              f"{env['device_kind']}" + (f"; NVIDIA driver {env['nvidia_driver']}" if env["nvidia_driver"] else "")]
     lines += [f"  GPU {g['index']}: {g['name']} (sm {g['capability']}, {g['memory_gib']} GiB)" for g in env["gpus"]]
-    lines.append("  packages: " + ", ".join(f"{p} {v or 'absent'}" for p, v in env["packages"].items()))
+    lines.append(textwrap.fill(", ".join(f"{p} {v or 'absent'}" for p, v in env["packages"].items()),
+                               TABLE_WIDTH, initial_indent="  packages: ", subsequent_indent="    "))
     lines.append("plugins:")
     for p in report["plugins"]:
         status = "ok" if p["code"] == "OK" else p["code"]
@@ -461,7 +463,7 @@ def doctor(options: Options, as_json: bool) -> int:
         lines.append(f"hook validation: {report['hooks']}")
     lines += [f"duplicate: {note}" for note in report["duplicates"]]
     lines.append("backends:")
-    for b in report["backends"]:
+    for b in sorted(report["backends"], key=lambda b: b["backend"]):
         lines.append(f"  {b['backend']}: " + ("ok" if b["code"] == "OK" else f"{b['code']} ({b['message']})"))
     lines.append(f"{len(report['problems'])} problem(s)")
     lines += [f"  - {p}" for p in report["problems"]]
