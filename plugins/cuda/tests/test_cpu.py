@@ -53,6 +53,19 @@ def test_moe_core_tune_finds_the_cuda_tuner(capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_moe_core_doctor_reports_the_cuda_vendor_packages(capsys):
+    """The cuda backends declare the vendor packages they need (BackendSpec.packages), so
+    ``moe-core doctor`` reports each one's version, or that it is absent, without importing it."""
+    import json
+
+    from moe_core.cli import main
+
+    main(["doctor", "--json"])
+    packages = json.loads(capsys.readouterr().out)["environment"]["packages"]
+    assert {"triton", "deep_ep", "flashinfer", "cutlass_library", "deep_gemm"} <= set(packages)
+    assert all(v is None or isinstance(v, str) and v for v in packages.values())  # a version, or absent
+
+
 def test_deepep_not_installed_hint():
     from moe_plugin_cuda import probes
 
