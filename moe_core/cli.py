@@ -60,8 +60,9 @@ def did_you_mean(value: str, names: Iterable[str]) -> str:
 
 
 def console(stderr: bool = False) -> Console:
+    """Tables on stdout fit the terminal (at most 100 columns); log lines on stderr are never wrapped."""
     width = min(shutil.get_terminal_size((TABLE_WIDTH, 24)).columns, TABLE_WIDTH)
-    return Console(width=width, stderr=stderr, highlight=False, markup=False, soft_wrap=False)
+    return Console(width=width, stderr=stderr, highlight=False, markup=False, soft_wrap=stderr)
 
 
 def local_device_kind() -> str:
