@@ -111,8 +111,10 @@ class BackendSpec:
     - ``probe``: ``"module:function"`` returning a ``Reason`` (OK or why not); it must be cheap,
       never raise and never import a vendor library at module import time of the plugin.
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
-    - ``ep``: ``"none"`` (single rank only), ``"any"`` (works with and without an EP group) or
-      ``"required"`` (only with an EP group of size > 1).
+    - ``ep``: ``"none"`` (single rank only; the default, so that no backend claims expert
+      parallelism without saying so), ``"any"`` (works with and without an EP group: experts that
+      compute on the rank's local experts) or ``"required"`` (only with an EP group of size > 1:
+      dispatchers and fused backends that communicate). The kit checks the claim both ways.
     - ``packages``: import names of the vendor Python packages the backend needs (what its probe
       looks for); ``moe-core doctor`` reports their installed versions. Never imported by the core.
     """
@@ -126,7 +128,7 @@ class BackendSpec:
     quant_schemes: frozenset[QuantScheme] = frozenset({QuantScheme.UNQUANTIZED})
     activations: frozenset[Activation] = frozenset({Activation.SILU})
     graph_safe_formats: frozenset[Format] = frozenset()
-    ep: str = "any"
+    ep: str = "none"
     priority: int = 0
     probe: Optional[Union[str, Probe]] = None
     check: Optional[Union[str, Check]] = None

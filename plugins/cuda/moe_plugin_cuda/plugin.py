@@ -35,7 +35,8 @@ class CudaPlugin(BackendPlugin):
                 activations=_ALL_ACTS,
                 # no host sync: grids are sized from shapes, counts stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                packages=("triton",), priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
+                ep="any", packages=("triton",), priority=PRIORITY_TRITON,
+                probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
             ),
             BackendSpec(
@@ -46,7 +47,7 @@ class CudaPlugin(BackendPlugin):
                 activations=frozenset({Activation.SILU}),
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                packages=("triton", "cutlass_library", "deep_gemm"),
+                ep="any", packages=("triton", "cutlass_library", "deep_gemm"),
                 priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
                 description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled and bf16; "
                             "Triton below the tuned crossover",
@@ -60,7 +61,7 @@ class CudaPlugin(BackendPlugin):
                 quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_PER_TOKEN}),
                 activations=_ALL_ACTS,
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL}),
-                quantizes_internally=True,
+                quantizes_internally=True, ep="any",
                 priority=PRIORITY_GROUPED_MM, probe=f"{_P}.probes:probe_grouped_mm",
                 check=f"{_P}.probes:check_grouped_mm",
                 description="torch._grouped_mm (bf16) / torch._scaled_grouped_mm (FP8 per token) on SM90+",
@@ -82,7 +83,8 @@ class CudaPlugin(BackendPlugin):
                 wire_dtypes=(WireDtype.NVFP4, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.NVFP4}), activations=frozenset({Activation.SILU}),
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                packages=("flashinfer",), priority=PRIORITY_CUTEDSL, probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
+                ep="any", packages=("flashinfer",), priority=PRIORITY_CUTEDSL,
+                probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
                 description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
             ),
         ]
