@@ -102,12 +102,17 @@ class Options:
         return self._manager
 
     def _check_names(self, manager: PluginManager) -> None:
+        """``--allow`` of a plugin that is not installed is an unmet choice (exit 2); ``--block`` of one
+        is only noted (blocking what is absent is harmless, and scripts block on every machine)."""
         known = sorted({r.name for r in manager.records})
-        for option, names in (("--allow", self.allow or ()), ("--block", self.block)):
-            for name in names:
-                if name not in known:
-                    raise click.BadParameter(f"no installed plugin is named {name!r}; installed: "
-                                             f"{', '.join(known)}.{did_you_mean(name, known)}", param_hint=option)
+        for name in self.allow or ():
+            if name not in known:
+                raise click.BadParameter(f"no installed plugin is named {name!r}; installed: "
+                                         f"{', '.join(known)}.{did_you_mean(name, known)}", param_hint="--allow")
+        for name in self.block:
+            if name not in known:
+                click.echo(f"note: --block {name}: no installed plugin has that name (installed: {', '.join(known)})."
+                           + did_you_mean(name, known), err=True)
 
 
 def check_backend_name(manager: PluginManager, value: str, option: str, roles: Sequence[Role]) -> None:

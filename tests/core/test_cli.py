@@ -121,6 +121,11 @@ def test_usage_errors_exit_2_and_name_the_option(capsys, argv, option, expected)
     assert code == 2 and option in err and expected in err, err
 
 
+def test_blocking_an_absent_plugin_is_only_noted(capsys):
+    code, out, err = run(capsys, "--block", "nosuch", "backends", "--json")
+    assert code == 0 and json.loads(out) and "note: --block nosuch: no installed plugin has that name" in err
+
+
 def test_an_option_is_never_abbreviated(capsys):
     code, _, err = run(capsys, "backends", "--js")
     assert code == 2 and "No such option" in err
