@@ -132,9 +132,11 @@ class BackendSpec:
     - ``probe``: ``"module:function"`` returning a ``Reason`` (OK or why not); it must be cheap,
       never raise and never import a vendor library at module import time of the plugin.
     - ``quantizes_internally``: the experts take BF16 and quantize themselves (dtype chain step 2).
-    - ``ep``: an ``EPSupport``: ``NONE`` (single rank only), ``ANY`` (works with and without an EP
-      group) or ``REQUIRED`` (only with an EP group of size > 1). The strings ``"none"``, ``"any"``,
-      ``"required"`` are accepted and converted here, once.
+    - ``ep``: an ``EPSupport``: ``NONE`` (single rank only; the default, so that no backend claims
+      expert parallelism without saying so), ``ANY`` (works with and without an EP group: experts that
+      compute on the rank's local experts) or ``REQUIRED`` (only with an EP group of size > 1:
+      dispatchers and fused backends that communicate). The strings ``"none"``, ``"any"``,
+      ``"required"`` are accepted and converted here, once. The kit checks the claim both ways.
     - ``plugin`` / ``plugin_version``: ``None`` until the plugin manager registers the spec.
     - ``priority``: higher wins among candidates that can serve a layer; ``priority_reason`` says why
       this backend ranks where it does (the plan quotes it when it picks this backend over a
@@ -145,6 +147,8 @@ class BackendSpec:
     - ``expert_bias``: the experts add ``w13_bias`` / ``w2_bias`` (``MoEConfig.expert_bias``);
       undeclared means refused. The clamped ``Activation.SWIGLU_OAI`` is declared in
       ``activations`` like any other activation.
+    - ``packages``: import names of the vendor Python packages the backend needs (what its probe
+      looks for); ``moe-core doctor`` reports their installed versions. Never imported by the core.
     """
 
     name: str
@@ -156,7 +160,7 @@ class BackendSpec:
     quant_schemes: frozenset[QuantScheme] = frozenset({QuantScheme.UNQUANTIZED})
     activations: frozenset[Activation] = frozenset({Activation.SILU})
     graph_safe_formats: frozenset[Format] = frozenset()
-    ep: EPSupport = EPSupport.ANY
+    ep: EPSupport = EPSupport.NONE
     priority: int = 0
     priority_reason: str = ""
     probe: Optional[Union[str, Probe]] = None
@@ -165,6 +169,7 @@ class BackendSpec:
     description: str = ""
     expert_bias: bool = False
     keeps_loaded_weights: bool = False
+    packages: tuple[str, ...] = ()
     # filled in by the plugin manager at registration:
     plugin: Optional[str] = None
     plugin_version: Optional[str] = None

@@ -12,7 +12,7 @@ import torch
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
 from moe_core.devices import DEVICE_KINDS
 
-__all__ = ["MoEConfig", "RouterConfig", "PRESETS", "preset", "DEVICE_KINDS"]
+__all__ = ["MoEConfig", "RouterConfig", "PRESETS", "preset", "scaled_preset", "DEVICE_KINDS"]
 
 AUTO = "auto"
 
@@ -218,6 +218,17 @@ def preset(name: str, **overrides: Any) -> MoEConfig:
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
     return MoEConfig(**{**base, **overrides})
+
+
+def scaled_preset(name: str, scale: int, **overrides: Any) -> MoEConfig:
+    """``preset(name)`` with its hidden and intermediate sizes divided by ``scale`` (kept multiples of
+    16, at least 16): the same layer's shape at a size a CPU runs in seconds (``moe-core demo``/``bench``)."""
+    if scale < 1:
+        raise ValueError(f"scale must be >= 1, got {scale!r}")
+    base = preset(name)
+    sizes = {k: max(16, getattr(base, k) // scale // 16 * 16) if scale > 1 else getattr(base, k)
+             for k in ("hidden_size", "intermediate_size")}
+    return preset(name, **{**sizes, **overrides})
 
 
 # --------------------------------------------------------------------------- Hugging Face configs

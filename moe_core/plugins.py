@@ -50,6 +50,7 @@ class PluginRecord:
     version: str
     source: str  # entry-point value, or "builtin"
     status: Reason  # OK, LOAD_ERROR, API_MISMATCH or DISABLED
+    distribution: str = ""  # the installed distribution providing it ("moe-core" for the built-in plugin)
 
 
 @dataclass
@@ -99,21 +100,22 @@ class PluginManager:
     def _load_builtin(self) -> None:
         if BUILTIN_PLUGIN in self.block:
             self.records.append(PluginRecord(BUILTIN_PLUGIN, _core_version(), "builtin",
-                                             Reason(Code.DISABLED, "blocked by the block-list")))
+                                             Reason(Code.DISABLED, "blocked by the block-list"), "moe-core"))
             return
-        self._register(BUILTIN_PLUGIN, _core_version(), "builtin", reference_plugin)
+        self._register(BUILTIN_PLUGIN, _core_version(), "builtin", reference_plugin, "moe-core")
 
     def _load_entry_point(self, ep: Any) -> None:
         name = ep.name
         version = _dist_version(ep)
+        dist = _dist_name(ep)
         if name == BUILTIN_PLUGIN:
             self._fail(PluginRecord(name, version, ep.value, Reason(
                 Code.LOAD_ERROR, f"plugin name {name!r} is reserved for the built-in backends",
-                "rename the entry point")))
+                "rename the entry point"), dist))
             return
         if name in self.block or (self.allow is not None and name not in self.allow):
             why = "blocked by the block-list" if name in self.block else "not in the allow-list"
-            self.records.append(PluginRecord(name, version, ep.value, Reason(Code.DISABLED, why)))
+            self.records.append(PluginRecord(name, version, ep.value, Reason(Code.DISABLED, why), dist))
             return
         start = time.monotonic()
         try:
@@ -121,12 +123,12 @@ class PluginManager:
         except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() on import must not end the process
             reason = from_exception(Code.LOAD_ERROR, f"importing plugin {name!r} ({ep.value}) failed", exc)
             self._fail(PluginRecord(name, version, ep.value, dataclasses.replace(
-                reason, hint=f"fix or uninstall the distribution providing {ep.value.split(':')[0]}")))
+                reason, hint=f"fix or uninstall the distribution providing {ep.value.split(':')[0]}"), dist))
             return
         _warn_if_slow(f"importing plugin {name!r} ({ep.value})", time.monotonic() - start)
-        self._register(name, version, ep.value, obj)
+        self._register(name, version, ep.value, obj, dist)
 
-    def _register(self, name: str, version: str, source: str, obj: Any) -> None:
+    def _register(self, name: str, version: str, source: str, obj: Any, dist: str = "") -> None:
         declared = getattr(obj, "moe_core_hookspec_version", None)
         well_formed = isinstance(declared, tuple) and bool(declared) and all(type(v) is int for v in declared)
         if not well_formed or declared[0] != HOOKSPEC_VERSION[0] or declared > HOOKSPEC_VERSION:
@@ -145,15 +147,15 @@ class PluginManager:
                 self.pm.unregister(obj)
             reason = from_exception(Code.API_MISMATCH, f"plugin {name!r} does not match the hook specs", exc)
             self._fail(PluginRecord(name, version, source, dataclasses.replace(
-                reason, hint="compare the hookimpl signatures with moe_core.hookspecs")))
+                reason, hint="compare the hookimpl signatures with moe_core.hookspecs"), dist))
             return
         except Exception as exc:
             if self.pm.is_registered(obj):
                 self.pm.unregister(obj)
             self._fail(PluginRecord(name, version, source,
-                                    from_exception(Code.LOAD_ERROR, f"registering plugin {name!r} failed", exc)))
+                                    from_exception(Code.LOAD_ERROR, f"registering plugin {name!r} failed", exc), dist))
             return
-        self.records.append(PluginRecord(name, version, source, Reason(Code.OK, "loaded")))
+        self.records.append(PluginRecord(name, version, source, Reason(Code.OK, "loaded"), dist))
 
     def _validate(self, name: str) -> None:
         """Every hookimpl must name a known hook (pluggy checks argument subsets at register)."""
@@ -287,6 +289,11 @@ def _core_version() -> str:
         return metadata.version("moe-core")
     except metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def _dist_name(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    return getattr(dist, "name", None) or ""
 
 
 def _dist_version(ep: Any) -> str:

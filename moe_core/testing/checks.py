@@ -327,17 +327,24 @@ class ExpertsHarness:
             self._check_empty_tokens(out, where)
             return err
         raise KitFailure(f"{where}relative error {_fmt(err)} > tolerance {self.tol:g} vs the reference backend "
-                         f"(norm(out - ref) / norm(ref); scheme {self.scheme}, wire {self.wire}, format {self.fmt}, "
-                         f"T={self.tokens}, top_k={self.top_k}){exact_note}" + self._diagnose(out, ref))
+                         f"(norm(out - ref) / norm(ref); {self.describe()}){exact_note}" + self._diagnose(out, ref))
 
-    def exact(self) -> torch.Tensor:
+    def describe(self) -> str:
+        """What the case runs: activation, scheme, format, dtypes and sizes (in every failure message)."""
+        cfg = self.config
+        return (f"activation {cfg.activation}, scheme {self.scheme}, format {self.fmt}, wire {self.wire}, "
+                f"dtype {str(cfg.params_dtype).removeprefix('torch.')}, T={self.tokens}, top_k={self.top_k}"
+                + (f", routed_scaling_factor={cfg.routed_scaling_factor:g}" if cfg.routed_scaling_factor != 1 else ""))
+
+    def exact(self, activation: Optional[Activation] = None) -> torch.Tensor:
         """The case in float64 from the dequantized weights and the wire-dequantized inputs,
-        without activation rounding inside the experts (``moe_core.reference.oracle``)."""
+        without activation rounding inside the experts (``moe_core.reference.oracle``); with
+        ``activation``, as if the config asked for that one (for diagnostics)."""
         from moe_core.reference.oracle import moe_float64
 
         w13, w2 = quant.dequantize_weights(self.ref.weight_tensors(), self.scheme)
         cfg = self.config
-        kw = dict(activation=cfg.activation, routed_scaling_factor=cfg.routed_scaling_factor)
+        kw = dict(activation=activation or cfg.activation, routed_scaling_factor=cfg.routed_scaling_factor)
         if self.fmt is Format.EP_MASKED:
             d = self.dispatched
             x = d.hidden.dequantize(torch.float32)[self.valid]
@@ -376,12 +383,31 @@ class ExpertsHarness:
                     notes.append(f"the output matches the reference with the top-k weights {label}: check who applies "
                                  f"the weights for format {self.fmt} (moe_core.contracts)")
         rsf = self.config.routed_scaling_factor
-        if rsf != 1.0:
-            for label, factor in (("not applied", 1 / rsf), ("applied twice", rsf)):
-                if rel_error(out, ref * factor) <= self.tol:
-                    notes.append(f"the output matches the reference with routed_scaling_factor={rsf:g} {label}")
+        if rsf != 1.0 and torch.isfinite(o).all():
+            if rel_error(out, ref / rsf) <= self.tol:
+                notes.append(f"hint: scaling factor missing: the output matches the reference without "
+                             f"routed_scaling_factor={rsf:g}; multiply the experts' output by "
+                             f"ctx.config.routed_scaling_factor (for format {self.fmt}: moe_core.contracts)")
+            elif rel_error(out, ref * rsf) <= self.tol:
+                notes.append(f"hint: scaling factor applied twice: the output matches the reference with "
+                             f"routed_scaling_factor={rsf:g} applied twice")
+        notes.append(self._activation_hint(o))
         notes.append(self._worst_rows(o, ref.detach().cpu().double()))
         return "\n  " + "\n  ".join(n for n in notes if n)
+
+    def _activation_hint(self, o: torch.Tensor) -> str:
+        """A hint when the output is the case computed with another activation than the config's."""
+        asked = self.config.activation
+        if o.numel() == 0 or not torch.isfinite(o).all():
+            return ""
+        # as close to that activation's exact math as the reference is to the asked one's, or within tolerance
+        allowed = max(self.tol, 2 * rel_error(self.reference(), self.exact()))
+        for other in Activation:
+            if other is not asked and rel_error(o, self.exact(other)) <= allowed:
+                return (f"hint: activation mismatch: the output matches activation {other}, the config asks "
+                        f"{asked}; read ctx.config.activation (declared: "
+                        f"{', '.join(sorted(map(str, self.spec.activations)))})")
+        return ""
 
     def _worst_rows(self, o: torch.Tensor, r: torch.Tensor) -> str:
         if o.numel() == 0 or not torch.isfinite(o).all():

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Union
 import torch
 
 from moe_core.backends import BackendSpec, EPSupport, Role
-from moe_core.contracts import Format
+from moe_core.contracts import Activation, Format
 from moe_core.testing import checks, ep
 from moe_core.testing.cases import (  # noqa: F401  (re-exported: the vocabulary's old home)
     Case,
@@ -66,12 +66,16 @@ def generate_cases(spec: BackendSpec, options: KitOptions, manager: Any = None) 
         formats = [f for f in spec.formats if f in (Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED)]
         if spec.role is Role.FUSED:
             formats = [Format.FUSED]
-        activation = _sorted(spec.activations)[0]
+        # the full matrix runs with the primary activation (SiLU, the common one, when declared); every
+        # other declared activation runs in every format x scheme too: a kernel with the activation
+        # hard-wired fails there, by name
+        primary = Activation.SILU if Activation.SILU in spec.activations else _sorted(spec.activations)[0]
+        others = [a for a in _sorted(spec.activations) if a is not primary]
         for scheme in _sorted(spec.quant_schemes):
             wire = ctx.natural_wire(spec, scheme, formats[0])
-            base = dict(scheme=scheme, wire=wire, activation=activation)
+            base = dict(scheme=scheme, wire=wire, activation=primary)
             for fmt in formats:
-                tag = f"{fmt}-{scheme}-{wire}"
+                tag = f"{fmt}-{scheme}-{wire}-{primary}"
                 for t in token_counts:
                     for k in top_ks:
                         add(f"experts-{tag}-T{t}-K{k}", checks.experts_numeric, fmt=fmt, tokens=t, top_k=k, **base)
@@ -82,21 +86,20 @@ def generate_cases(spec: BackendSpec, options: KitOptions, manager: Any = None) 
                 if fmt is not Format.EP_MASKED:  # masked outputs are unweighted: no weight on input
                     add(f"experts-{tag}-weight-on-input", checks.experts_numeric, fmt=fmt, tokens=shape.tokens_odd,
                         top_k=1, apply_router_weight_on_input=True, **base)
+                for act in others:
+                    add(f"experts-{fmt}-{scheme}-{wire}-{act}-T{shape.tokens_odd}-K{shape.top_k}",
+                        checks.experts_numeric, fmt=fmt, tokens=shape.tokens_odd, top_k=shape.top_k,
+                        **{**base, "activation": act})
             fmt = formats[0]
-            tag = f"{fmt}-{scheme}-{wire}"
+            tag = f"{fmt}-{scheme}-{wire}-{primary}"
             add(f"experts-{tag}-repeat", checks.experts_repeat, fmt=fmt, tokens=shape.tokens_odd,
                 top_k=shape.top_k, **base)
             add(f"experts-{tag}-process-weights-idempotent", checks.experts_idempotent, fmt=fmt,
                 tokens=shape.tokens_odd, top_k=shape.top_k, **base)
             for other in spec.wire_dtypes:
                 if other is not wire:
-                    add(f"experts-{fmt}-{scheme}-{other}-wire", checks.experts_numeric, fmt=fmt,
-                        tokens=shape.tokens_odd, top_k=shape.top_k, scheme=scheme, wire=other, activation=activation)
-        first_scheme = _sorted(spec.quant_schemes)[0]
-        for act in _sorted(spec.activations)[1:]:
-            add(f"experts-{formats[0]}-{first_scheme}-{act}", checks.experts_numeric, fmt=formats[0],
-                tokens=shape.tokens_odd, top_k=shape.top_k, scheme=first_scheme,
-                wire=ctx.natural_wire(spec, first_scheme, formats[0]), activation=act)
+                    add(f"experts-{fmt}-{scheme}-{other}-{primary}-wire", checks.experts_numeric, fmt=fmt,
+                        tokens=shape.tokens_odd, top_k=shape.top_k, scheme=scheme, wire=other, activation=primary)
     if spec.role is Role.DISPATCHER:
         for world in options.ep_sizes:
             for sub in ep.dispatcher_subcases(spec, world, shape):

@@ -13,10 +13,10 @@ import torch
 
 from moe_core import quant
 from moe_core.backends import BackendSpec, Role
-from moe_core.contracts import EPNormalDispatch, Format, QuantScheme, StandardCombine, WireDtype
+from moe_core.contracts import Activation, EPNormalDispatch, Format, QuantScheme, StandardCombine, WireDtype
 from moe_core.distributed.torch_a2a import TorchA2ADispatcher
 from moe_core.plugins import BackendPlugin, PluginManager
-from moe_core.reference.experts import ReferenceExperts
+from moe_core.reference.experts import ACTIVATIONS, ReferenceExperts
 
 HERE = __name__
 
@@ -81,6 +81,22 @@ class NotIdempotent(ReferenceExperts):
         return dataclasses.replace(out, hidden=out.hidden / 2)
 
 
+class DropsScaling(ReferenceExperts):
+    """Ignores ``routed_scaling_factor`` (DeepSeek-V3's 2.5): the output is 1/2.5 of what it must be."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.scale = 1.0
+
+
+class SiluForGelu(ReferenceExperts):
+    """Declares SiLU and GELU but always computes SiLU (a kernel with the activation hard-wired)."""
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.act = ACTIVATIONS[Activation.SILU]
+
+
 class MirroredRounding(ReferenceExperts):
     """Not broken: an FP8 backend whose error against the exact float64 math is exactly ``FACTOR``
     times the reference's, mirrored (``exact - FACTOR * (ref - exact)``), so it is far from the
@@ -130,6 +146,8 @@ class BrokenPlugin(BackendPlugin):
                      quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK})),
             _experts("unwritten_rows", "UnwrittenRows"),
             _experts("not_idempotent", "NotIdempotent"),
+            _experts("drops_scaling", "DropsScaling"),
+            _experts("silu_for_gelu", "SiluForGelu", activations=frozenset({Activation.SILU, Activation.GELU})),
             _experts("mirrored_rounding", "MirroredRounding", wire_dtypes=(WireDtype.FP8,),
                      quant_schemes=frozenset({QuantScheme.FP8_BLOCK})),
             BackendSpec(name="bad_counts", role=Role.DISPATCHER, impl=f"{HERE}:OffByOneDispatcher",

@@ -32,7 +32,9 @@ def test_cases_follow_the_declaration(kit_support):
         for scheme, wire in (("unquantized", "bf16"), ("int8_w8a8", "int8")):
             for t in (0, 1, 37, 257):
                 for k in (1, 4):
-                    assert f"experts-{fmt}-{scheme}-{wire}-T{t}-K{k}" in ids
+                    assert f"experts-{fmt}-{scheme}-{wire}-silu-T{t}-K{k}" in ids
+            # every other declared activation in every format x scheme, named in the id
+            assert f"experts-{fmt}-{scheme}-{wire}-gelu-T37-K4" in ids
     assert not [i for i in ids if "ep_masked-" in i and i.startswith("experts-")]  # not declared, not run
     assert "honesty-unclaimed-quant-fp8_block" in ids and "honesty-unclaimed-format-ep_masked" in ids
     assert "honesty-unclaimed-wire-fp8" in ids and "honesty-unclaimed-device-npu" in ids
@@ -60,8 +62,8 @@ def test_reference_experts_pass_the_kit():
     assert report.ok, report.text()
     assert sum(r.status == "passed" for r in report.results) > 150
     ids = {r.case_id for r in report.results}
-    assert {"experts-ep_masked-nvfp4-nvfp4-T257-K4", "experts-ep_normal-w4a4-bf16-T0-K1",
-            "experts-standard-fp8_block-fp8-poisoned"} <= ids
+    assert {"experts-ep_masked-nvfp4-nvfp4-silu-T257-K4", "experts-ep_normal-w4a4-bf16-silu-T0-K1",
+            "experts-standard-fp8_block-fp8-silu-poisoned", "experts-ep_masked-fp8_block-fp8-gelu-T37-K4"} <= ids
 
 
 @pytest.mark.multiproc
@@ -103,13 +105,18 @@ def _failures(report):
 
 BROKEN = [
     # backend, case selection, a case that must fail, words its message must contain
-    ("wrong_weighting", ("T37-K4", "T37-K1"), "experts-standard-unquantized-bf16-T37-K4",
+    ("wrong_weighting", ("T37-K4", "T37-K1"), "experts-standard-unquantized-bf16-silu-T37-K4",
      ["relative error", "top-k weights applied twice"]),
-    ("off_by_one", ("T37-K4",), "experts-standard-unquantized-bf16-T37-K4", ["relative error", "tokens are off by"]),
-    ("unwritten_rows", ("poisoned",), "experts-standard-unquantized-bf16-poisoned",
+    ("off_by_one", ("T37-K4",), "experts-standard-unquantized-bf16-silu-T37-K4", ["relative error", "tokens are off by"]),
+    ("unwritten_rows", ("poisoned",), "experts-standard-unquantized-bf16-silu-poisoned",
      ["non-finite", "unwritten or uninitialized output rows"]),
-    ("not_idempotent", ("idempotent",), "experts-standard-unquantized-bf16-process-weights-idempotent",
+    ("not_idempotent", ("idempotent",), "experts-standard-unquantized-bf16-silu-process-weights-idempotent",
      ["second process_weights changed the output"]),
+    ("drops_scaling", ("scaling",), "experts-standard-unquantized-bf16-silu-scaling",
+     ["routed_scaling_factor=2.5", "hint: scaling factor missing"]),
+    ("silu_for_gelu", ("gelu",), "experts-standard-unquantized-bf16-gelu-T37-K4",
+     ["activation gelu, scheme unquantized, format standard, wire bf16, dtype bfloat16",
+      "hint: activation mismatch: the output matches activation silu"]),
 ]
 
 
@@ -137,7 +144,7 @@ def test_claimed_scheme_it_cannot_do_is_caught(kit_support):
     unq = [r for r in report.results if "unquantized" in r.case_id]
     assert fp8 and all(r.status == "failed" for r in fp8 if "-T0-" not in r.case_id), report.text()
     assert unq and all(r.status == "passed" for r in unq), report.text()
-    assert "scheme fp8_block" in failures["experts-standard-fp8_block-fp8-T37-K4"]
+    assert "scheme fp8_block" in failures["experts-standard-fp8_block-fp8-silu-T37-K4"]
 
 
 def test_exact_math_rule_allows_2x_over_few_slots_and_1_5x_beyond(kit_support):
@@ -147,13 +154,13 @@ def test_exact_math_rule_allows_2x_over_few_slots_and_1_5x_beyond(kit_support):
     37-token cases fail with the 1.5x limit named."""
     from moe_kit_broken_backends import make_manager
 
-    report = run_kit("mirrored_rounding", manager=make_manager(), select=("standard-fp8_block-fp8-T1-",
-                                                                          "standard-fp8_block-fp8-T37-"))
+    report = run_kit("mirrored_rounding", manager=make_manager(), select=("standard-fp8_block-fp8-silu-T1-",
+                                                                          "standard-fp8_block-fp8-silu-T37-"))
     status = {r.case_id: r.status for r in report.results}
-    assert status["experts-standard-fp8_block-fp8-T1-K1"] == "passed", report.text()
-    assert status["experts-standard-fp8_block-fp8-T1-K4"] == "passed", report.text()
+    assert status["experts-standard-fp8_block-fp8-silu-T1-K1"] == "passed", report.text()
+    assert status["experts-standard-fp8_block-fp8-silu-T1-K4"] == "passed", report.text()
     failures = _failures(report)
-    message = failures["experts-standard-fp8_block-fp8-T37-K4"]
+    message = failures["experts-standard-fp8_block-fp8-silu-T37-K4"]
     assert "relative error" in message and "allowed: 1.5x the reference's" in message, message
 
 
@@ -204,9 +211,9 @@ def test_pytest_plugin_reports_broken_backend_with_case_name(tmp_path):
                   "-k", "T37-K4", "-rf")
     out = res.stdout
     assert res.returncode == 1, out + res.stderr
-    assert "FAILED moe-kit[broken.wrong_weighting]::experts-standard-unquantized-bf16-T37-K4" in out
+    assert "FAILED moe-kit[broken.wrong_weighting]::experts-standard-unquantized-bf16-silu-T37-K4" in out
     assert "top-k weights applied twice" in out
-    assert "FAILED experts-standard-unquantized-bf16-T37-K4" in out  # the end-of-run report
+    assert "FAILED experts-standard-unquantized-bf16-silu-T37-K4" in out  # the end-of-run report
 
 
 def test_pytest_plugin_is_inert_without_the_option(tmp_path):

@@ -5,7 +5,6 @@ import torch
 from torch import nn
 
 import moe_core as mc
-from moe_core.reference.oracle import relative_error
 
 from .conftest import checkpoint, random_topk, random_weights
 

@@ -85,7 +85,7 @@ def test_graph_mode_parallelism_and_capacity_reasons():
     ep = mc.plan(mc.MoEConfig(**BASE, ep_size=2, ep_rank=1), manager=manager)
     assert ep.dispatcher.name == "torch_a2a" and ep.format is mc.Format.EP_NORMAL  # masked needs a capacity
     safe = spec("safe", mc.Role.EXPERTS, formats=(mc.Format.EP_NORMAL, mc.Format.EP_MASKED), priority=9,
-                graph_safe_formats=frozenset({mc.Format.EP_MASKED}))
+                graph_safe_formats=frozenset({mc.Format.EP_MASKED}), ep="any")
     masked = mc.plan(mc.MoEConfig(**BASE, ep_size=2, max_tokens_per_rank=64, cuda_graph=True),
                      manager=manager_with(FakePlugin([safe])))
     assert masked.format is mc.Format.EP_MASKED and masked.graph_safe
@@ -93,7 +93,7 @@ def test_graph_mode_parallelism_and_capacity_reasons():
 
 def test_no_common_dtype():
     narrow = spec("fp8_only", mc.Role.EXPERTS, wire_dtypes=(mc.WireDtype.NVFP4,), priority=9,
-                  formats=(mc.Format.EP_NORMAL,))
+                  formats=(mc.Format.EP_NORMAL,), ep="any")
     manager = manager_with(FakePlugin([narrow]))
     with pytest.raises(mc.PlanError) as err:
         mc.plan(mc.MoEConfig(**BASE, experts="fp8_only", dispatcher="torch_a2a", ep_size=2), manager=manager)

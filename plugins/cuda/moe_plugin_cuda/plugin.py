@@ -38,8 +38,8 @@ class CudaPlugin(BackendPlugin):
                 activations=_ALL_ACTS,
                 # no host sync: grids are sized from shapes, counts stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_TRITON, probe=f"{PACKAGE}.probes:probe_triton",
-                check=f"{PACKAGE}.probes:check_triton",
+                ep="any", packages=("triton",), priority=PRIORITY_TRITON,
+                probe=f"{PACKAGE}.probes:probe_triton", check=f"{PACKAGE}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
             ),
             BackendSpec(
@@ -50,8 +50,8 @@ class CudaPlugin(BackendPlugin):
                 activations=frozenset({Activation.SILU}),
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_CUTLASS, probe=f"{PACKAGE}.probes:probe_cutlass",
-                check=f"{PACKAGE}.probes:check_cutlass",
+                ep="any", packages=("triton", "cutlass_library", "deep_gemm"),
+                priority=PRIORITY_CUTLASS, probe=f"{PACKAGE}.probes:probe_cutlass", check=f"{PACKAGE}.probes:check_cutlass",
                 description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled and bf16; "
                             "Triton below the tuned crossover",
             ),
@@ -64,7 +64,7 @@ class CudaPlugin(BackendPlugin):
                 quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_PER_TOKEN}),
                 activations=_ALL_ACTS,
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL}),
-                quantizes_internally=True,
+                quantizes_internally=True, ep="any",
                 priority=PRIORITY_GROUPED_MM, probe=f"{PACKAGE}.probes:probe_grouped_mm",
                 check=f"{PACKAGE}.probes:check_grouped_mm",
                 description="torch._grouped_mm (bf16) / torch._scaled_grouped_mm (FP8 per token) on SM90+",
@@ -76,7 +76,7 @@ class CudaPlugin(BackendPlugin):
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 # normal mode busy-waits on the host for the receive counts
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                ep="required", priority=PRIORITY_DEEPEP, probe=f"{PACKAGE}.probes:probe_deepep",
+                ep="required", packages=("deep_ep",), priority=PRIORITY_DEEPEP, probe=f"{PACKAGE}.probes:probe_deepep",
                 priority_reason="DeepEP's NVLink/RDMA kernels: dispatch + combine 1.7-2.0x faster than torch_a2a "
                                 "in normal mode (4096 tokens a rank) and 16x in low-latency mode (128 tokens) on "
                                 "2x H100, H=7168, top-8 of 256 (benchmarks/ep/results/deepep-h100x2.json)",
@@ -89,8 +89,8 @@ class CudaPlugin(BackendPlugin):
                 wire_dtypes=(WireDtype.NVFP4, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.NVFP4}), activations=frozenset({Activation.SILU}),
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                priority=PRIORITY_CUTEDSL, probe=f"{PACKAGE}.probes:probe_cutedsl",
-                check=f"{PACKAGE}.probes:check_cutedsl",
+                ep="any", packages=("flashinfer",), priority=PRIORITY_CUTEDSL,
+                probe=f"{PACKAGE}.probes:probe_cutedsl", check=f"{PACKAGE}.probes:check_cutedsl",
                 description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
             ),
         ]

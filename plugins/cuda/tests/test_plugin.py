@@ -92,3 +92,16 @@ def test_backends_listing_on_hopper():
         assert verdict["cutedsl"].code is Code.UNSUPPORTED_ARCH and verdict["cutedsl"].hint
         assert verdict["cutlass"].code in (Code.OK, Code.NOT_INSTALLED), verdict["cutlass"]
     assert verdict["deepep"].code in (Code.NOT_INSTALLED, Code.OK)
+
+
+def test_moe_core_doctor_reports_the_cuda_vendor_packages(capsys):
+    """The cuda backends declare the vendor packages they need (BackendSpec.packages), so
+    ``moe-core doctor`` reports each one's version, or that it is absent, without importing it."""
+    import json
+
+    from moe_core.cli import main
+
+    main(["doctor", "--json"])
+    packages = json.loads(capsys.readouterr().out)["environment"]["packages"]
+    assert {"triton", "deep_ep", "flashinfer", "cutlass_library", "deep_gemm"} <= set(packages)
+    assert all(v is None or isinstance(v, str) and v for v in packages.values())  # a version, or absent

@@ -49,7 +49,7 @@ class NpuPlugin(BackendPlugin):
                 quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.INT8_W8A8, QuantScheme.W4A4}),
                 activations=frozenset({Activation.SILU}),
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                ep="any", priority=PRIORITY_NPU_GMM,
+                ep="any", packages=("torch_npu",), priority=PRIORITY_NPU_GMM,
                 probe="moe_plugin_npu.probes:probe_npu_gmm", check="moe_plugin_npu.checks:check_npu_gmm",
                 description="torch_npu npu_grouped_matmul pipelines (BF16, W8A8 INT8 and W4A4 dynamic); "
                             "STANDARD/EP_NORMAL via init/finalize routing, EP_MASKED via group lists",
@@ -58,7 +58,8 @@ class NpuPlugin(BackendPlugin):
                 name="deepep_npu", role=Role.DISPATCHER, impl="moe_plugin_npu.dispatcher:DeepEPNpuDispatcher",
                 formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=NPU,
                 wire_dtypes=(WireDtype.BF16, WireDtype.INT8),
-                graph_safe_formats=frozenset({Format.EP_MASKED}), ep="required", priority=PRIORITY_DEEPEP_NPU,
+                graph_safe_formats=frozenset({Format.EP_MASKED}), ep="required", packages=("torch_npu", "deep_ep"),
+                priority=PRIORITY_DEEPEP_NPU,
                 probe="moe_plugin_npu.probes:probe_deepep_npu", check="moe_plugin_npu.checks:check_deepep_npu",
                 description="DeepEP for Ascend: normal (EP_NORMAL) and low-latency (EP_MASKED); INT8 per-token "
                             "wire (its use_fp8 flag) or BF16",
@@ -67,7 +68,8 @@ class NpuPlugin(BackendPlugin):
                 name="fuseep", role=Role.FUSED, impl="moe_plugin_npu.fuseep:FuseEP",
                 formats=(Format.FUSED,), devices=NPU, wire_dtypes=(WireDtype.INT8,),
                 quant_schemes=frozenset({QuantScheme.INT8_W8A8}), activations=frozenset({Activation.SILU}),
-                graph_safe_formats=frozenset({Format.FUSED}), ep="required", priority=PRIORITY_FUSEEP,
+                graph_safe_formats=frozenset({Format.FUSED}), ep="required", packages=("torch_npu", "deep_ep"),
+                priority=PRIORITY_FUSEEP,
                 probe="moe_plugin_npu.probes:probe_fuseep", check="moe_plugin_npu.checks:check_fuseep",
                 description="DeepEP-Ascend fused_deep_moe: dispatch + W8A8 INT8 experts + combine in one call",
             ),

@@ -111,6 +111,7 @@ AITER_SPEC = BackendSpec(
     # fused_moe reads counts and the valid-row count on the device: no host sync in any format
     graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
     ep="any",
+    packages=("aiter",),
     priority=50,
     probe="moe_plugin_rocm.plugin:probe_aiter",
     check="moe_plugin_rocm.plugin:check_aiter",
@@ -126,6 +127,7 @@ MORI_SPEC = BackendSpec(
     devices=frozenset({"rocm"}),
     wire_dtypes=(WireDtype.BF16, WireDtype.FP8),
     ep="required",
+    packages=("mori",),
     priority=50,
     probe="moe_plugin_rocm.plugin:probe_mori",
     check="moe_plugin_rocm.plugin:check_mori",
