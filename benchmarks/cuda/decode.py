@@ -204,8 +204,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         configs = [(name, q, lambda b, name=name, q=q: preset(name, quant=q, device="cuda", experts=b))
                    for name in args.presets for q in args.quant]
         backends = args.backends
-    t0 = time.time()
-    rows = run_cells(configs, backends, args.tokens, device, args.reps, args.warm_only)
+    t0, threads = time.time(), torch.get_num_threads()
+    try:
+        rows = run_cells(configs, backends, args.tokens, device, args.reps, args.warm_only)
+    finally:
+        torch.set_num_threads(threads)
     print(f"{len(rows)} cells in {time.time() - t0:.0f} s", file=sys.stderr)
     if args.warm_only:
         return 0
