@@ -90,9 +90,11 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
 
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
-              out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str) -> torch.Tensor:
+              out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str,
+              descriptors: Optional[dict] = None) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
-    (``w13_scale`` None): w13 is gate/up interleaved, as the triton backend keeps it."""
+    (``w13_scale`` None): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``: the
+    Triton path's cache of weight TMA descriptors (``triton_ops.fused_experts``)."""
     from moe_plugin_cuda.cutlass import ops as cutlass_ops
     from moe_plugin_cuda.triton import ops as triton_ops
 
@@ -108,7 +110,7 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
                                          w13_interleaved=not fp8)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
-                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8)
+                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8, descriptors=descriptors)
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
@@ -198,6 +200,7 @@ class CutlassExperts(Experts):
         self.grouped_gemm = str(ctx.options.get("grouped_gemm") or "")
         self.fp8 = self.config.quant is QuantScheme.FP8_BLOCK
         self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
+        self._descriptors: dict = {}  # the Triton path's weight TMA descriptors, emptied by process_weights
         if self.grouped_gemm not in ("", "cutlass", "deepgemm"):
             raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {self.grouped_gemm!r}")
         if self.grouped_gemm == "deepgemm":
@@ -217,6 +220,7 @@ class CutlassExperts(Experts):
         if not self.fp8 and not self.w13_layout.is_interleaved(layer.w13):  # in place, once per checkpoint
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
+        self._descriptors.clear()
         # build or load now, not inside the first forward (or a graph capture)
         cutlass_lib.library()
         if deepgemm_lib.missing() is None:
@@ -236,11 +240,10 @@ class CutlassExperts(Experts):
         c = self.config
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
+            args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids,
+                    float(c.routed_scaling_factor), c.params_dtype, self.min_rows, self.config_dir, self.grouped_gemm)
             # eager calls skip the custom op's dispatch (host time), as the triton backend's do
-            run = _fused_op if torch.compiler.is_compiling() else run_fused
-            out = run(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
-                      dispatched.topk.ids, float(c.routed_scaling_factor), c.params_dtype, self.min_rows,
-                      self.config_dir, self.grouped_gemm)
+            out = _fused_op(*args) if torch.compiler.is_compiling() else run_fused(*args, self._descriptors)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

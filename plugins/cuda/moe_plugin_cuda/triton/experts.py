@@ -91,6 +91,9 @@ class TritonExperts(Experts):
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
         self._configs: dict[int, dict] = {}
         self._device_name: Optional[str] = None
+        # the weights' TMA descriptors (B_TMA configs), built once per weight tensor and tile instead of per
+        # call; emptied when process_weights runs (a new checkpoint may sit at another address)
+        self._descriptors: dict = {}
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
         self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
         _BACKENDS[self.op_key] = self
@@ -125,6 +128,7 @@ class TritonExperts(Experts):
         if not self.w13_layout.is_interleaved(layer.w13):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
+        self._descriptors.clear()
 
     # ------------------------------------------------------------------ apply
     def _activations(self, qa: QuantizedActivations, flat: bool = True):
@@ -142,7 +146,8 @@ class TritonExperts(Experts):
         return self._ops.fused_experts(
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
             activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
-            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=True)
+            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=True,
+            descriptors=self._descriptors)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
         """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""
