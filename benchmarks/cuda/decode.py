@@ -132,15 +132,20 @@ def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backen
                 def call():
                     return layer(x, topk)
 
-                with torch.no_grad():
-                    for _ in range(3):
-                        call()
-                    sync(device)
-                    if warm_only:
-                        continue
-                    graph = graph_time(call, device, reps) if device.type == "cuda" and layer.plan.graph_safe else None
-                    eager = statistics.median(eager_times(call, device, reps))
-                    host = statistics.median(host_times(call, device, reps))
+                try:
+                    with torch.no_grad():
+                        for _ in range(3):
+                            call()
+                        sync(device)
+                        if warm_only:
+                            continue
+                        graph = (graph_time(call, device, reps) if device.type == "cuda" and layer.plan.graph_safe
+                                 else None)
+                        eager = statistics.median(eager_times(call, device, reps))
+                        host = statistics.median(host_times(call, device, reps))
+                except Exception as exc:  # report the cell, keep the others
+                    print(f"  {name} {q} T={T} {backend}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr)
+                    continue
                 row = {"preset": name, "quant": q, "T": T, "backend": backend,
                        "graph_us": None if graph is None else round(graph * 1e6, 2),
                        "eager_us": round(eager * 1e6, 2), "host_us": round(host * 1e6, 2),
@@ -181,7 +186,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--backends", nargs="+", default=["auto", "triton", "cutlass"])
-    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
     p.add_argument("--gpu", default="h100", help="the file name's device tag")

@@ -232,7 +232,8 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
             try:
                 call()
                 sync(dev)
-                sections.times.clear()
+                for times in sections.times.values():  # (the timers hold these lists)
+                    times.clear()
                 for _ in range(iters):
                     sync(dev)
                     call()
@@ -251,22 +252,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--sections", action="store_true", help="also time the pipeline's pieces")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--sections", nargs="*", type=int, default=None, metavar="T",
+                   help="also time the pipeline's pieces (at these T; none given: at every T)")
     p.add_argument("--check-ids", action="store_true", help="the layer's expert-id check on (its default in eager)")
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("host_time.py needs a CUDA device", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_time.py needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 1
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     rows = []
     print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs |\n"
           "|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.presets:
         for q in args.quant:
             for backend in args.backends:
-                cfg = preset(name, quant=q, device="cuda", experts=backend)
+                cfg = preset(name, quant=q, device=args.device, experts=backend)
                 try:
                     layer = build_layer(cfg, device, args.check_ids)
                 except PlanError as exc:
@@ -274,8 +277,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                     continue
                 for T in args.tokens:
                     x, topk, _ = make_inputs(cfg, layer, T)
-                    r = {"preset": name, "quant": q, "backend": backend, "T": T,
-                         **measure_cell(layer, x, topk, args.iters, args.sections)}
+                    sections = args.sections is not None and (not args.sections or T in args.sections)
+                    try:
+                        r = {"preset": name, "quant": q, "backend": backend, "T": T,
+                             **measure_cell(layer, x, topk, args.iters, sections)}
+                    except Exception as exc:  # report the cell, keep the others
+                        print(f"<!-- {name} {q} {backend} T={T} FAILED: {type(exc).__name__}: {exc} -->", flush=True)
+                        continue
                     rows.append(r)
                     print(f"| {name} | {q} | {backend} | {T} | {r['host_us']:.1f} | {r['prof_cpu_us']:.1f} | "
                           f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} |", flush=True)
@@ -283,9 +291,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                         print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
                               flush=True)
                 del layer
-                torch.cuda.empty_cache()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "argv": sys.argv[1:],
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:],
                 "check_ids": args.check_ids}
         try:
             import triton
