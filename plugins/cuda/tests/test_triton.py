@@ -230,44 +230,22 @@ def test_gemm2_fp8_scales_interpreter():
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("gate", [1, 2])
-def test_quant_a_in_both_gemms_interpreter(gate):
-    """QUANT_A: GEMM1 takes the tokens unquantized and GEMM2 GEMM1's fp32 output, each quantizing its A rows
-    per 128-column group in the kernel (a partial last group, -1 ids, rows gathered by token). fp32 stand-ins
-    for the FP8 codes (the interpreter's fp8 casts are unreliable; the GPU test compares the codes with the
-    separate quantizer's bit for bit): the output is then the unquantized math."""
+def test_weight_descriptors_cached_across_calls_interpreter():
+    """B_TMA weight descriptors come from the caller's cache after the first call (one per weight tensor and
+    tile), with the same output as descriptors built per call."""
     from moe_plugin_cuda.triton import ops as triton_ops
-    from moe_plugin_cuda.weights import interleave_gate_up
 
-    T, E, K, H, inter = 13, 3, 2, 200, 136  # neither a multiple of 128: masked last groups in both GEMMs
-    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
-    w2, s2, w2_full = _block_scaled(E, H, inter)
-    a = torch.randn(T, H) * (1 + 4 * torch.rand(T, 1))
-    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
-    ids[torch.rand(T, K) < 0.2] = -1
-    weights = torch.rand(T * K)
-    cfg = dict(BLOCK_M=16, BLOCK_N=128 if gate == 1 else 64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2,
-               TWO_ACC=int(gate == 2))
-    align = triton_ops.align_block_size(ids, E, 16)
-    h, h_s = triton_ops.gemm1(a, None, interleave_gate_up(w13), s13, align=align, masked_m=None, num_rows=T * K,
-                              a_row_div=K, capacity=0, num_m_blocks=align.max_blocks, activation="silu", fp8=True,
-                              w13_interleaved=True, out_dtype=torch.float32, cfg1=cfg, quant_a=True,
-                              quantize_h=False)
-    assert h.dtype == torch.float32 and h_s is None
-    y = torch.zeros(T * K, H)
-    triton_ops.gemm2(h, None, w2, s2, y, weights, align=align, masked_m=None, num_rows=T * K, capacity=0,
-                     num_m_blocks=align.max_blocks, out_scale=1.0, fp8=True,
-                     cfg2=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2))
-    for slot in (ids.reshape(-1) >= 0).nonzero().flatten().tolist():
-        e, t = int(ids.reshape(-1)[slot]), slot // K
-        gu = w13_full[e].double() @ a[t].double()
-        want_h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
-        assert relative_error(h[slot], want_h) < 1e-5
-        assert relative_error(y[slot], (w2_full[e].double() @ want_h) * float(weights[slot])) < 1e-5
-    with pytest.raises(ValueError, match="quant_a needs .* BLOCK_K == 128"):
-        triton_ops.gemm1(a, None, w13, s13, align=align, masked_m=None, num_rows=T * K, a_row_div=K, capacity=0,
-                         num_m_blocks=align.max_blocks, activation="silu", fp8=True, w13_interleaved=False,
-                         out_dtype=torch.float32, cfg1={**cfg, "BLOCK_K": 64, "TWO_ACC": 1}, quant_a=True)
+    x, w13, w2, tw, ids = _case(9, 4, 2, 64, 48, torch.float32)
+    cfg = _cfg(bn1=32, b_tma=1)
+    kw = dict(activation="silu", routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg)
+    cache: dict = {}
+    first = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, descriptors=cache, **kw)
+    built = dict(cache)
+    assert len(built) == 2  # w13's and w2's
+    again = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, descriptors=cache, **kw)
+    assert cache == built and all(cache[k] is built[k] for k in built)
+    uncached = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, **kw)
+    assert torch.equal(first, uncached) and torch.equal(again, uncached)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
@@ -377,28 +355,6 @@ TRITON_QUANTS = ["unquantized", "fp8_block"]
 @pytest.mark.parametrize("T", [0, 1, 7, 133, 1031])
 def test_matches_reference(quant, T):
     check_matches_reference("triton", quant, T)
-
-
-@needs_gpu
-@pytest.mark.parametrize("backend", ["triton", "cutlass"])
-@pytest.mark.parametrize("T", [1, 16, 64])
-def test_fp8_quant_in_gemms_is_bitwise_the_separate_quantizer(backend, T, monkeypatch):
-    """Decode sizes quantize the FP8 GEMM inputs inside the GEMMs (two launches fewer): the layer's output is
-    bit for bit what the separate quantizer kernels give (``FUSED_QUANT_MAX_SLOTS`` 0), B_TMA configs and
-    their cached weight descriptors included."""
-    from moe_plugin_cuda.triton import ops as triton_ops
-
-    if backend == "cutlass":
-        pytest.importorskip("cutlass_library", reason="the cutlass backend builds its library in process_weights")
-    opts = {"triton": {"config": fixed_config(16, 128, 0, 1, True)},
-            "cutlass": {"min_rows": 1 << 30}}  # the Triton path at every T
-    cfg, layer, _ = layers(backend, "fp8_block", backend_options=opts)
-    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
-    topk = random_topk(T, cfg)
-    fused = [layer(x, topk) for _ in range(2)]  # the second call on the cached descriptors
-    monkeypatch.setattr(triton_ops, "FUSED_QUANT_MAX_SLOTS", 0)
-    separate = layer(x, topk)
-    assert torch.equal(fused[0], separate) and torch.equal(fused[1], separate)
 
 
 @needs_gpu

@@ -209,7 +209,6 @@ def _moe_gemm_kernel(
     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, TAILS: tl.constexpr, ROW_ORDER: tl.constexpr, A_TMA: tl.constexpr,
-    QUANT_A: tl.constexpr,
 ):
     """C = A[rows] @ B[e].T per M-block of one expert. ``N`` is the number of B rows the grid spans.
 
@@ -229,10 +228,7 @@ def _moe_gemm_kernel(
     as zeros) instead of the slots' rows, so GEMM2 reads its A rows contiguously. A_TMA: A rows are
     contiguous (a ROW_ORDER GEMM1's output, or the masked slab) and come through ``a_desc``
     (``a_desc_half`` for half tiles), unmasked: rows past the tile's valid ones only feed output rows
-    that are not stored. QUANT_A (FP8, BLOCK_K == 128): A comes unquantized (bf16 tokens or GEMM1's fp32
-    output) and each K step quantizes its (row, 128-column group) tile as ``_quant_fp8_group_kernel``
-    does, codes in B's dtype: the same codes and scales as that kernel's, without its launch (decode sizes,
-    where every program re-quantizing its few rows costs less than a launch). (Triton 3.6's warp specialization of the K loop, tried on top: no faster on
+    that are not stored. (Triton 3.6's warp specialization of the K loop, tried on top: no faster on
     the H100, and it fails to compile on this kernel's early returns.)
     """
     pid = tl.program_id(0)
@@ -271,7 +267,7 @@ def _moe_gemm_kernel(
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
             GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K,
-            ROW_ORDER, A_TMA, QUANT_A)
+            ROW_ORDER, A_TMA)
     else:
         _gemm_tile(
             a_ptr, a_desc, a_scale_ptr, b_ptr, b_desc, b_scale_ptr, c_ptr, c_scale_ptr, topk_w_ptr, sorted_ptr,
@@ -279,7 +275,7 @@ def _moe_gemm_kernel(
             stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
             stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_csm, stride_csk,
             GATE, ROW_MUL, ACT, MUL_WEIGHT, FP8, QUANT_OUT, MASKED, B_TMA, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
-            ROW_ORDER, A_TMA, QUANT_A)
+            ROW_ORDER, A_TMA)
 
 
 @triton.jit
@@ -291,7 +287,7 @@ def _gemm_tile(
     GATE: tl.constexpr, ROW_MUL: tl.constexpr, ACT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     FP8: tl.constexpr, QUANT_OUT: tl.constexpr, MASKED: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ROW_ORDER: tl.constexpr, A_TMA: tl.constexpr, QUANT_A: tl.constexpr,
+    ROW_ORDER: tl.constexpr, A_TMA: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N output tile of ``_moe_gemm_kernel`` (see there) for ``expert``: rows
     ``row0 ...`` of the sorted slots, or MASKED, slab rows ``row0 ...`` of which ``rows_left`` hold tokens."""
@@ -352,11 +348,7 @@ def _gemm_tile(
             b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
             kg = (k * BLOCK_K) // 128
-            if QUANT_A:  # this K step is one whole 128-column group (masked columns read as 0)
-                a, a_s = _quant_groups(a.to(tl.float32))
-                a = a.to(b_ptr.dtype.element_ty)
-            else:
-                a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_mask, other=0.0)
+            a_s = tl.load(as_ptrs + kg * stride_ask, mask=row_mask, other=0.0)
             b_s = tl.load(bs_ptrs + kg * stride_bsk, mask=n_mask, other=0.0)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:

@@ -25,9 +25,6 @@ SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment
 # chunk counts every place program re-reads (64 KB, from L2): bounds the programs for large E
 PLACE_MAX_COUNTS = 16384
 PLACE_MAX_PROGRAMS = 256
-# token lists of up to this many slots (T*K) quantize FP8 GEMM inputs inside the GEMMs (QUANT_A: same codes,
-# two launches fewer at decode sizes); beyond it each GEMM program re-quantizing its rows costs more than a launch
-FUSED_QUANT_MAX_SLOTS = 1024
 
 
 def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -141,13 +138,9 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
           inter=0, up_row=0, capacity, num_m_blocks, out_scale=1.0, gate=0, row_mul=1, act=0, mul_weight,
-          fp8, quant_out, masked, cfg, row_order=False, quant_a=False, descriptors=None):
+          fp8, quant_out, masked, cfg, row_order=False, descriptors=None):
     """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2);
-    ``quant_a``: A unquantized, quantized per (row, 128-column group) in the kernel (FP8, ``a_scale`` None);
     ``descriptors``: a cache of the weights' TMA descriptors (see ``_b_descriptor``)."""
-    if quant_a and (not fp8 or a_scale is not None or cfg["BLOCK_K"] != 128):
-        raise ValueError(f"quant_a needs FP8 weights, no A scales and BLOCK_K == 128, got fp8={fp8}, "
-                         f"a_scale {'given' if a_scale is not None else 'None'}, BLOCK_K={cfg['BLOCK_K']}")
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
@@ -184,7 +177,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, ROW_ORDER=row_order and not masked, A_TMA=a_tma,
-        QUANT_A=quant_a, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -239,14 +232,12 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 
 
 def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
-          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False, quant_a=False, quantize_h=True,
-          descriptors=None):
+          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False, descriptors=None):
     """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h at
     the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
     last M-block unwritten). FP8: ``h`` is e4m3 with per-(row, 128-column) scales (quantized in the
     epilogue or, for other tile widths, by ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype``
-    and ``h_scale`` None. ``quant_a``: ``a`` unquantized, quantized in the kernel (``_gemm``); ``quantize_h``
-    False: an FP8 ``h`` the epilogue cannot quantize stays fp32 (``h_scale`` None) for a ``quant_a`` GEMM2."""
+    and ``h_scale`` None."""
     E, n1, H = w13.shape
     inter = n1 // 2
     gate, row_mul, can_fuse = gemm1_mode(cfg1, w13_interleaved)
@@ -262,20 +253,19 @@ def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, c
           N=n1 if gate == 1 else inter, Kdim=H, num_valid=num_rows, a_row_div=a_row_div, inter=inter,
           up_row=1 if w13_interleaved else inter, capacity=capacity, num_m_blocks=num_m_blocks,
           gate=gate, row_mul=row_mul, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant,
-          masked=masked_m is not None, cfg=cfg1, row_order=row_order, quant_a=quant_a, descriptors=descriptors)
-    if fp8 and not fused_quant and quantize_h:  # rows never computed hold garbage here; their quantized copies are never read
+          masked=masked_m is not None, cfg=cfg1, row_order=row_order, descriptors=descriptors)
+    if fp8 and not fused_quant:  # rows never computed hold garbage here; their quantized copies are never read
         h, h_scale = quantize_fp8_groups(h)
     return h, h_scale
 
 
 def gemm2(h, h_scale, w2, w2_scale, y, topk_w, *, align, masked_m, num_rows, capacity, num_m_blocks,
           out_scale, fp8, cfg2, descriptors=None):
-    """Down GEMM into ``y`` [num_rows, H], times the slot's top-k weight when ``topk_w`` is given. FP8 with
-    ``h_scale`` None: ``h`` is fp32, quantized in the kernel (``quant_a``)."""
+    """Down GEMM into ``y`` [num_rows, H], times the slot's top-k weight when ``topk_w`` is given."""
     _gemm(h, h_scale, w2, w2_scale, y, None, topk_w, align, masked_m, N=w2.shape[1], Kdim=w2.shape[2],
           num_valid=num_rows, a_row_div=1, capacity=capacity, num_m_blocks=num_m_blocks, out_scale=out_scale,
           mul_weight=topk_w is not None, fp8=fp8, quant_out=False, masked=masked_m is not None, cfg=cfg2,
-          quant_a=fp8 and h_scale is None, descriptors=descriptors)
+          descriptors=descriptors)
     return y
 
 
@@ -292,8 +282,7 @@ def fused_experts(
     (block 128x128 scales ``w13_scale``/``w2_scale``, always in the checkpoint layout).
     ``w13_interleaved``: w13 rows are gate/up interleaved (``weights.interleave_gate_up``), else
     the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped. ``descriptors``: a cache of the
-    weights' TMA descriptors the caller owns (``_b_descriptor``). FP8 inputs of up to
-    ``FUSED_QUANT_MAX_SLOTS`` slots are quantized inside the GEMMs (``quant_a``) where BLOCK_K is 128.
+    weights' TMA descriptors the caller owns (``_b_descriptor``).
     """
     T, H = hidden.shape
     E = w13.shape[0]
@@ -308,24 +297,19 @@ def fused_experts(
     bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
     assert (cfg2["BLOCK_M"], bool(cfg2.get("TAIL_TILES", 0))) == (bm, tails), \
         "both GEMMs share the alignment's BLOCK_M and TAIL_TILES"
-    numel = T * top_k
-    small = numel <= FUSED_QUANT_MAX_SLOTS
-    quant_x = quant_h = False
     if fp8:
         _check_fp8_cfg(cfg1, cfg2)
-        quant_x = hidden.dtype != FP8 and small and cfg1["BLOCK_K"] == 128
-        quant_h = small and cfg2["BLOCK_K"] == 128
-        if hidden.dtype != FP8 and not quant_x:
+        if hidden.dtype != FP8:
             hidden, a_scale = quantize_fp8_groups(hidden)
     ids = topk_ids.contiguous()
     align = align_block_size(ids, E, bm, tails)
     n_blocks = align.max_blocks
+    numel = T * top_k
     # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
-                         row_order=bool(cfg2.get("A_TMA", 0)), quant_a=quant_x, quantize_h=not quant_h,
-                         descriptors=descriptors)
+                         row_order=bool(cfg2.get("A_TMA", 0)), descriptors=descriptors)
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8, cfg2=cfg2,
