@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from host_time import PRESETS, build_layer, host_times, make_inputs, sync  # noqa: E402
+from host_time import PRESETS, build_layer, host_times, make_inputs, sync, warm_up  # noqa: E402
 
 from moe_core.bench import floor_model  # noqa: E402
 from moe_core.config import MoEConfig, RouterConfig, preset  # noqa: E402
@@ -134,11 +134,12 @@ def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backen
 
                 try:
                     with torch.no_grad():
-                        for _ in range(3):
-                            call()
-                        sync(device)
                         if warm_only:
+                            for _ in range(3):
+                                call()
+                            sync(device)
                             continue
+                        warm_up(call, device)
                         graph = (graph_time(call, device, reps) if device.type == "cuda" and layer.plan.graph_safe
                                  else None)
                         eager = statistics.median(eager_times(call, device, reps))

@@ -12,7 +12,7 @@ turns it on). Columns, per forward:
   prof_cpu_us  torch.profiler's CPU time of the same call (a ``record_function`` around it; the profiler
                adds its own cost)
   launches     device kernels the call ran (the profiler's device events; memsets and copies included)
-  gpu_us       the sum of those kernels' device times
+  gpu_us       the sum of those kernels' device times (calls back to back, so the GPU keeps its clocks)
   syncs        host-device synchronizations (``torch.cuda.set_sync_debug_mode``'s warnings)
 
 ``--sections``: the calls again with ``perf_counter`` timers around the pipeline's pieces (the layer's
@@ -72,6 +72,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+WARM_S = 0.3  # seconds of calls before timing: host caches and clocks (one run read 1.5-3x colder without it)
+
+
+def warm_up(fn: Callable[[], Any], device: torch.device) -> None:
+    """At least 3 calls and WARM_S seconds of them (compiles, caches, CPU and GPU clocks)."""
+    t0, i = time.perf_counter(), 0
+    while i < 3 or time.perf_counter() - t0 < WARM_S:
+        fn()
+        i += 1
+        if i % 8 == 0:
+            sync(device)
+    sync(device)
+
+
 def host_times(fn: Callable[[], Any], device: torch.device, iters: int) -> list[float]:
     """Seconds the host spends in ``fn()`` with the device idle at the start of each call."""
     out = []
@@ -88,13 +102,15 @@ def host_times(fn: Callable[[], Any], device: torch.device, iters: int) -> list[
 
 
 def profile(fn: Callable[[], Any], device: torch.device, iters: int) -> dict[str, float]:
-    """Per call of ``fn``: the profiler's CPU time, device kernels and their summed device time."""
+    """Per call of ``fn``: the profiler's CPU time, device kernels and their summed device time. The calls
+    run back to back: with a sync before each, the H100 idled long enough between them to drop its clocks
+    (kernel times 3x their graph-replay times on 2026-11-25)."""
     from torch.profiler import ProfilerActivity, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(iters):
-            sync(device)
             with record_function("moe_forward"):
                 fn()
         sync(device)
@@ -217,9 +233,7 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
         return layer(x, topk)
 
     with torch.no_grad():
-        for _ in range(3):  # compile, caches
-            call()
-        sync(dev)
+        warm_up(call, dev)
         host = host_times(call, dev, iters)
         row: dict[str, Any] = {"host_us": statistics.median(host) * 1e6, "host_us_min": min(host) * 1e6}
         row.update(profile(call, dev, max(5, iters // 5)))
