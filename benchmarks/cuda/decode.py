@@ -129,7 +129,7 @@ def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backen
             for T in tokens:
                 x, topk, touched = make_inputs(cfg, layer, T)
 
-                def call():
+                def call(layer=layer, x=x, topk=topk):
                     return layer(x, topk)
 
                 try:
@@ -156,7 +156,7 @@ def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backen
                 print(f"  {name:16s} {q:11s} T={T:<3d} {backend + pick:16s} graph {row['graph_us']} eager "
                       f"{row['eager_us']} host {row['host_us']} floor {row['floor_us']} us", file=sys.stderr,
                       flush=True)
-            del layer
+            layer = call = None  # (the closure holds the layer too) before the allocator's cache is emptied
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return rows

@@ -44,15 +44,17 @@ def main() -> None:
     x = torch.randn(T, H, device="cuda").to(torch.bfloat16)
     topk_w, ids = torch.softmax(torch.randn(T, E, device="cuda"), -1).topk(K, -1)
     ids = ids.to(torch.int32)
-    min_rows = 0 if args.grouped_gemm else -1
+    min_rows = 0 if args.grouped_gemm else None
     path, cfg1, variants = cutlass_experts.choose_path(T, E, K, inter, H, torch.cuda.get_device_name(),
-                                                       args.config_dir, min_rows, args.grouped_gemm)
+                                                       args.config_dir or None, min_rows, args.grouped_gemm or None)
     runs = f"Triton {cfg1}" if path == "triton" else f"{path} kernels {variants}"
     print(f"{args.preset} fp8_block T={T}: runs {runs}", flush=True)
 
     def run():
         return cutlass_experts.run_fused(x, None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk_w, ids,
-                                         1.0, torch.bfloat16, min_rows, args.config_dir, args.grouped_gemm)
+                                         fp8_block=True, table_dtype="fp8_block", routed_scaling_factor=1.0,
+                                         out_dtype=torch.bfloat16, min_rows=min_rows,
+                                         config_dir=args.config_dir or None, grouped_gemm=args.grouped_gemm or None)
 
     for _ in range(3):
         run()

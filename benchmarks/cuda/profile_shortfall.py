@@ -66,9 +66,11 @@ def main() -> None:
             loaded = (name, quant)
         x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
         topk = route(torch.randn((T, E), generator=g, device=dev), K, cfg.router)
-        path = cutlass_experts.choose_path(T, E, K, inter, H, devname, "", -1, "", "fp8_block" if fp8 else "bf16")[0]
-        fn = partial(cutlass_experts.run_fused, x, None, w13, w2, s13, s2, topk.weights, topk.ids, 1.0,
-                     torch.bfloat16, -1, "", "")
+        table_dtype = "fp8_block" if fp8 else "bf16"
+        path = cutlass_experts.choose_path(T, E, K, inter, H, devname, None, None, None, table_dtype)[0]
+        fn = partial(cutlass_experts.run_fused, x, None, w13, w2, s13, s2, topk.weights, topk.ids, fp8_block=fp8,
+                     table_dtype=table_dtype, routed_scaling_factor=1.0, out_dtype=torch.bfloat16, min_rows=None,
+                     config_dir=None, grouped_gemm=None)
         fn()
         torch.cuda.synchronize()
         us = triton.testing.do_bench_cudagraph(fn, rep=300, return_mode="median") * 1e3

@@ -50,7 +50,6 @@ def main() -> None:
 
     from moe_plugin_cuda.triton import ops as triton_ops
     from moe_plugin_cuda.triton import tuning_configs
-    from moe_plugin_cuda.triton.experts import config_dtype
     from moe_plugin_cuda.tune import _make_weights
 
     from moe_core.bench import balanced_correction_bias
@@ -67,12 +66,13 @@ def main() -> None:
     x = torch.randn((M, H), generator=g, device=dev).to(torch.bfloat16)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
     topk = route(torch.randn((M, E), generator=g, device=dev), K, cfg.router, bias)
-    launch, source = tuning_configs.get_config(M, E, K, inter, H, config_dtype(cfg.quant, torch.bfloat16),
+    launch, source = tuning_configs.get_config(M, E, K, inter, H, tuning_configs.table_dtype(cfg.quant, torch.bfloat16),
                                                torch.cuda.get_device_name(), args.config_dir)
     print(f"{args.preset} {args.quant} T={M}: config from {source}: {launch}", flush=True)
 
     def run():
-        return triton_ops.fused_experts(x, None, w13, w2, s13, s2, topk.weights, topk.ids, activation="silu",
+        return triton_ops.fused_experts(x, None, w13, w2, s13, s2, topk.weights, topk.ids, fp8_block=fp8,
+                                        activation="silu",
                                         routed_scaling_factor=1.0, out_dtype=torch.bfloat16, cfg=launch,
                                         w13_interleaved=True)
 

@@ -24,6 +24,7 @@ conversion: a second call is a no-op, and ``MoELayer.load_weights`` restores the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,6 +59,17 @@ def logical_sf(physical: torch.Tensor) -> torch.Tensor:
     return physical.permute(3, 4, 1, 5, 2, 0)
 
 
+@dataclass(frozen=True)
+class CuteDSLDecision:
+    """What the cutedsl experts take from the plan, decided once at construction and passed down by name."""
+
+    out_dtype: torch.dtype  # the params dtype: GEMM1's and the layer's output
+    c_dtype: str  # the same, as FlashInfer's GEMM names it
+    num_local: int  # local experts: the slab's first dimension
+    hidden: int
+    inter: int
+
+
 class CuteDSLExperts(Experts):
     def __init__(self, ctx: BackendContext) -> None:
         super().__init__(ctx)
@@ -72,18 +84,19 @@ class CuteDSLExperts(Experts):
         self._quantize = flashinfer.scaled_fp4_grouped_quantize
         self._silu_quantize = flashinfer.silu_and_mul_scaled_nvfp4_experts_quantize
         self._gemm = grouped_gemm_nt_masked
-        self.out_dtype = cfg.params_dtype
-        self.c_dtype = _C_DTYPE[cfg.params_dtype]
-        self.num_local, self.hidden, self.inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.decision = CuteDSLDecision(out_dtype=cfg.params_dtype, c_dtype=_C_DTYPE[cfg.params_dtype],
+                                        num_local=cfg.num_local_experts, hidden=cfg.hidden_size,
+                                        inter=cfg.intermediate_size)
 
     # ------------------------------------------------------------------ weights
 
     def process_weights(self, layer: "MoELayer") -> None:
-        for name, rows, cols in (("w13", 2 * self.inter, self.hidden), ("w2", self.hidden, self.inter)):
+        d = self.decision
+        for name, rows, cols in (("w13", 2 * d.inter, d.hidden), ("w2", d.hidden, d.inter)):
             sf = getattr(layer, f"{name}_scale")
             if sf.dim() == 3:  # checkpoint layout: swizzle once (a 6-D scale is already converted)
-                if tuple(sf.shape) != (self.num_local, rows, cols // SF_VEC) or sf.dtype != torch.float8_e4m3fn:
-                    raise ValueError(f"{name}_scale must be float8_e4m3fn {(self.num_local, rows, cols // SF_VEC)}, "
+                if tuple(sf.shape) != (d.num_local, rows, cols // SF_VEC) or sf.dtype != torch.float8_e4m3fn:
+                    raise ValueError(f"{name}_scale must be float8_e4m3fn {(d.num_local, rows, cols // SF_VEC)}, "
                                      f"got {sf.dtype} {tuple(sf.shape)}")
                 setattr(layer, f"{name}_scale", nn.Parameter(swizzle_block_scales(sf.data), requires_grad=False))
         w13_s2, w2_s2 = layer.w13_scale_2.float(), layer.w2_scale_2.float()
@@ -99,14 +112,15 @@ class CuteDSLExperts(Experts):
     def apply(self, layer: "MoELayer", dispatched: EPMaskedDispatch) -> EPMaskedCombine:
         if not isinstance(dispatched, EPMaskedDispatch):
             raise TypeError(f"cutedsl takes EPMaskedDispatch, got {type(dispatched).__name__}")
+        d = self.decision
         qa, masked_m = dispatched.hidden, dispatched.masked_m
         e, cap, h = qa.shape
-        if (e, h) != (self.num_local, self.hidden):
-            raise ValueError(f"cutedsl: the slab must be [E_local={self.num_local}, C, H={self.hidden}], got "
+        if (e, h) != (d.num_local, d.hidden):
+            raise ValueError(f"cutedsl: the slab must be [E_local={d.num_local}, C, H={d.hidden}], got "
                              f"{tuple(qa.shape)}")
         if masked_m.dtype != torch.int32 or tuple(masked_m.shape) != (e,):
             raise ValueError(f"masked_m must be int32 [{e}], got {masked_m.dtype} {tuple(masked_m.shape)}")
-        out = torch.empty(e, cap, h, dtype=self.out_dtype, device=qa.device)
+        out = torch.empty(e, cap, h, dtype=d.out_dtype, device=qa.device)
         if cap == 0:
             return EPMaskedCombine(out, dispatched.topk, dispatched.handle)
         if qa.dtype is WireDtype.BF16:
@@ -120,10 +134,10 @@ class CuteDSLExperts(Experts):
             alpha13 = alpha13.expand(e).contiguous()
         else:
             raise TypeError(f"cutedsl takes bf16 or nvfp4 activations, got {qa.dtype}")
-        gate_up = torch.empty(e, cap, 2 * self.inter, dtype=self.out_dtype, device=qa.device)
+        gate_up = torch.empty(e, cap, 2 * d.inter, dtype=d.out_dtype, device=qa.device)
         self._gemm((a, a_sf), (layer.w13.permute(1, 2, 0), logical_sf(layer.w13_scale)), gate_up.permute(1, 2, 0),
-                   masked_m, c_dtype=self.c_dtype, alpha=alpha13, **_GEMM_ARGS)
+                   masked_m, c_dtype=d.c_dtype, alpha=alpha13, **_GEMM_ARGS)
         hq, hq_sf = self._silu_quantize(gate_up, masked_m, self._a2_gs)
         self._gemm((hq, hq_sf), (layer.w2.permute(1, 2, 0), logical_sf(layer.w2_scale)), out.permute(1, 2, 0),
-                   masked_m, c_dtype=self.c_dtype, alpha=self._alpha2, **_GEMM_ARGS)
+                   masked_m, c_dtype=d.c_dtype, alpha=self._alpha2, **_GEMM_ARGS)
         return EPMaskedCombine(out, dispatched.topk, dispatched.handle)

@@ -13,6 +13,7 @@ not offered: requantizing 128x128-block weights per row measured 7% relative err
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,29 +83,41 @@ def grouped_mm_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     return slots.view(T, K, H).sum(1).to(out_dtype)
 
 
+@dataclass(frozen=True)
+class GroupedMMDecision:
+    """What the grouped_mm experts take from the plan, decided once at construction and passed down by name."""
+
+    fp8_per_token: bool  # FP8 row-wise scaled GEMMs (torch._scaled_grouped_mm), else bf16 ones
+    compute_dtype: torch.dtype  # the params dtype: activations that arrive in another wire dtype go back to it
+    activation: str  # "silu" or "gelu"
+    routed_scaling_factor: float
+
+
 class GroupedMMExperts(Experts):
     """``torch._grouped_mm`` experts (SM90/SM100 CUTLASS path) for STANDARD and EP_NORMAL."""
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.fp8 = self.config.quant is QuantScheme.FP8_PER_TOKEN
-        self.activation = str(self.config.activation)
+        c = self.config
+        self.decision = GroupedMMDecision(fp8_per_token=c.quant is QuantScheme.FP8_PER_TOKEN,
+                                          compute_dtype=c.params_dtype, activation=str(c.activation),
+                                          routed_scaling_factor=c.routed_scaling_factor)
 
     def process_weights(self, layer: "MoELayer") -> None:
         """Nothing to do: both schemes are used in their checkpoint layout (``transpose`` in the
         call gives the column-major B the FP8 kernel wants, without a copy)."""
 
     def _run(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
-        x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(self.config.params_dtype)
-        c = self.config
-        if self.fp8:
+        d = self.decision
+        x = qa.data if qa.dtype is WireDtype.BF16 else qa.dequantize(d.compute_dtype)
+        if d.fp8_per_token:
             w = expert_weights(layer, True)
             rw = (w.w13, w.w13_scale, w.w2, w.w2_scale)  # fp32 scales: the layer's checkpoint layout
-            return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=self.activation,
-                                      routed_scaling_factor=c.routed_scaling_factor, rowwise=rw)
+            return grouped_mm_experts(x, None, None, topk.weights, topk.ids, activation=d.activation,
+                                      routed_scaling_factor=d.routed_scaling_factor, rowwise=rw)
         w = expert_weights(layer, False)
-        return grouped_mm_experts(x, w.w13, w.w2, topk.weights, topk.ids, activation=self.activation,
-                                  routed_scaling_factor=c.routed_scaling_factor)
+        return grouped_mm_experts(x, w.w13, w.w2, topk.weights, topk.ids, activation=d.activation,
+                                  routed_scaling_factor=d.routed_scaling_factor)
 
     def apply(self, layer: "MoELayer", dispatched):
         if isinstance(dispatched, StandardDispatch):

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from moe_core.plugin_api import Activation, BackendPlugin, BackendSpec, Format, QuantScheme, Role, WireDtype, hookimpl
 
-_P = "moe_plugin_cuda"
+PACKAGE = "moe_plugin_cuda"  # where the specs' impl / probe / check live
 _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
 
 # Priorities: the planner adds dispatcher + experts priority. The reference experts and the
-# standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset
-# (benchmarks/cuda/RESULTS.md), so it outranks grouped_mm; cutedsl is for SM100 only.
+# standard dispatcher are 0. On an H100 the Triton pipeline measured fastest on every preset, so it outranks
+# grouped_mm; cutedsl is for SM100 only (docs/decisions.md, "The CUDA plugin's measured defaults").
 PRIORITY_TRITON = 30
 # cutlass (SM90) outranks triton: FP8 block: from 128 rows per expert its CUTLASS/DeepGEMM GEMMs made the
 # layer up to 18% faster than the Triton kernels (7 of 8 cells at T >= 4096); below that it runs the tuned
 # Triton kernels on the checkpoint layout, 0-1% slower than triton's own at T <= 256. bf16: triton's own
-# kernels and configs wherever its table does not measure a grouped GEMM faster (H100, benchmarks/cuda/RESULTS.md)
+# kernels and configs wherever its table does not measure a grouped GEMM faster (H100; the same decisions.md entry)
 PRIORITY_CUTLASS = 35
 PRIORITY_GROUPED_MM = 20
 PRIORITY_CUTEDSL = 40
@@ -22,33 +22,40 @@ PRIORITY_DEEPEP = 20
 
 
 class CudaPlugin(BackendPlugin):
+    def declared(self, spec) -> bool:
+        """Whether ``spec`` is one of this plugin's backends: by its impl, as ``BackendPlugin`` recognises the
+        backend objects it built (not by the entry point's name, which an installer may change)."""
+        return spec is not None and spec.impl in self._impls
+
     def backends(self) -> list[BackendSpec]:
         return [
             BackendSpec(
-                name="triton", role=Role.EXPERTS, impl=f"{_P}.triton.experts:TritonExperts",
+                name="triton", role=Role.EXPERTS, impl=f"{PACKAGE}.triton.experts:TritonExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.UNQUANTIZED, QuantScheme.FP8_BLOCK}),
                 activations=_ALL_ACTS,
                 # no host sync: grids are sized from shapes, counts stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_TRITON, probe=f"{_P}.probes:probe_triton", check=f"{_P}.probes:check_triton",
+                priority=PRIORITY_TRITON, probe=f"{PACKAGE}.probes:probe_triton",
+                check=f"{PACKAGE}.probes:check_triton",
                 description="fused-MoE Triton kernels (bf16/fp16/fp32, FP8 block 128x128 W8A8), tuned configs",
             ),
             BackendSpec(
-                name="cutlass", role=Role.EXPERTS, impl=f"{_P}.cutlass.experts:CutlassExperts",
+                name="cutlass", role=Role.EXPERTS, impl=f"{PACKAGE}.cutlass.experts:CutlassExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.FP8_BLOCK, QuantScheme.UNQUANTIZED}),
                 activations=frozenset({Activation.SILU}),
                 # no host sync: the sort, counts and the GEMMs' per-expert rows stay on the device
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL, Format.EP_MASKED}),
-                priority=PRIORITY_CUTLASS, probe=f"{_P}.probes:probe_cutlass", check=f"{_P}.probes:check_cutlass",
+                priority=PRIORITY_CUTLASS, probe=f"{PACKAGE}.probes:probe_cutlass",
+                check=f"{PACKAGE}.probes:check_cutlass",
                 description="grouped GEMMs on SM90: CUTLASS/DeepGEMM FP8 128x128 block-scaled and bf16; "
                             "Triton below the tuned crossover",
             ),
             BackendSpec(
-                name="grouped_mm", role=Role.EXPERTS, impl=f"{_P}.grouped_mm:GroupedMMExperts",
+                name="grouped_mm", role=Role.EXPERTS, impl=f"{PACKAGE}.grouped_mm:GroupedMMExperts",
                 formats=(Format.STANDARD, Format.EP_NORMAL), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.BF16,),
                 # FP8: torch's grouped FP8 GEMM is row-wise scaled = fp8_per_token's layout; fp8_block
@@ -57,28 +64,29 @@ class CudaPlugin(BackendPlugin):
                 activations=_ALL_ACTS,
                 graph_safe_formats=frozenset({Format.STANDARD, Format.EP_NORMAL}),
                 quantizes_internally=True,
-                priority=PRIORITY_GROUPED_MM, probe=f"{_P}.probes:probe_grouped_mm",
-                check=f"{_P}.probes:check_grouped_mm",
+                priority=PRIORITY_GROUPED_MM, probe=f"{PACKAGE}.probes:probe_grouped_mm",
+                check=f"{PACKAGE}.probes:check_grouped_mm",
                 description="torch._grouped_mm (bf16) / torch._scaled_grouped_mm (FP8 per token) on SM90+",
             ),
             BackendSpec(
-                name="deepep", role=Role.DISPATCHER, impl=f"{_P}.deepep:DeepEPDispatcher",
+                name="deepep", role=Role.DISPATCHER, impl=f"{PACKAGE}.deepep:DeepEPDispatcher",
                 formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}),
                 # the V1 API has no NVFP4 wire (planning rejects it with a reason, probes.deepep_problems)
                 wire_dtypes=(WireDtype.FP8, WireDtype.BF16),
                 # normal mode busy-waits on the host for the receive counts
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                ep="required", priority=PRIORITY_DEEPEP, probe=f"{_P}.probes:probe_deepep",
-                check=f"{_P}.probes:check_deepep",
+                ep="required", priority=PRIORITY_DEEPEP, probe=f"{PACKAGE}.probes:probe_deepep",
+                check=f"{PACKAGE}.probes:check_deepep",
                 description="DeepEP V1 Buffer: normal (intranode/internode) and low-latency all-to-all",
             ),
             BackendSpec(
-                name="cutedsl", role=Role.EXPERTS, impl=f"{_P}.cutedsl:CuteDSLExperts",
+                name="cutedsl", role=Role.EXPERTS, impl=f"{PACKAGE}.cutedsl:CuteDSLExperts",
                 formats=(Format.EP_MASKED,), devices=frozenset({"cuda"}),
                 wire_dtypes=(WireDtype.NVFP4, WireDtype.BF16),
                 quant_schemes=frozenset({QuantScheme.NVFP4}), activations=frozenset({Activation.SILU}),
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
-                priority=PRIORITY_CUTEDSL, probe=f"{_P}.probes:probe_cutedsl", check=f"{_P}.probes:check_cutedsl",
+                priority=PRIORITY_CUTEDSL, probe=f"{PACKAGE}.probes:probe_cutedsl",
+                check=f"{PACKAGE}.probes:check_cutedsl",
                 description="FlashInfer CuteDSL NVFP4 masked grouped GEMM (SM100/SM103)",
             ),
         ]
@@ -89,7 +97,7 @@ class CudaPlugin(BackendPlugin):
         and the triton / cutlass experts quantize FP8 activations in one Triton kernel of their own,
         cheaper than quantizing in the dispatcher; so keep BF16 there. Every other pair: no opinion."""
         cfg = request.config
-        if (request.experts.name in ("triton", "cutlass") and request.experts.plugin in ("", "cuda")
+        if (request.experts.name in ("triton", "cutlass") and self.declared(request.experts)
                 and request.dispatcher is not None and request.dispatcher.name == "standard"
                 and cfg.dispatch_dtype == "auto" and WireDtype.BF16 in request.common):
             return request.decide(WireDtype.BF16, f"cuda: no wire with the standard dispatcher; {request.experts.name} "
@@ -102,7 +110,7 @@ class CudaPlugin(BackendPlugin):
         known only here; those the spec's plan-time check already reported are not repeated."""
         decision = yield
         d = request.dispatcher
-        if d is None or d.name != "deepep" or d.plugin not in ("", "cuda") or decision is None or decision.dtype is None:
+        if not self.declared(d) or d.name != "deepep" or decision is None or decision.dtype is None:
             return decision
         from moe_plugin_cuda.probes import check_deepep, deepep_problems
 

@@ -54,7 +54,8 @@ DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 ROUTING_DRAWS = 3
 SMEM_BYTES = 227 * 1024
 # a re-tune replaces a table's entry only where its choice is this much faster: the tuner's short bursts rank
-# pipelines within ~1-2%, below the run-to-run spread of the benchmark (sessions 16-18 on the H100)
+# pipelines within ~1-2%, below the run-to-run spread of the benchmark (docs/decisions.md, "The CUDA plugin's
+# measured defaults")
 KEEP_MARGIN = 0.03
 
 
@@ -82,7 +83,7 @@ _G1 = {
     ("bf16", 64): [(256, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (256, 64, 4, 4), (64, 64, 4, 4, 1)],
     ("bf16", 128): [(256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 4), (64, 64, 8, 4, 1)],
     ("fp8", "small"): [(128, 128, 4, 4), (256, 128, 4, 3), (64, 128, 4, 5), (256, 128, 8, 4), (128, 128, 4, 3, 1),
-                       (128, 128, 4, 8), (64, 128, 4, 8)],  # 8 stages: best weight streaming (session 8)
+                       (128, 128, 4, 8), (64, 128, 4, 8)],  # 8 stages: best weight streaming (H100)
     ("fp8", 64): [(256, 128, 8, 3), (128, 128, 4, 4), (128, 128, 8, 4), (256, 128, 8, 4), (128, 128, 8, 3, 1),
                   (128, 128, 4, 3), (256, 128, 8, 5)],
     ("fp8", 128): [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5), (64, 128, 4, 4), (64, 128, 8, 3, 1)],
@@ -206,8 +207,8 @@ def grouped_kernels(pipeline_time, t_triton: float, gemm_name: str, ns: tuple[in
             best = (choices[0][0], choices[1][0])
 
     def timed(v):
-        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, gemm=gemm, w13_interleaved=not fp8),
-                          variants=v)
+        t = pipeline_time(f"{gemm_name} {v}", partial(cutlass_ops.fused_experts, fp8_block=fp8, gemm=gemm,
+                                                     w13_interleaved=not fp8), variants=v)
         if log:
             log(f"    {gemm_name} kernels {v} {t * 1e3:9.1f} us")
         return t
@@ -232,7 +233,7 @@ def entry_time(entry: dict, pipeline, pipeline_time, triton_table: dict, fp8: bo
     if path == "triton":
         return pipeline(entry if "gemm1" in entry else triton_table)
     return pipeline_time(f"committed {path} {entry[f'{path}_variants']}",
-                         partial(cutlass_ops.fused_experts, gemm=cutlass_ops.grouped_gemm(path, fp8),
+                         partial(cutlass_ops.fused_experts, fp8_block=fp8, gemm=cutlass_ops.grouped_gemm(path, fp8),
                                  w13_interleaved=not fp8),
                          variants=tuple(entry[f"{path}_variants"]))
 
@@ -245,7 +246,6 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
     from moe_plugin_cuda.triton import ops as triton_ops
     from moe_plugin_cuda.triton import tuning_configs
-    from moe_plugin_cuda.triton.experts import config_dtype
 
     fp8 = quant == "fp8_block"
     interleaved = backend == "triton" or not fp8  # the cutlass backend keeps FP8 in the checkpoint layout
@@ -255,7 +255,7 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
     g = torch.Generator(device=dev).manual_seed(0)
     w13, w2, s13, s2 = _make_weights(E, H, inter, fp8, g, dev, interleaved)
     bias = balanced_correction_bias(E, g, dev) if cfg.router.use_correction_bias else None
-    dtype_name, device_name = config_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
+    dtype_name, device_name = tuning_configs.table_dtype(cfg.quant, torch.bfloat16), torch.cuda.get_device_name()
     table_kind = tuning_configs.TRITON_TABLE if backend == "triton" else tuning_configs.CUTLASS_TABLE
     path = out_dir / tuning_configs.config_file_name(E, inter, H, device_name, dtype_name, table_kind)
     # re-tuning some T keeps the entries of the others
@@ -330,8 +330,8 @@ def tune_preset(name: str, quant: str, tokens, out_dir: Path, rep_ms: int, log, 
                                      out_dtype=torch.bfloat16, **kw), what) for d in draws) / len(draws)
 
         def pipeline(cfg_):
-            return pipeline_time(f"triton {cfg_}", triton_ops.fused_experts, activation="silu", cfg=cfg_,
-                                 w13_interleaved=interleaved)
+            return pipeline_time(f"triton {cfg_}", triton_ops.fused_experts, fp8_block=fp8, activation="silu",
+                                 cfg=cfg_, w13_interleaved=interleaved)
 
         if triton_own:
             heur = tuning_configs.get_config(M, E, K, inter, H, dtype_name, device_name, str(out_dir))[0]

@@ -80,7 +80,7 @@ def test_fused_pipeline_interpreter(T, E, K, H, inter, quantized, layout):
         ids[torch.rand(T, K) < 0.2] = -1
         ids[ids == E - 1] = -1  # one expert gets no rows: a group of 0
     w = torch.rand(T, K)
-    out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.5,
+    out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, fp8_block=True, routed_scaling_factor=1.5,
                                     out_dtype=torch.float32, gemm=_layouts()[layout], code_dtype=torch.float32)
     assert out.shape == (T, H)
     ref = moe_float64(x, w, ids, w13_full, w2_full, routed_scaling_factor=1.5)
@@ -106,7 +106,7 @@ def test_fp8_gemm1_output_follows_the_kernel_interpreter():
     ref = moe_float64(x, w, ids, w13_full, w2_full)
     errors = {}
     for variants in ((1, 0), (0, 0)):
-        out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, routed_scaling_factor=1.0,
+        out = cutlass_ops.fused_experts(a, a_s, w13, w2, s13, s2, w, ids, fp8_block=True, routed_scaling_factor=1.0,
                                         out_dtype=torch.float32, gemm=cutlass_ops.REFERENCE,
                                         code_dtype=torch.float32, variants=variants)
         errors[variants] = relative_error(out, ref)
@@ -204,7 +204,7 @@ def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved,
     x, w13, w2, ids, w = _unquantized_case(T, E, K, H, inter, dtype)
     gemm = cutlass_ops.REFERENCE._replace(row_align=row_align, gemm1_dtype=dtype)
     out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
-                                    routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm,
+                                    fp8_block=False, routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm,
                                     w13_interleaved=interleaved)
     assert out.shape == (T, H) and out.dtype == dtype
     ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
@@ -227,7 +227,7 @@ def test_swiglu_gemm1_pipeline_interpreter(T, E, K, H, inter, dtype):
     assert swiglu
     x, w13, w2, ids, w = _unquantized_case(T, E, K, H, inter, dtype)
     gemm = cutlass_ops.REFERENCE._replace(gemm1_dtype=dtype)
-    kw = dict(routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm)
+    kw = dict(fp8_block=False, routed_scaling_factor=1.5, out_dtype=dtype, gemm=gemm)
     ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
     for v1 in swiglu:
         out = cutlass_ops.fused_experts(x, None, interleave_gate_up(w13), w2, None, None, w, ids,
@@ -337,7 +337,7 @@ def test_silu_mul_layouts_and_row_bound_interpreter(inter):
     kernel: rows before it as without the bound)."""
     import triton
     from moe_plugin_cuda.cutlass import ops as cutlass_ops
-    from moe_plugin_cuda.triton import kernels as K
+    from moe_plugin_cuda.triton import kernels
 
     d1 = torch.randn(7, 2 * inter) * 2
     want = torch.nn.functional.silu(d1[:, :inter].double()) * d1[:, inter:].double()
@@ -348,8 +348,8 @@ def test_silu_mul_layouts_and_row_bound_interpreter(inter):
         assert relative_error(cutlass_ops.silu_mul(src, torch.float32, interleaved, used)[:5], want[:5]) < 1e-6
         h = torch.full((7, inter), 7.0)  # the launcher allocates with empty: the kernel itself, on marked rows
         block = min(1024, triton.next_power_of_2(inter))
-        K._silu_mul_kernel[(7, triton.cdiv(inter, block))](src, h, used, inter, src.stride(0), h.stride(0),
-                                                           BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
+        kernels._silu_mul_kernel[(7, triton.cdiv(inter, block))](src, h, used, inter, src.stride(0), h.stride(0),
+                                                                 BLOCK=block, INTERLEAVED=interleaved, BOUNDED=True)
         assert relative_error(h[:5], want[:5]) < 1e-6 and bool((h[5:] == 7.0).all())
     q, s = cutlass_ops.silu_mul_quant(d1, torch.float32, False, used)
     full_q, full_s = cutlass_ops.silu_mul_quant(d1, torch.float32, False)
@@ -417,32 +417,32 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
 
     for can_build in (False, True):
         monkeypatch.setattr(deepgemm_lib, "missing", lambda ok=can_build: None if ok else "no headers")
-        path, cfg, variants = choose(3, -1)
+        path, cfg, variants = choose(3, None)
         assert path == "triton" and cfg["gemm1"] == c and cfg["gemm2"]["B_TMA"] == 1
         assert variants == cutlass_lib.DEFAULT_VARIANTS["fp8"]
-        assert choose(900, -1)[::2] == ("cutlass", (4, 2))
-        assert choose(9000, -1)[::2] == (("deepgemm", (4, 5)) if can_build else ("cutlass", (6, 3)))
-        assert choose(9000, -1, "cutlass")[::2] == ("cutlass", (6, 3))
+        assert choose(900, None)[::2] == ("cutlass", (4, 2))
+        assert choose(9000, None)[::2] == (("deepgemm", (4, 5)) if can_build else ("cutlass", (6, 3)))
+        assert choose(9000, None, "cutlass")[::2] == ("cutlass", (6, 3))
         # a bf16-output GEMM1 kernel (3) where the table found it fastest; forcing CUTLASS keeps fp32 (1)
-        assert choose(4000, -1)[::2] == ("cutlass", (3, 0))
-        assert choose(4000, -1, "cutlass")[::2] == ("cutlass", (1, 0))
+        assert choose(4000, None)[::2] == ("cutlass", (3, 0))
+        assert choose(4000, None, "cutlass")[::2] == ("cutlass", (1, 0))
         assert choose(900, 10**6)[0] == "triton"  # option wins
         assert choose(3, 0)[0] == ("deepgemm" if can_build else "cutlass")
         # no table for this shape: MIN_ROWS rows per expert, triton's (here heuristic) configs on two accumulators
         rows = cutlass_experts.MIN_ROWS * E // K
-        path, cfg, _ = choose(rows - 1, -1, h=H + 128)
+        path, cfg, _ = choose(rows - 1, None, h=H + 128)
         assert path == "triton" and cfg["gemm1"]["TWO_ACC"] == 1
         heur = tuning_configs.heuristic(rows - 1, E, K, inter, H + 128, True)
         assert cfg["gemm1"]["BLOCK_N"] * 2 == heur["gemm1"]["BLOCK_N"]
-        path, _, variants = choose(rows, -1, h=H + 128)
+        path, _, variants = choose(rows, None, h=H + 128)
         assert (path, variants) == (("deepgemm", deepgemm_lib.DEFAULT_FP8_VARIANTS) if can_build
                                     else ("cutlass", cutlass_lib.DEFAULT_VARIANTS["fp8"]))
         # bf16: its own table (triton's one-accumulator configs as measured); untuned, CUTLASS's bf16 kernels
-        path, cfg, variants = choose(9000, -1, "", "bf16", h=H + 128)  # no table: triton's configs as they are
+        path, cfg, variants = choose(9000, None, None, "bf16", h=H + 128)  # no table: triton's configs as they are
         assert (path, variants) == ("cutlass", cutlass_lib.DEFAULT_VARIANTS["bf16"])
         assert "TWO_ACC" not in cfg["gemm1"] and cfg == tuning_configs.heuristic(9000, E, K, inter, H + 128, False)
-        assert choose(1, -1, "", "bf16", h=H + 128)[0] == "triton"
-        assert choose(9000, -1, "deepgemm", "bf16", h=H + 128)[0] == "deepgemm"  # (the backend checks it can)
+        assert choose(1, None, None, "bf16", h=H + 128)[0] == "triton"
+        assert choose(9000, None, "deepgemm", "bf16", h=H + 128)[0] == "deepgemm"  # (the backend checks it can)
     # bf16 table: the path and each grouped GEMM's kernels; the Triton path is the triton table's config for T
     one_acc = {**big, "TWO_ACC": 0}
     tuning_configs.save_table(tmp_path / name.replace("fp8_block", "bf16"), {
@@ -451,14 +451,14 @@ def test_plan_follows_the_tuned_table(tmp_path, monkeypatch):
         16384: {"path": "deepgemm", "deepgemm_variants": [4, 7], "cutlass_variants": [11, 9]}})
     tuning_configs.save_table(tmp_path / tuning_configs.config_file_name(E, inter, H, dev, "bf16"), {
         1: {"gemm1": c, "gemm2": c}, 100: {"gemm1": one_acc, "gemm2": big}})
-    assert choose(1, -1, "", "bf16")[:2] == ("triton", {"gemm1": c, "gemm2": c})
-    path, cfg, _ = choose(100, -1, "", "bf16")
+    assert choose(1, None, None, "bf16")[:2] == ("triton", {"gemm1": c, "gemm2": c})
+    path, cfg, _ = choose(100, None, None, "bf16")
     assert path == "triton" and cfg["gemm1"] == one_acc  # the triton backend's own kernels at that T
-    assert choose(4000, -1, "", "bf16")[::2] == ("cutlass", (9, 10))
-    assert choose(16000, -1, "", "bf16")[::2] == ("deepgemm", (4, 7))
-    assert choose(16000, -1, "cutlass", "bf16")[::2] == ("cutlass", (11, 9))
+    assert choose(4000, None, None, "bf16")[::2] == ("cutlass", (9, 10))
+    assert choose(16000, None, None, "bf16")[::2] == ("deepgemm", (4, 7))
+    assert choose(16000, None, "cutlass", "bf16")[::2] == ("cutlass", (11, 9))
     monkeypatch.setattr(deepgemm_lib, "missing", lambda: "no headers")
-    assert choose(16000, -1, "", "bf16")[::2] == ("cutlass", (11, 9))  # CUTLASS where DeepGEMM cannot build
+    assert choose(16000, None, None, "bf16")[::2] == ("cutlass", (11, 9))  # CUTLASS where DeepGEMM cannot build
     cutlass_experts.choose_path.cache_clear()
 
 
@@ -655,7 +655,7 @@ def test_cutlass_gemm_and_pipeline(T, E, K, H, inter):
                                    ((2, 0), True)):
         out = cutlass_ops.fused_experts(x_codes if prequantized else x.to(torch.bfloat16),
                                         x_scale if prequantized else None, w["w13"], w["w2"], w["w13_scale"],
-                                        w["w2_scale"], topk.weights, topk.ids, routed_scaling_factor=1.7,
+                                        w["w2_scale"], topk.weights, topk.ids, fp8_block=True, routed_scaling_factor=1.7,
                                         out_dtype=torch.bfloat16, variants=variants)
         if T:
             # a bf16 GEMM1 output rounds h before its FP8: a few e4m3 codes flip against the oracle's one
@@ -698,7 +698,7 @@ def test_deepgemm_gemm_and_pipeline(T, E, K, H, inter):
     ref = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7,
                       quantize_activation=lambda h, *_: dequantize_fp8_per_token_group(
                           *quantize_fp8_per_token_group(h.float())).double())
-    kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
+    kw = dict(fp8_block=True, routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     args = (x.to(torch.bfloat16), None, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"], topk.weights, topk.ids)
     exact = moe_float64(x.to(torch.bfloat16), topk.weights, topk.ids, w13_full, w2_full, routed_scaling_factor=1.7)
     cut = cutlass_ops.fused_experts(*args, **kw)
@@ -746,7 +746,7 @@ def test_deepgemm_bf16_gemm_and_pipeline(T, E, K, H, inter):
         assert relative_error(d[real], d_ref[real]) < 5e-3, variant
     w13_il = interleave_gate_up(w13)
     ref = moe_float64(x, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.7)
-    kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
+    kw = dict(fp8_block=False, routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     tri = triton_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, activation="silu",
                                    cfg=fixed_config(64, 128, 0, 0, False), w13_interleaved=True, **kw)
     for variants in (None, (4, 4), (0, 5), (7, 2)):
@@ -803,7 +803,7 @@ def test_cutlass_bf16_gemm_and_pipeline(T, E, K, H, inter):
             assert relative_error(h[:used], h_ref[:used]) < 5e-3, variant
         assert h[used:].isnan().all(), variant
     ref = moe_float64(x, topk.weights, topk.ids, w13, w2, routed_scaling_factor=1.7)
-    kw = dict(routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
+    kw = dict(fp8_block=False, routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     tri = triton_ops.fused_experts(x, None, w13_il, w2, None, None, topk.weights, topk.ids, activation="silu",
                                    cfg=fixed_config(64, 128, 0, 0, False), w13_interleaved=True, **kw)
     pairs = [None] + [(k, bf16_kernels[-1 - i]) for i, k in enumerate(bf16_kernels)] + [
@@ -833,7 +833,7 @@ def test_cutlass_masked_matches_triton():
     got = cutlass_ops.masked_experts(x, None, mm, w["w13"], w["w2"], w["w13_scale"], w["w2_scale"],
                                      routed_scaling_factor=1.7, out_dtype=torch.bfloat16)
     want = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w["w13"]), w["w2"], w["w13_scale"],
-                                     w["w2_scale"], activation="silu", routed_scaling_factor=1.7,
+                                     w["w2_scale"], fp8_block=True, activation="silu", routed_scaling_factor=1.7,
                                      out_dtype=torch.bfloat16, cfg=fixed_config(16, 64, 0, 0, True),
                                      w13_interleaved=True)
     for e in range(E):
@@ -868,7 +868,7 @@ def test_conformance_kit_on_deepgemm(monkeypatch):
     need_deepgemm()
     monkeypatch.setattr(cutlass_experts, "MIN_ROWS", 0)
     cutlass_experts.choose_path.cache_clear()
-    assert cutlass_experts.choose_path(1, 8, 2, 256, 256, "kit", "", -1)[0] == "deepgemm"
+    assert cutlass_experts.choose_path(1, 8, 2, 256, 256, "kit", None, None)[0] == "deepgemm"
     shape = Shape()
     report = run_kit("cuda.cutlass", select=(f"-T{shape.tokens_odd}-", f"-T{shape.tokens_large}-", "-T0-",
                                              "scaling", "poisoned", "graph", "weight-on-input"))
@@ -890,7 +890,7 @@ def test_conformance_kit_on_cutlass_bf16(monkeypatch):
     need_cutlass()
     monkeypatch.setattr(cutlass_experts, "MIN_ROWS", 0)
     cutlass_experts.choose_path.cache_clear()
-    assert cutlass_experts.choose_path(1, 8, 2, 256, 256, "kit", "", -1, "", "bf16")[::2] == (
+    assert cutlass_experts.choose_path(1, 8, 2, 256, 256, "kit", None, None, None, "bf16")[::2] == (
         "cutlass", cutlass_lib.DEFAULT_VARIANTS["bf16"])
     report = run_kit("cuda.cutlass", select=("-unquantized-",))
     cutlass_experts.choose_path.cache_clear()

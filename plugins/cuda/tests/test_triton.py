@@ -78,7 +78,7 @@ def test_fused_experts_interpreter(layout, T, E, K, H, inter, dtype, act, bn1):
     x, w13, w2, w, ids = _case(T, E, K, H, inter, dtype)
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
     run = partial(triton_ops.fused_experts, x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
-                  w, ids, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
+                  w, ids, fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
                   cfg=_cfg(bn1, two_acc, b_tma=b_tma, a_tma=a_tma), w13_interleaved=interleaved)
     if (b_tma or a_tma) and T and inter * w2.element_size() % 16:  # rows of 37 x 4 bytes: TMA cannot address them
         with pytest.raises(ValueError, match="16 bytes"):
@@ -104,15 +104,16 @@ def test_fused_experts_half_tiles_interpreter(layout, T):
     cfg = _cfg(16, two_acc, bm=32, b_tma=b_tma, a_tma=a_tma)
     cfg = {k: {**c, "TAIL_TILES": 1} for k, c in cfg.items()}
     out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
-                                   activation="silu", routed_scaling_factor=1.5, out_dtype=torch.float32, cfg=cfg,
+                                   fp8_block=False, activation="silu", routed_scaling_factor=1.5, out_dtype=torch.float32,
+                                   cfg=cfg,
                                    w13_interleaved=interleaved)
     ref = moe_float64(x, w, ids, w13, w2, activation="silu", routed_scaling_factor=1.5)
     assert out.shape == (T, 64) and relative_error(out, ref) < 1e-4
     if T:
         half = {"gemm1": cfg["gemm1"], "gemm2": {**cfg["gemm2"], "TAIL_TILES": 0}}
         with pytest.raises(AssertionError, match="TAIL_TILES"):
-            triton_ops.fused_experts(x, None, w13, w2, None, None, w, ids, activation="silu", routed_scaling_factor=1.0,
-                                     out_dtype=torch.float32, cfg=half)
+            triton_ops.fused_experts(x, None, w13, w2, None, None, w, ids, fp8_block=False, activation="silu",
+                                     routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=half)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
@@ -128,7 +129,7 @@ def test_masked_experts_interpreter(layout):
     mm = torch.tensor([0, 10, 3, 7], dtype=torch.int32)
     interleaved, two_acc, b_tma, a_tma = LAYOUTS[layout]
     out = triton_ops.masked_experts(x, None, mm, interleave_gate_up(w13) if interleaved else w13, w2, None, None,
-                                    activation="silu", routed_scaling_factor=2.0, out_dtype=torch.float32,
+                                    fp8_block=False, activation="silu", routed_scaling_factor=2.0, out_dtype=torch.float32,
                                     cfg=_cfg(32, two_acc, b_tma=b_tma, a_tma=a_tma), w13_interleaved=interleaved)
     for e in range(E):
         m = int(mm[e])
@@ -237,7 +238,7 @@ def test_weight_descriptors_cached_across_calls_interpreter():
 
     x, w13, w2, tw, ids = _case(9, 4, 2, 64, 48, torch.float32)
     cfg = _cfg(bn1=32, b_tma=1)
-    kw = dict(activation="silu", routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg)
+    kw = dict(fp8_block=False, activation="silu", routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg)
     cache: dict = {}
     first = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, descriptors=cache, **kw)
     built = dict(cache)
@@ -453,8 +454,8 @@ def test_triton_half_tiles(quant, bm, bn, two_acc, b_tma):
     x = torch.randn(E, C, H, device="cuda").to(torch.bfloat16)
     mm = torch.tensor([0, 64, 3, 33], dtype=torch.int32, device="cuda")
     run = partial(triton_ops.masked_experts, x, None, mm, interleave_gate_up(w["w13"]), w["w2"], w.get("w13_scale"),
-                  w.get("w2_scale"), activation="silu", routed_scaling_factor=1.7, out_dtype=torch.bfloat16,
-                  w13_interleaved=True)
+                  w.get("w2_scale"), fp8_block=fp8, activation="silu", routed_scaling_factor=1.7,
+                  out_dtype=torch.bfloat16, w13_interleaved=True)
     got, want = run(cfg=_half_tiles(bm, bn, two_acc, b_tma, fp8)), run(cfg=fixed_config(bm, bn, two_acc, b_tma, fp8))
     for e in range(E):
         assert torch.equal(got[e, :int(mm[e])], want[e, :int(mm[e])])
@@ -483,7 +484,7 @@ def test_triton_a_tma(quant, bm, bn, two_acc, tails):
         x = torch.randn(T, cfg.hidden_size, device="cuda").to(torch.bfloat16)
         topk = random_topk(T, cfg)
         run = partial(triton_ops.fused_experts, x, None, w13, w["w2"], w.get("w13_scale"), w.get("w2_scale"),
-                      topk.weights, topk.ids, activation="silu", routed_scaling_factor=1.7,
+                      topk.weights, topk.ids, fp8_block=fp8, activation="silu", routed_scaling_factor=1.7,
                       out_dtype=torch.bfloat16, w13_interleaved=True)
         assert torch.equal(run(cfg=a_tma), run(cfg=base)), T
     C = 64
@@ -491,7 +492,8 @@ def test_triton_a_tma(quant, bm, bn, two_acc, tails):
     mm = torch.randint(0, C + 1, (16,), dtype=torch.int32, device="cuda")
     mm[0], mm[1] = 0, C
     run = partial(triton_ops.masked_experts, slab, None, mm, w13, w["w2"], w.get("w13_scale"), w.get("w2_scale"),
-                  activation="silu", routed_scaling_factor=1.7, out_dtype=torch.bfloat16, w13_interleaved=True)
+                  fp8_block=fp8, activation="silu", routed_scaling_factor=1.7, out_dtype=torch.bfloat16,
+                  w13_interleaved=True)
     got, want = run(cfg=a_tma), run(cfg=base)
     for e in range(16):
         assert torch.equal(got[e, :int(mm[e])], want[e, :int(mm[e])])

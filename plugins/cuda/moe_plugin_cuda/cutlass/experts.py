@@ -4,6 +4,7 @@ CUTLASS's or DeepGEMM's; the Triton kernels where those do not pay."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -20,16 +21,46 @@ from moe_core.plugin_api import (
     StandardDispatch,
     WireDtype,
 )
+from moe_plugin_cuda.triton import tuning_configs
 from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
 
 if TYPE_CHECKING:
     from moe_core.plugin_api import MoELayer
 
 
-# Untuned default (no cutlass table for the shape): the CUTLASS GEMMs from 128 rows per expert. H100,
-# session 7: at 512+ they beat the Triton kernels on every preset, at 128-256 on most; below, the sort
-# and gather do not pay. ``moe-cuda-tune --backend cutlass`` measures the crossover per shape instead.
+# Untuned default (no cutlass table for the shape): the CUTLASS GEMMs from 128 rows per expert (docs/decisions.md,
+# "The CUDA plugin's measured defaults"). ``moe-cuda-tune --backend cutlass`` measures the crossover per shape instead.
 MIN_ROWS = 128
+
+
+@dataclass(frozen=True)
+class CutlassDecision:
+    """What the cutlass experts take from the plan and their options, decided once at construction and passed
+    down by name (the torch.compile custom ops take the same values as arguments)."""
+
+    fp8_block: bool  # FP8 block 128x128 W8A8, else bf16 throughout
+    table_dtype: str  # the tuned tables' dtype key (tuning_configs.table_dtype)
+    w13_interleaved: bool  # bf16: gate/up interleaved as the triton backend keeps it; FP8: the checkpoint layout
+    out_dtype: torch.dtype
+    routed_scaling_factor: float
+    top_k: int
+    min_rows: Optional[int] = None  # the grouped GEMMs from this many rows per expert; None: the table decides
+    grouped_gemm: Optional[str] = None  # "cutlass" or "deepgemm" wherever a grouped GEMM runs; None: the table's
+    config_dir: Optional[str] = None  # an extra directory of tuned tables
+
+    @classmethod
+    def from_context(cls, ctx) -> "CutlassDecision":
+        config, options = ctx.config, ctx.options
+        fp8_block = config.quant is QuantScheme.FP8_BLOCK
+        grouped_gemm = options.get("grouped_gemm") or None
+        if grouped_gemm not in (None, "cutlass", "deepgemm"):
+            raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {grouped_gemm!r}")
+        min_rows = options.get("min_rows")
+        return cls(fp8_block=fp8_block, table_dtype=tuning_configs.table_dtype(config.quant, config.params_dtype),
+                   w13_interleaved=not fp8_block, out_dtype=config.params_dtype,
+                   routed_scaling_factor=float(config.routed_scaling_factor), top_k=config.top_k,
+                   min_rows=None if min_rows is None else int(min_rows), grouped_gemm=grouped_gemm,
+                   config_dir=str(options.get("config_dir") or "") or None)
 
 
 @functools.cache
@@ -38,8 +69,9 @@ def _device_name(index: int) -> str:
 
 
 @functools.cache
-def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, config_dir: str,
-                min_rows: int, grouped_gemm: str = "", dtype: str = "fp8_block") -> tuple[str, dict, tuple[int, int]]:
+def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str, config_dir: Optional[str],
+                min_rows: Optional[int], grouped_gemm: Optional[str] = None,
+                dtype: str = "fp8_block") -> tuple[str, dict, tuple[int, int]]:
     """("triton", "cutlass" or "deepgemm": whose kernels run, the Triton launch for "triton", the
     grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens of ``dtype`` ("fp8_block" or "bf16").
 
@@ -47,32 +79,31 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     fastest kernels of each grouped GEMM (``cutlass_variants``, ``deepgemm_variants``: indices into
     their variant lists) and, FP8, the Triton path's two-accumulator configs for the checkpoint layout;
     without one: triton's table, the grouped GEMMs from ``MIN_ROWS`` rows per expert on their default
-    kernels (FP8: DeepGEMM's where its library can be built; bf16: CUTLASS's, which the session-14
-    probe measured 6-21% faster than DeepGEMM's on ~256-row experts). bf16's Triton path is always
+    kernels (FP8: DeepGEMM's where its library can be built; bf16: CUTLASS's, which a probe
+    measured 6-21% faster than DeepGEMM's on ~256-row experts: docs/decisions.md, "The CUDA plugin's measured
+    defaults"). bf16's Triton path is always
     the triton backend's own configs for T (same kernels, same layout: never slower than it). A
-    "deepgemm" entry runs CUTLASS where DeepGEMM cannot. ``min_rows`` >= 0 overrides the path
+    "deepgemm" entry runs CUTLASS where DeepGEMM cannot. ``min_rows`` (not None) overrides the path
     (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM;
     "cutlass" on FP8 also keeps GEMM1 on an fp32-output kernel.
     """
     from moe_plugin_cuda.cutlass import lib as cutlass_lib
     from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
-    from moe_plugin_cuda.triton import tuning_configs
 
     fp8 = dtype == "fp8_block"
     deepgemm = deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
     grouped = "deepgemm" if deepgemm and fp8 else "cutlass"
-    entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir or None,
-                                     tuning_configs.CUTLASS_TABLE)
+    entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir, tuning_configs.CUTLASS_TABLE)
     if entry is None or not fp8:
-        triton_cfg, _ = tuning_configs.get_config(T, E, K, inter, H, dtype, device_name, config_dir or None)
+        triton_cfg, _ = tuning_configs.get_config(T, E, top_k, inter, H, dtype, device_name, config_dir)
     if entry is None:
         entry = {**(tuning_configs.as_two_acc(triton_cfg, keep_tma=True) if fp8 else triton_cfg),
-                 "path": grouped if T * K >= MIN_ROWS * E else "triton"}
+                 "path": grouped if T * top_k >= MIN_ROWS * E else "triton"}
     elif not fp8:
         entry = {**entry, **triton_cfg}
     path = entry.get("path", "triton")
-    if min_rows >= 0:
-        path = grouped if T * K >= min_rows * E else "triton"
+    if min_rows is not None:
+        path = grouped if T * top_k >= min_rows * E else "triton"
     if path != "triton" and grouped_gemm:
         path = grouped_gemm
     elif path == "deepgemm" and not deepgemm:
@@ -89,32 +120,34 @@ def choose_path(T: int, E: int, K: int, inter: int, H: int, device_name: str, co
     return path, {"gemm1": entry["gemm1"], "gemm2": entry["gemm2"]}, variants
 
 
-def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor: float,
-              out_dtype: torch.dtype, min_rows: int, config_dir: str, grouped_gemm: str,
+def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, fp8_block: bool,
+              table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int],
+              config_dir: Optional[str], grouped_gemm: Optional[str],
               descriptors: Optional[dict] = None) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
-    (``w13_scale`` None): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``: the
+    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``: the
     Triton path's cache of weight TMA descriptors (``triton_ops.fused_experts``)."""
     from moe_plugin_cuda.cutlass import ops as cutlass_ops
     from moe_plugin_cuda.triton import ops as triton_ops
 
-    T, K, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
-    fp8 = w13_scale is not None
-    path, cfg, variants = choose_path(max(T, 1), E, K, w2.shape[2], w2.shape[1],
+    T, top_k, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
+    path, cfg, variants = choose_path(max(T, 1), E, top_k, w2.shape[2], w2.shape[1],
                                       _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm,
-                                      "fp8_block" if fp8 else "bf16")
+                                      table_dtype)
     if path != "triton":
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                         routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                                         gemm=cutlass_ops.grouped_gemm(path, fp8), variants=variants,
-                                         w13_interleaved=not fp8)
+                                         fp8_block=fp8_block, routed_scaling_factor=routed_scaling_factor,
+                                         out_dtype=out_dtype, gemm=cutlass_ops.grouped_gemm(path, fp8_block),
+                                         variants=variants, w13_interleaved=not fp8_block)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                    activation="silu", routed_scaling_factor=routed_scaling_factor,
-                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8, descriptors=descriptors)
+                                    fp8_block=fp8_block, activation="silu", routed_scaling_factor=routed_scaling_factor,
+                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block,
+                                    descriptors=descriptors)
 
 
-def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor: float,
-               out_dtype: torch.dtype, min_rows: int, config_dir: str, top_k: int) -> torch.Tensor:
+def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, *, fp8_block: bool, table_dtype: str,
+               routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int], config_dir: Optional[str],
+               top_k: int) -> torch.Tensor:
     """EP_MASKED slab: CUTLASS (FP8) when its capacity per expert reaches ``min_rows`` (default
     ``MIN_ROWS``), else Triton (tuned on token lists, so the table's path choice does not apply to slabs;
     the slab's rows are packed, which DeepGEMM's layout is not; bf16 always runs Triton)."""
@@ -122,49 +155,49 @@ def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_sca
     from moe_plugin_cuda.triton import ops as triton_ops
 
     E, C, _ = hidden.shape
-    fp8 = w13_scale is not None
     # mean rows per expert is unknown without a sync: configs for a full slab, as the triton backend does
     _, cfg, variants = choose_path(max(1, E * C // top_k), E, top_k, w2.shape[2], w2.shape[1],
                                    _device_name(hidden.device.index or 0), config_dir, min_rows,
-                                   "cutlass" if fp8 else "", "fp8_block" if fp8 else "bf16")
-    if fp8 and C >= (MIN_ROWS if min_rows < 0 else min_rows):
+                                   "cutlass" if fp8_block else None, table_dtype)
+    if fp8_block and C >= (MIN_ROWS if min_rows is None else min_rows):
         return cutlass_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
                                           routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
                                           variants=variants)
-    return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, activation="silu",
-                                     routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
-                                     w13_interleaved=not fp8)
+    return triton_ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, fp8_block=fp8_block,
+                                     activation="silu", routed_scaling_factor=routed_scaling_factor,
+                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block)
 
 
 # Under torch.compile each call is one opaque custom op (dynamo cannot trace the ctypes call).
 @torch.library.custom_op("moe_cuda::cutlass_fused_experts", mutates_args=())
 def _fused_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
               w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor,
-              routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: int, config_dir: str,
-              grouped_gemm: str) -> torch.Tensor:
-    return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor,
-                     out_dtype, min_rows, config_dir, grouped_gemm)
+              topk_ids: torch.Tensor, *, fp8_block: bool, table_dtype: str, routed_scaling_factor: float,
+              out_dtype: torch.dtype, min_rows: Optional[int], config_dir: Optional[str],
+              grouped_gemm: Optional[str]) -> torch.Tensor:
+    return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=fp8_block,
+                     table_dtype=table_dtype, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                     min_rows=min_rows, config_dir=config_dir, grouped_gemm=grouped_gemm)
 
 
 @_fused_op.register_fake
-def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, routed_scaling_factor, out_dtype,
-      min_rows, config_dir, grouped_gemm):
+def _(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, out_dtype, **_):
     return hidden.new_empty((hidden.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
 @torch.library.custom_op("moe_cuda::cutlass_masked_experts", mutates_args=())
 def _masked_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
-               routed_scaling_factor: float,
-               out_dtype: torch.dtype, min_rows: int, config_dir: str, top_k: int) -> torch.Tensor:
-    return run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype,
-                      min_rows, config_dir, top_k)
+               w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], *,
+               fp8_block: bool, table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype,
+               min_rows: Optional[int],
+               config_dir: Optional[str], top_k: int) -> torch.Tensor:
+    return run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, fp8_block=fp8_block,
+                      table_dtype=table_dtype, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
+                      min_rows=min_rows, config_dir=config_dir, top_k=top_k)
 
 
 @_masked_op.register_fake
-def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, routed_scaling_factor, out_dtype, min_rows, config_dir,
-      top_k):
+def _(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, *, out_dtype, **_):
     return hidden.new_empty((hidden.shape[0], hidden.shape[1], w2.shape[1]), dtype=out_dtype)
 
 
@@ -194,16 +227,10 @@ class CutlassExperts(Experts):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        min_rows = ctx.options.get("min_rows")
-        self.min_rows = -1 if min_rows is None else int(min_rows)
-        self.config_dir = str(ctx.options.get("config_dir") or "")
-        self.grouped_gemm = str(ctx.options.get("grouped_gemm") or "")
-        self.fp8 = self.config.quant is QuantScheme.FP8_BLOCK
+        self.decision = CutlassDecision.from_context(ctx)
         self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
         self._descriptors: dict = {}  # the Triton path's weight TMA descriptors, emptied by process_weights
-        if self.grouped_gemm not in ("", "cutlass", "deepgemm"):
-            raise ValueError(f"grouped_gemm must be 'cutlass' or 'deepgemm', not {self.grouped_gemm!r}")
-        if self.grouped_gemm == "deepgemm":
+        if self.decision.grouped_gemm == "deepgemm":
             from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
             if deepgemm_lib.missing():
@@ -217,7 +244,7 @@ class CutlassExperts(Experts):
         from moe_plugin_cuda.cutlass import lib as cutlass_lib
         from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
-        if not self.fp8 and not self.w13_layout.is_interleaved(layer.w13):  # in place, once per checkpoint
+        if self.decision.w13_interleaved and not self.w13_layout.is_interleaved(layer.w13):  # once per checkpoint
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
         self._descriptors.clear()
@@ -229,21 +256,26 @@ class CutlassExperts(Experts):
     def _activations(self, qa: QuantizedActivations):
         """(data, scale): FP8 codes + group scales as they came (FP8 experts), else the compute dtype (the
         FP8 pipeline quantizes)."""
-        if qa.dtype is WireDtype.FP8 and self.fp8:
+        if qa.dtype is WireDtype.FP8 and self.decision.fp8_block:
             return qa.data, qa.scale
         if qa.dtype is WireDtype.BF16:
             return qa.data, None
-        return qa.dequantize(self.config.params_dtype), None
+        return qa.dequantize(self.decision.out_dtype), None
 
     def apply(self, layer: "MoELayer", dispatched):
-        w = expert_weights(layer, self.fp8)
-        c = self.config
+        d = self.decision
+        w = expert_weights(layer, d.fp8_block)
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
-            args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids,
-                    float(c.routed_scaling_factor), c.params_dtype, self.min_rows, self.config_dir, self.grouped_gemm)
+            args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids)
             # eager calls skip the custom op's dispatch (host time), as the triton backend's do
-            out = _fused_op(*args) if torch.compiler.is_compiling() else run_fused(*args, self._descriptors)
+            kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
+                          out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
+                          grouped_gemm=d.grouped_gemm)
+            if torch.compiler.is_compiling():
+                out = _fused_op(*args, **kwargs)
+            else:
+                out = run_fused(*args, **kwargs, descriptors=self._descriptors)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)
@@ -251,6 +283,8 @@ class CutlassExperts(Experts):
             data, scale = self._activations(dispatched.hidden)
             run = _masked_op if torch.compiler.is_compiling() else run_masked
             out = run(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
-                      float(c.routed_scaling_factor), c.params_dtype, self.min_rows, self.config_dir, c.top_k)
+                      fp8_block=d.fp8_block, table_dtype=d.table_dtype,
+                      routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.out_dtype,
+                      min_rows=d.min_rows, config_dir=d.config_dir, top_k=d.top_k)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)
         raise TypeError(f"cutlass experts do not accept {type(dispatched).__name__}")

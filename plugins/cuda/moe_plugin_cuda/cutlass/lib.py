@@ -31,8 +31,9 @@ VARIANTS = (("fp8", "coop 128x128x128", "1x1", "bf16"), ("fp8", "coop 128x128x12
             ("bf16", "ping 64x256x64", "1x1", "bf16"), ("bf16", "coop 128x256x64", "2x1", "bf16"),
             ("bf16", "coop 128x128x64", "1x1", "bf16"), ("bf16", "coop 128x256x64", "1x1", "swiglu"),
             ("bf16", "ping 64x256x64", "1x1", "swiglu"))
-# (GEMM1, GEMM2) without a tuned choice: FP8 the cooperative 128x128 kernels; bf16 the kernels the session-14
-# probe measured fastest on ~256-row experts (cooperative 128x256, ping-pong 64x256)
+# (GEMM1, GEMM2) without a tuned choice: FP8 the cooperative 128x128 kernels; bf16 the kernels a probe measured
+# fastest on ~256-row experts (cooperative 128x256, ping-pong 64x256; docs/decisions.md, "The CUDA plugin's
+# measured defaults")
 DEFAULT_VARIANTS = {"fp8": (1, 0), "bf16": (9, 10)}
 
 

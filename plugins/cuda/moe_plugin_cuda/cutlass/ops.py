@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import triton
 
-from moe_plugin_cuda.triton import kernels as K
+from moe_plugin_cuda.triton import kernels
 from moe_plugin_cuda.triton.ops import FP8, expert_rows, quantize_fp8_groups
 
 GemmFn = Callable[..., None]
@@ -222,7 +222,7 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8, mn_major: bo
     s = _scales(R, g, mn_major, d1.device)
     if R:
         groups = min(8, triton.next_power_of_2(g))
-        K._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](
+        kernels._silu_mul_quant_kernel[(R, triton.cdiv(g, groups))](
             d1, q, s, rows_used if rows_used is not None else d1, inter, d1.stride(0), q.stride(0), s.stride(0),
             s.stride(1), GROUPS=groups, BOUNDED=rows_used is not None)
     return q, s
@@ -238,7 +238,7 @@ def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False
     h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
     if R:
         block = min(1024, triton.next_power_of_2(inter))
-        K._silu_mul_kernel[(R, triton.cdiv(inter, block))](
+        kernels._silu_mul_kernel[(R, triton.cdiv(inter, block))](
             d1, h, rows_used if rows_used is not None else d1, inter, d1.stride(0), h.stride(0), BLOCK=block,
             INTERLEAVED=interleaved, BOUNDED=rows_used is not None)
     return h
@@ -262,9 +262,10 @@ def _fuses_swiglu(gemm: GroupedGemm, variant: Optional[int]) -> bool:
     return variant is not None and gemm.row_align == 1 and cutlass_lib.VARIANTS[variant][3] == "swiglu"
 
 
-def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype,
-             variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False, sorted_rows: bool = False):
-    """GEMM1 -> activation (+ FP8 when the weights have scales) -> GEMM2 over rows grouped by expert:
+def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm: GroupedGemm, out_dtype, code_dtype, *,
+             fp8_block: bool, variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False,
+             sorted_rows: bool = False):
+    """GEMM1 -> activation (+ FP8 requantization with ``fp8_block``) -> GEMM2 over rows grouped by expert:
     ``[R, H]`` -> ``[R, H]``. ``sorted_rows``: experts in order, each from ``row_start`` (``expert_rows``'
     layout, int32), so the activation pass stops after the last expert's last row instead of at R (the
     bound for any routing: 10% more rows at deepseek T=16384); rows past it, like the padding rows
@@ -273,7 +274,7 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
     R = a.shape[0]
     v1, v2 = variants or (None, None)
     if _fuses_swiglu(gemm, v1):
-        if w13_scale is not None or not w13_interleaved:
+        if fp8_block or not w13_interleaved:
             raise ValueError(f"CUTLASS variant {v1} (SwiGLU epilogue) needs bf16 w13 with gate/up interleaved")
         h, h_scale = torch.empty((R, w13.shape[1] // 2), dtype=a.dtype, device=a.device), None
         gemm.run(a, None, w13, None, h, m_sizes, row_start, variant=v1)
@@ -281,7 +282,7 @@ def _experts(a, a_scale, w13, w13_scale, w2, w2_scale, m_sizes, row_start, gemm:
         d1 = torch.empty((R, w13.shape[1]), dtype=_gemm1_dtype(gemm, v1), device=a.device)
         gemm.run(a, a_scale, w13, w13_scale, d1, m_sizes, row_start, variant=v1)
         used = row_start[-1:] + m_sizes[-1:] if sorted_rows else None
-        if w13_scale is None:
+        if not fp8_block:
             h, h_scale = silu_mul(d1, a.dtype, w13_interleaved, used), None
         else:
             h, h_scale = silu_mul_quant(d1, code_dtype, gemm.mn_major_scales, used)
@@ -313,23 +314,23 @@ def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], to
         s_out = a if s is None else s  # (dummies where no scale is read or written)
         src_scale = s_out if a_scale is None else a_scale
         groups = min(8, triton.next_power_of_2(g))
-        K._quantize_into_rows_kernel[(T, triton.cdiv(g, groups))](
+        kernels._quantize_into_rows_kernel[(T, triton.cdiv(g, groups))](
             src, src_scale, dst, s_out, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
-            src.stride(0), src_scale.stride(0), dst.stride(0), s_out.stride(0), s_out.stride(1), K=top_k,
+            src.stride(0), src_scale.stride(0), dst.stride(0), s_out.stride(0), s_out.stride(1), TOP_K=top_k,
             GROUPS=groups, QUANTIZE=quantize and a_scale is None, SCALES=quantize)
     return a, s
 
 
 def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, *, routed_scaling_factor: float, out_dtype: torch.dtype,
+                  topk_ids: torch.Tensor, *, fp8_block: bool, routed_scaling_factor: float, out_dtype: torch.dtype,
                   gemm: GroupedGemm = CUTLASS, code_dtype: torch.dtype = FP8,
                   variants: Optional[tuple[int, int]] = None, w13_interleaved: bool = False) -> torch.Tensor:
     """Weighted SiLU MoE over a token list: ``[T, H] -> [T, H]``; ``topk_ids`` local, -1 skipped.
 
-    FP8: ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
-    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. bf16 (``w13_scale``
-    None, ``gemm`` ``CUTLASS_BF16`` or ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the
+    ``fp8_block``: ``hidden`` in the compute dtype, or FP8 codes with ``a_scale`` [T, H/128]; w13 [E, 2I, H]
+    (checkpoint gate | up rows), w2 [E, H, I], e4m3 with 128x128 block scales. bf16 (not ``fp8_block``;
+    ``w13_scale`` None, ``gemm`` ``CUTLASS_BF16`` or ``DEEPGEMM_BF16``): hidden and weights bf16, w13 in the
     checkpoint layout or gate/up interleaved (``w13_interleaved``). ``variants``: the kernels of GEMM1
     and GEMM2 (indices into ``cutlass_lib.VARIANTS``, ``deepgemm_lib.FP8_VARIANTS`` or
     ``deepgemm_lib.BF16_VARIANTS``).
@@ -341,13 +342,13 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
         return out
     counts, row_start, row_of_slot, rows = expert_rows(topk_ids, E, gemm.row_align)
     a, a_s = quantize_into_rows(hidden, a_scale, topk_ids, row_of_slot, E, code_dtype, rows, gemm.mn_major_scales,
-                                quantize=w13_scale is not None)
-    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype, variants,
-                 w13_interleaved, sorted_rows=True)
+                                quantize=fp8_block)
+    y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype,
+                 fp8_block=fp8_block, variants=variants, w13_interleaved=w13_interleaved, sorted_rows=True)
     block_h = min(1024, triton.next_power_of_2(H))
-    K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
+    kernels._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,
-        topk_weights.to(torch.float32).contiguous(), K=top_k, BLOCK_H=block_h, MAPPED=True)
+        topk_weights.to(torch.float32).contiguous(), TOP_K=top_k, BLOCK_H=block_h, MAPPED=True)
     return out
 
 
@@ -369,7 +370,7 @@ def masked_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked
     rows = masked_m.to(torch.int64)
     start = torch.arange(E, device=hidden.device, dtype=torch.int64) * C
     y = _experts(flat, a_scale.contiguous(), w13, w13_scale, w2, w2_scale, rows, start, gemm, out_dtype, code_dtype,
-                 variants)
+                 fp8_block=True, variants=variants)
     if routed_scaling_factor != 1.0:
         y.mul_(routed_scaling_factor)
     return y.view(E, C, H)

@@ -26,7 +26,9 @@ SOURCE = Path(__file__).parent / "csrc" / "deepgemm_grouped.cu"
 # to two column tiles). BLOCK_M is 128 in all. The tuned table picks GEMM1's and GEMM2's, per T.
 FP8_VARIANTS = ((128, 5, "1"), (128, 5, "B"), (144, 5, "B"), (160, 5, "B"), (192, 4, "B"), (128, 5, "A"),
                 (160, 5, "A"), (192, 4, "A"))
-DEFAULT_FP8_VARIANTS = (4, 3)  # H100, session 10: the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384
+# the fastest pair on qwen3-235b/deepseek/qwen3-30b at T=16384 on the H100 (docs/decisions.md, "The CUDA plugin's
+# measured defaults")
+DEFAULT_FP8_VARIANTS = (4, 3)
 BF16_VARIANTS = ((128, 6, "1"), (128, 6, "B"), (160, 5, "B"), (192, 4, "B"), (256, 3, "B"), (128, 6, "A"),
                  (192, 4, "A"), (256, 3, "A"))
 DEFAULT_BF16_VARIANTS = (3, 3)

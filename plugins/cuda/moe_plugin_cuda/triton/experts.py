@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -26,12 +27,25 @@ from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_g
 if TYPE_CHECKING:
     from moe_core.plugin_api import MoELayer
 
-FP8 = torch.float8_e4m3fn
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def config_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
-    return "fp8_block" if quant is QuantScheme.FP8_BLOCK else _DTYPE_NAMES[params_dtype]
+@dataclass(frozen=True)
+class TritonDecision:
+    """What the triton experts take from the plan, decided once at construction and passed down by name."""
+
+    fp8_block: bool  # FP8 block 128x128 W8A8 (weights e4m3 with block scales), else the params dtype throughout
+    table_dtype: str  # the tuned tables' dtype key (tuning_configs.table_dtype)
+    compute_dtype: torch.dtype  # the params dtype: outputs, and activations that are not FP8
+    activation: str  # "silu" or "gelu"
+    routed_scaling_factor: float
+    w13_interleaved: bool = True  # process_weights interleaves w13's gate/up rows (one GEMM1 accumulator)
+
+    @classmethod
+    def from_config(cls, config) -> "TritonDecision":
+        return cls(fp8_block=config.quant is QuantScheme.FP8_BLOCK,
+                   table_dtype=tuning_configs.table_dtype(config.quant, config.params_dtype),
+                   compute_dtype=config.params_dtype, activation=str(config.activation),
+                   routed_scaling_factor=float(config.routed_scaling_factor))
 
 
 # ---------------------------------------------------------------- torch.compile: custom ops
@@ -82,10 +96,7 @@ class TritonExperts(Experts):
         from moe_plugin_cuda.triton import ops as triton_ops  # imports triton
 
         self._ops = triton_ops
-        c = self.config
-        self.fp8 = c.quant is QuantScheme.FP8_BLOCK
-        self.dtype_name = config_dtype(c.quant, c.params_dtype)
-        self.activation = str(c.activation)
+        self.decision = TritonDecision.from_config(self.config)
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
@@ -109,7 +120,7 @@ class TritonExperts(Experts):
                     self._device_name = torch.cuda.get_device_name(device)
                 c = self.config
                 cfg, _ = tuning_configs.get_config(m, c.num_local_experts, c.top_k, c.intermediate_size,
-                                                   c.hidden_size, self.dtype_name, self._device_name,
+                                                   c.hidden_size, self.decision.table_dtype, self._device_name,
                                                    self.config_dir)
             if self.two_acc:
                 cfg = tuning_configs.as_two_acc(cfg)
@@ -135,18 +146,18 @@ class TritonExperts(Experts):
         """(data, scale) in what the kernels take: compute dtype, or FP8 + group scales."""
         if qa.dtype is WireDtype.BF16:
             return qa.data, None
-        if qa.dtype is WireDtype.FP8 and self.fp8:
+        if qa.dtype is WireDtype.FP8 and self.decision.fp8_block:
             return qa.data, qa.scale
         # any other wire dtype: back to the compute dtype (the FP8 kernels requantize)
-        return qa.dequantize(self.config.params_dtype), None
+        return qa.dequantize(self.decision.compute_dtype), None
 
     def run_fused(self, hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
         """STANDARD / EP_NORMAL token list through the pipeline -> ``[T, H]`` in the params dtype."""
-        c = self.config
+        d = self.decision
         return self._ops.fused_experts(
-            hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-            activation=self.activation, routed_scaling_factor=c.routed_scaling_factor, out_dtype=c.params_dtype,
-            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=True,
+            hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
+            activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
+            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
             descriptors=self._descriptors)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
@@ -154,17 +165,18 @@ class TritonExperts(Experts):
         E, C, _ = hidden.shape
         # mean rows per expert is unknown without a sync: size tiles for a full slab
         cfg = self.launch_config(max(1, E * C // max(1, self.config.top_k)), hidden.device)
+        d = self.decision
         return self._ops.masked_experts(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale,
-                                        activation=self.activation,
-                                        routed_scaling_factor=self.config.routed_scaling_factor,
-                                        out_dtype=self.config.params_dtype, cfg=cfg, w13_interleaved=True)
+                                        fp8_block=d.fp8_block, activation=d.activation,
+                                        routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
+                                        cfg=cfg, w13_interleaved=d.w13_interleaved)
 
     def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
-        w = expert_weights(layer, self.fp8)
+        w = expert_weights(layer, self.decision.fp8_block)
         data, scale = self._activations(qa)
         args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids)
         if torch.compiler.is_compiling():
-            return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.config.params_dtype)
+            return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.decision.compute_dtype)
         return self.run_fused(*args)
 
     def apply(self, layer: "MoELayer", dispatched):
@@ -174,11 +186,11 @@ class TritonExperts(Experts):
             return EPNormalCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk),
                                    handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
-            w = expert_weights(layer, self.fp8)
+            w = expert_weights(layer, self.decision.fp8_block)
             data, scale = self._activations(dispatched.hidden)
             args = (data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale)
             if torch.compiler.is_compiling():
-                out = torch.ops.moe_cuda.triton_masked_experts(self.op_key, *args, self.config.params_dtype)
+                out = torch.ops.moe_cuda.triton_masked_experts(self.op_key, *args, self.decision.compute_dtype)
             else:
                 out = self.run_masked(*args)
             return EPMaskedCombine(hidden=out, topk=dispatched.topk, handle=dispatched.handle)

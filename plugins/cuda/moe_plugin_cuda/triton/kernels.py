@@ -410,24 +410,24 @@ def _gemm_tile(
 
 
 @triton.jit
-def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, row_map_ptr, topk_w_ptr, K: tl.constexpr,
+def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, row_map_ptr, topk_w_ptr, TOP_K: tl.constexpr,
                        BLOCK_H: tl.constexpr, MAPPED: tl.constexpr):
     """out[t] = scale * sum_k [0 <= id(t,k) < E] * y[row(t,k)]; invalid slots were never written.
 
-    row(t,k) = t*K + k, or with MAPPED the slot's row in expert-sorted ``y`` (``row_map``), each
+    row(t,k) = t*TOP_K + k, or with MAPPED the slot's row in expert-sorted ``y`` (``row_map``), each
     times its top-k weight (the GEMM did not apply it)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for k in tl.static_range(K):
-        e = tl.load(ids_ptr + t * K + k) + tl.zeros((BLOCK_H,), dtype=tl.int32)  # broadcast the id
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k) + tl.zeros((BLOCK_H,), dtype=tl.int32)  # broadcast the id
         ok = (e >= 0) & (e < E)
         if MAPPED:
-            row = tl.load(row_map_ptr + t * K + k).to(tl.int64)
-            w = tl.load(topk_w_ptr + t * K + k).to(tl.float32)
+            row = tl.load(row_map_ptr + t * TOP_K + k).to(tl.int64)
+            w = tl.load(topk_w_ptr + t * TOP_K + k).to(tl.float32)
         else:
-            row = t * K + k
+            row = t * TOP_K + k
             w = 1.0
         y = tl.load(y_ptr + row * H + offs, mask=hmask & ok, other=0.0)
         acc += tl.where(ok, y.to(tl.float32) * w, 0.0)
@@ -454,10 +454,10 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
 
 @triton.jit
 def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_map_ptr, E, H, stride_x, stride_xs,
-                               stride_q, stride_s, stride_sg, K: tl.constexpr, GROUPS: tl.constexpr,
+                               stride_q, stride_s, stride_sg, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
                                QUANTIZE: tl.constexpr, SCALES: tl.constexpr):
     """Token t's GROUPS groups, quantized as ``_quant_fp8_group_kernel`` does (QUANTIZE) or its codes
-    (and with SCALES its scales) as they came, stored in row ``row_map[t*K + k]`` for each slot k whose
+    (and with SCALES its scales) as they came, stored in row ``row_map[t*TOP_K + k]`` for each slot k whose
     id is in [0, E) (scale of row r, group j at ``s + r*stride_s + j*stride_sg``)."""
     t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
@@ -471,10 +471,10 @@ def _quantize_into_rows_kernel(x_ptr, x_scale_ptr, q_ptr, s_ptr, ids_ptr, row_ma
         q = tl.load(x_ptr + t * stride_x + offs, mask=m)
         if SCALES:
             s = tl.load(x_scale_ptr + t * stride_xs + grp, mask=gm)
-    for k in tl.static_range(K):
-        e = tl.load(ids_ptr + t * K + k)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + k)
         if (e >= 0) & (e < E):
-            row = tl.load(row_map_ptr + t * K + k).to(tl.int64)
+            row = tl.load(row_map_ptr + t * TOP_K + k).to(tl.int64)
             tl.store(q_ptr + row * stride_q + offs, q, mask=m)
             if SCALES:
                 tl.store(s_ptr + row * stride_s + grp * stride_sg, s, mask=gm)

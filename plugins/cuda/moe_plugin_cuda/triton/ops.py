@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 
-from moe_plugin_cuda.triton import kernels as K
+from moe_plugin_cuda.triton import kernels
 
 FP8 = torch.float8_e4m3fn
 
@@ -44,7 +44,7 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     ptrs = tuple(t if t is not None else dummy for t in (expert_ids, post_pad, counts, starts, tile_starts))
     if numel <= SMALL_ALIGN_MAX:
         cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
-        K._align_small_kernel[(1,)](flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts, E_POW2=e_pow2,
+        kernels._align_small_kernel[(1,)](flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts, E_POW2=e_pow2,
                                     BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
                                     BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails)
         return
@@ -56,10 +56,10 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     chunk_counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     warps = 8 if chunk >= 2048 else 4
-    K._align_count_kernel[(n_chunks,)](flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk,
+    kernels._align_count_kernel[(n_chunks,)](flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk,
                                        num_warps=warps)
     blocks_per_prog = triton.cdiv(max_blocks, n_chunks)
-    K._align_place_kernel[(n_chunks,)](
+    kernels._align_place_kernel[(n_chunks,)](
         flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
         E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
@@ -131,7 +131,7 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty((M, g), dtype=torch.float32, device=x.device)
     if M:
         groups = min(8, _pow2(g))
-        K._quant_fp8_group_kernel[(M, triton.cdiv(g, groups))](x, q, s, H, x.stride(0), q.stride(0), s.stride(0),
+        kernels._quant_fp8_group_kernel[(M, triton.cdiv(g, groups))](x, q, s, H, x.stride(0), q.stride(0), s.stride(0),
                                                                GROUPS=groups)
     return q, s
 
@@ -164,7 +164,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         a_desc = _a_descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"])
         # the half-tile branch is compiled even without TAILS (never run then): its descriptor must fit it
         a_desc_half = _a_descriptor(a, max(1, cfg["BLOCK_M"] // 2), cfg["BLOCK_K"])
-    return K._moe_gemm_kernel[grid](
+    return kernels._moe_gemm_kernel[grid](
         a, a_desc, a_desc_half, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, tile_starts, masked_m if masked_m is not None else dummy,
@@ -272,14 +272,15 @@ def gemm2(h, h_scale, w2, w2_scale, y, topk_w, *, align, masked_m, num_rows, cap
 def fused_experts(
     hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
     w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, *, activation: str, routed_scaling_factor: float, out_dtype: torch.dtype,
-    cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
+    topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
+    out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
     descriptors: Optional[dict] = None,
 ) -> torch.Tensor:
     """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
 
-    ``hidden`` is in the compute dtype, or e4m3 with ``a_scale`` [T, H/128] when ``w13`` is FP8
-    (block 128x128 scales ``w13_scale``/``w2_scale``, always in the checkpoint layout).
+    ``fp8_block``: ``w13`` and ``w2`` are e4m3 with block 128x128 scales ``w13_scale``/``w2_scale`` (always in
+    the checkpoint layout) and ``hidden`` is in the compute dtype or e4m3 with ``a_scale`` [T, H/128]; else
+    everything is in the compute dtype.
     ``w13_interleaved``: w13 rows are gate/up interleaved (``weights.interleave_gate_up``), else
     the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped. ``descriptors``: a cache of the
     weights' TMA descriptors the caller owns (``_b_descriptor``).
@@ -291,13 +292,12 @@ def fused_experts(
         out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
         return out
-    fp8 = w13.dtype == FP8
     # GEMM1 gathers token rows: A_TMA (contiguous A rows) is only GEMM2's here (a slab has them in both)
     cfg1, cfg2 = {**cfg["gemm1"], "A_TMA": 0}, cfg["gemm2"]
     bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
     assert (cfg2["BLOCK_M"], bool(cfg2.get("TAIL_TILES", 0))) == (bm, tails), \
         "both GEMMs share the alignment's BLOCK_M and TAIL_TILES"
-    if fp8:
+    if fp8_block:
         _check_fp8_cfg(cfg1, cfg2)
         if hidden.dtype != FP8:
             hidden, a_scale = quantize_fp8_groups(hidden)
@@ -307,23 +307,23 @@ def fused_experts(
     numel = T * top_k
     # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
-                         a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
+                         a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
                          row_order=bool(cfg2.get("A_TMA", 0)), descriptors=descriptors)
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
-          num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8, cfg2=cfg2,
+          num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
           descriptors=descriptors)
     block_h = min(1024, triton.next_power_of_2(H))
-    K._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E, ids, ids,
-                                                       K=top_k, BLOCK_H=block_h, MAPPED=False)
+    kernels._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E, ids, ids,
+                                                       TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
     return out
 
 
 def masked_experts(
     hidden: torch.Tensor, a_scale: Optional[torch.Tensor], masked_m: torch.Tensor, w13: torch.Tensor,
     w2: torch.Tensor, w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], *,
-    activation: str, routed_scaling_factor: float, out_dtype: torch.dtype, cfg: dict,
+    fp8_block: bool, activation: str, routed_scaling_factor: float, out_dtype: torch.dtype, cfg: dict,
     w13_interleaved: bool = False,
 ) -> torch.Tensor:
     """Unweighted (but scaled by ``routed_scaling_factor``) experts on a DeepEP low-latency slab:
@@ -333,12 +333,11 @@ def masked_experts(
     out = torch.empty((E, C, H), dtype=out_dtype, device=hidden.device)
     if E * C == 0:
         return out
-    fp8 = w13.dtype == FP8
     # half tiles (TAIL_TILES) belong to the token lists' alignment; a slab is C rows per expert
     cfg1, cfg2 = ({**cfg[k], "TAIL_TILES": 0} for k in ("gemm1", "gemm2"))
     bm = cfg1["BLOCK_M"]
     a = hidden.reshape(E * C, H)
-    if fp8:
+    if fp8_block:
         _check_fp8_cfg(cfg1, cfg2)
         if hidden.dtype != FP8:
             a, a_scale = quantize_fp8_groups(a)
@@ -347,8 +346,8 @@ def masked_experts(
     n_blocks = E * triton.cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
     h1, h1_scale = gemm1(a, a_scale, w13, w13_scale, align=None, masked_m=mm, num_rows=E * C, a_row_div=1,
-                         capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8,
+                         capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1)
     gemm2(h1, h1_scale, w2, w2_scale, out.view(E * C, H), None, align=None, masked_m=mm, num_rows=E * C,
-          capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, fp8=fp8, cfg2=cfg2)
+          capacity=C, num_m_blocks=n_blocks, out_scale=routed_scaling_factor, fp8=fp8_block, cfg2=cfg2)
     return out

@@ -29,12 +29,23 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
+from moe_core.plugin_api import QuantScheme
+
 CONFIG_DIR = Path(__file__).parent.parent / "configs"  # the package's configs/: triton's and cutlass's tables
 KERNEL_VERSION = 2
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0, "TAIL_TILES": 0, "A_TMA": 0}
 TRITON_TABLE = f"v{KERNEL_VERSION}"
 CUTLASS_TABLE = "cutlass-v1"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def table_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
+    """The tables' ``dtype`` key for a layer, triton's and cutlass's alike: ``fp8_block`` for FP8 block weights
+    (the kernels run W8A8 whatever the params dtype), else the params dtype's name."""
+    return "fp8_block" if quant is QuantScheme.FP8_BLOCK else _DTYPE_NAMES[params_dtype]
 
 
 def config_file_name(E: int, inter: int, H: int, device_name: str, dtype: str, kernel: str = TRITON_TABLE) -> str:

@@ -21,7 +21,7 @@
 //        sfa_ptrs[g] = base + row_offset_g * ceil(K/128). (SGLang's sgl-kernel uses this layout on sm90:
 //        Sm90BlockwiseScaleConfig<1,128,128,GMMA::Major::K,GMMA::Major::K>.)
 //
-// Variants (the `variant` argument; measured on an H100 in benchmarks/cuda/RESULTS.md, sessions 7, 9, 14, 15):
+// Variants (the `variant` argument; measured on an H100: docs/decisions.md, "The CUDA plugin's measured defaults"):
 //   0: FP8, tile 128x128x128, KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise, cluster 1x1x1, bf16 D
 //   1: as 0 with an fp32 D
 //   2: FP8, tile  64x128x128, KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,    cluster 1x1x1, bf16 D
@@ -38,8 +38,8 @@
 //  12: bf16, tile 128x128x64, cooperative, cluster 1x1x1, bf16 D
 //  13: as 9 with the SwiGLU epilogue: D = silu(gate) * up, bf16 [M_g, N/2] (see SwigluEpilogueArray)
 //  14: as 10 with the SwiGLU epilogue
-// (bf16 tiles: the session-14 probe, benchmarks/cuda/h100_session14/probe_bf16_grouped.log, found 128x256 and
-// 64x256 6-21% faster than DeepGEMM's bf16 kernels on ~256-row experts; 128x128 is there for narrow N.)
+// (bf16 tiles: a probe found 128x256 and 64x256 6-21% faster than DeepGEMM's bf16 kernels on ~256-row experts;
+// 128x128 is there for narrow N.)
 //
 // Per-group CUTLASS stride/layout arrays are built ON DEVICE by a tiny kernel (one thread per group) from
 // problem_sizes_dev, inside the caller-provided workspace, on the caller's stream: nothing syncs to the host.
@@ -136,8 +136,8 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 // i and i + 1 of one thread, so the product needs no data movement. Each thread then has one output per
 // 8 columns of two rows; a 4x4 transpose within each quad of lanes and an exchange of rows between lane
 // pairs (shuffles) give it 8 adjacent outputs of one row, stored as 16 bytes: whole 32-byte sectors (the first
-// version stored 4-byte pieces and moved twice the DRAM bytes of the TMA-epilogue kernel: benchmarks/cuda,
-// session 18). Stores go straight from registers (the NoSmem epilogue: no smem carve-out, the mainloop keeps
+// version stored 4-byte pieces and moved twice the DRAM bytes of the TMA-epilogue kernel: docs/decisions.md,
+// "The CUDA plugin's measured defaults"). Stores go straight from registers (the NoSmem epilogue: no smem carve-out, the mainloop keeps
 // its stages); rows past M_g (the next expert's, rows are packed) and columns past N are never written.
 CUTLASS_DEVICE uint32_t pack_bf16x2(float lo, float hi) {
   const cutlass::bfloat16_t a(lo), b(hi);
