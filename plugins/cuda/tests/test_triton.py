@@ -231,6 +231,25 @@ def test_gemm2_fp8_scales_interpreter():
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
+def test_weight_descriptors_cached_across_calls_interpreter():
+    """B_TMA weight descriptors come from the caller's cache after the first call (one per weight tensor and
+    tile), with the same output as descriptors built per call."""
+    from moe_plugin_cuda.triton import ops as triton_ops
+
+    x, w13, w2, tw, ids = _case(9, 4, 2, 64, 48, torch.float32)
+    cfg = _cfg(bn1=32, b_tma=1)
+    kw = dict(fp8_block=False, activation="silu", routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg)
+    cache: dict = {}
+    first = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, descriptors=cache, **kw)
+    built = dict(cache)
+    assert len(built) == 2  # w13's and w2's
+    again = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, descriptors=cache, **kw)
+    assert cache == built and all(cache[k] is built[k] for k in built)
+    uncached = triton_ops.fused_experts(x, None, w13, w2, None, None, tw, ids, **kw)
+    assert torch.equal(first, uncached) and torch.equal(again, uncached)
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
 @pytest.mark.parametrize("numel_tokens,E,bm", [
     (1, 8, 16), (100, 256, 16), (204, 37, 64), (700, 256, 64),  # up to SMALL_ALIGN_MAX: one program
     (205, 37, 16), (1000, 8, 16), (1000, 37, 128), (1000, 128, 64), (1000, 256, 128), (3000, 37, 16),

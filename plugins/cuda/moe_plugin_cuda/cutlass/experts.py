@@ -122,9 +122,11 @@ def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, fp8_block: bool,
               table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int],
-              config_dir: Optional[str], grouped_gemm: Optional[str]) -> torch.Tensor:
+              config_dir: Optional[str], grouped_gemm: Optional[str],
+              descriptors: Optional[dict] = None) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
-    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it."""
+    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``: the
+    Triton path's cache of weight TMA descriptors (``triton_ops.fused_experts``)."""
     from moe_plugin_cuda.cutlass import ops as cutlass_ops
     from moe_plugin_cuda.triton import ops as triton_ops
 
@@ -139,7 +141,8 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
                                          variants=variants, w13_interleaved=not fp8_block)
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     fp8_block=fp8_block, activation="silu", routed_scaling_factor=routed_scaling_factor,
-                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block)
+                                    out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block,
+                                    descriptors=descriptors)
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, *, fp8_block: bool, table_dtype: str,
@@ -226,6 +229,7 @@ class CutlassExperts(Experts):
         super().__init__(ctx)
         self.decision = CutlassDecision.from_context(ctx)
         self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
+        self._descriptors: dict = {}  # the Triton path's weight TMA descriptors, emptied by process_weights
         if self.decision.grouped_gemm == "deepgemm":
             from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
@@ -243,6 +247,7 @@ class CutlassExperts(Experts):
         if self.decision.w13_interleaved and not self.w13_layout.is_interleaved(layer.w13):  # once per checkpoint
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
+        self._descriptors.clear()
         # build or load now, not inside the first forward (or a graph capture)
         cutlass_lib.library()
         if deepgemm_lib.missing() is None:
@@ -262,13 +267,15 @@ class CutlassExperts(Experts):
         w = expert_weights(layer, d.fp8_block)
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
+            args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids)
             # eager calls skip the custom op's dispatch (host time), as the triton backend's do
-            run = _fused_op if torch.compiler.is_compiling() else run_fused
-            out = run(data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights,
-                      dispatched.topk.ids, fp8_block=d.fp8_block, table_dtype=d.table_dtype,
-                      routed_scaling_factor=d.routed_scaling_factor,
-                      out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
-                      grouped_gemm=d.grouped_gemm)
+            kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
+                          out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
+                          grouped_gemm=d.grouped_gemm)
+            if torch.compiler.is_compiling():
+                out = _fused_op(*args, **kwargs)
+            else:
+                out = run_fused(*args, **kwargs, descriptors=self._descriptors)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

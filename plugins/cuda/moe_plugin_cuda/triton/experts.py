@@ -102,6 +102,9 @@ class TritonExperts(Experts):
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
         self._configs: dict[int, dict] = {}
         self._device_name: Optional[str] = None
+        # the weights' TMA descriptors (B_TMA configs), built once per weight tensor and tile instead of per
+        # call; emptied when process_weights runs (a new checkpoint may sit at another address)
+        self._descriptors: dict = {}
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
         self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
         _BACKENDS[self.op_key] = self
@@ -136,6 +139,7 @@ class TritonExperts(Experts):
         if not self.w13_layout.is_interleaved(layer.w13):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
+        self._descriptors.clear()
 
     # ------------------------------------------------------------------ apply
     def _activations(self, qa: QuantizedActivations, flat: bool = True):
@@ -153,7 +157,8 @@ class TritonExperts(Experts):
         return self._ops.fused_experts(
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
             activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
-            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved)
+            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
+            descriptors=self._descriptors)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
         """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""

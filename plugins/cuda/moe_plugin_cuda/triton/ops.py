@@ -138,8 +138,9 @@ def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdim, num_valid, a_row_div,
           inter=0, up_row=0, capacity, num_m_blocks, out_scale=1.0, gate=0, row_mul=1, act=0, mul_weight,
-          fp8, quant_out, masked, cfg, row_order=False):
-    """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2)."""
+          fp8, quant_out, masked, cfg, row_order=False, descriptors=None):
+    """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2);
+    ``descriptors``: a cache of the weights' TMA descriptors (see ``_b_descriptor``)."""
     dummy = c
     grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
@@ -156,7 +157,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     b_tma = bool(cfg.get("B_TMA", 0))
     if b_tma and gate == 2 and row_mul != 1:
         raise ValueError("B_TMA with two GEMM1 accumulators needs the checkpoint w13 layout (gate rows contiguous)")
-    b_desc = _b_descriptor(b, cfg) if b_tma else None
+    b_desc = _b_descriptor(b, cfg, descriptors) if b_tma else None
     a_tma = bool(cfg.get("A_TMA", 0))
     a_desc = a_desc_half = None
     if a_tma:
@@ -190,9 +191,14 @@ def _a_descriptor(a: torch.Tensor, block_m: int, block_k: int):
     return TensorDescriptor.from_tensor(a, [block_m, block_k])
 
 
-def _b_descriptor(b: torch.Tensor, cfg: dict):
+def _b_descriptor(b: torch.Tensor, cfg: dict, cache: Optional[dict] = None):
     """Host-side TMA descriptor over the weights viewed as [E*N, K] (Hopper+; configs ask for it
-    with ``B_TMA: 1``). Built per call: a few microseconds, and a CUDA graph keeps it by value."""
+    with ``B_TMA: 1``). A CUDA graph keeps it by value. ``cache`` (a dict the caller owns, e.g. a backend
+    that clears it when its weights change) keeps it across calls: it depends only on the address,
+    shape, dtype and tile, which are its key."""
+    key = (b.data_ptr(), b.shape, b.stride(), b.dtype, cfg["BLOCK_N"], cfg["BLOCK_K"])
+    if cache is not None and key in cache:
+        return cache[key]
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     E, n, k = b.shape
@@ -200,7 +206,10 @@ def _b_descriptor(b: torch.Tensor, cfg: dict):
         raise ValueError(f"B_TMA needs contiguous weights [E, N, K], got {tuple(b.shape)} strides {b.stride()}")
     if k * b.element_size() % 16:
         raise ValueError(f"B_TMA needs rows of a multiple of 16 bytes (TMA), got K={k} x {b.element_size()} bytes")
-    return TensorDescriptor.from_tensor(b.view(E * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    desc = TensorDescriptor.from_tensor(b.view(E * n, k), [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    if cache is not None:
+        cache[key] = desc
+    return desc
 
 
 ACT_IDS = {"silu": 0, "gelu": 1}
@@ -223,7 +232,7 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 
 
 def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
-          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False):
+          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False, descriptors=None):
     """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h at
     the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
     last M-block unwritten). FP8: ``h`` is e4m3 with per-(row, 128-column) scales (quantized in the
@@ -244,18 +253,19 @@ def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, c
           N=n1 if gate == 1 else inter, Kdim=H, num_valid=num_rows, a_row_div=a_row_div, inter=inter,
           up_row=1 if w13_interleaved else inter, capacity=capacity, num_m_blocks=num_m_blocks,
           gate=gate, row_mul=row_mul, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant,
-          masked=masked_m is not None, cfg=cfg1, row_order=row_order)
+          masked=masked_m is not None, cfg=cfg1, row_order=row_order, descriptors=descriptors)
     if fp8 and not fused_quant:  # rows never computed hold garbage here; their quantized copies are never read
         h, h_scale = quantize_fp8_groups(h)
     return h, h_scale
 
 
 def gemm2(h, h_scale, w2, w2_scale, y, topk_w, *, align, masked_m, num_rows, capacity, num_m_blocks,
-          out_scale, fp8, cfg2):
+          out_scale, fp8, cfg2, descriptors=None):
     """Down GEMM into ``y`` [num_rows, H], times the slot's top-k weight when ``topk_w`` is given."""
     _gemm(h, h_scale, w2, w2_scale, y, None, topk_w, align, masked_m, N=w2.shape[1], Kdim=w2.shape[2],
           num_valid=num_rows, a_row_div=1, capacity=capacity, num_m_blocks=num_m_blocks, out_scale=out_scale,
-          mul_weight=topk_w is not None, fp8=fp8, quant_out=False, masked=masked_m is not None, cfg=cfg2)
+          mul_weight=topk_w is not None, fp8=fp8, quant_out=False, masked=masked_m is not None, cfg=cfg2,
+          descriptors=descriptors)
     return y
 
 
@@ -264,6 +274,7 @@ def fused_experts(
     w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
     out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
+    descriptors: Optional[dict] = None,
 ) -> torch.Tensor:
     """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
 
@@ -271,7 +282,8 @@ def fused_experts(
     the checkpoint layout) and ``hidden`` is in the compute dtype or e4m3 with ``a_scale`` [T, H/128]; else
     everything is in the compute dtype.
     ``w13_interleaved``: w13 rows are gate/up interleaved (``weights.interleave_gate_up``), else
-    the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped.
+    the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped. ``descriptors``: a cache of the
+    weights' TMA descriptors the caller owns (``_b_descriptor``).
     """
     T, H = hidden.shape
     E = w13.shape[0]
@@ -297,10 +309,11 @@ def fused_experts(
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
-                         row_order=bool(cfg2.get("A_TMA", 0)))
+                         row_order=bool(cfg2.get("A_TMA", 0)), descriptors=descriptors)
     y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
-          num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2)
+          num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
+          descriptors=descriptors)
     block_h = min(1024, triton.next_power_of_2(H))
     kernels._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E, ids, ids,
                                                        TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)

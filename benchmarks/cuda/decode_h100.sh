@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 31's device pass on one H100, inside BUDGET_S seconds (default 340):
+#   1. install this tree and the CUTLASS / DeepGEMM headers (WHEELHOUSE: a folder of their wheels)
+#   2. build the cutlass backend's libraries while parallel `decode.py --warm-only` processes fill Triton's
+#      kernel cache for every decode cell (and, with BASE, for the T=1 cells of the tree in BASE)
+#   3. decode.py -> OUT/decode-h100-<date>.{json,md}
+#   4. host_time.py on this tree (sections at T=1) -> OUT/host_time.{md,json}
+#   5. the GPU tests of the FP8 in-GEMM quantization (bitwise against the separate quantizer) -> OUT/gpu_tests.log
+#   6. host_time.py at T=1 on BASE (the code before, imported through PYTHONPATH) -> OUT/host_time_base.{md,json}
+# Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
+# Usage (repo root): WHEELHOUSE=DIR BASE=DIR bash benchmarks/cuda/decode_h100.sh OUT
+set -o pipefail
+OUT=${1:?usage: decode_h100.sh OUT}
+mkdir -p "$OUT" /tmp/decode_logs
+OUT=$(cd "$OUT" && pwd)
+LOGS=/tmp/decode_logs
+export PYTHONUNBUFFERED=1
+BUDGET_S=${BUDGET_S:-340}
+T0=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+until_left() { local s=$(( $(left) - $1 )); [ "$s" -lt 5 ] && s=5; echo "$s"; }  # seconds until $1 are left
+say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
+PRESETS="mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b deepseek-v3"
+BENCH=$(pwd)/benchmarks/cuda
+
+say install
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cuda 2>&1 | grep -v -i warning | tail -3
+python3 -m pip install -q --no-deps ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} nvidia-cutlass==4.2.0.0 \
+  sgl-deep-gemm==0.2.5 2>&1 | grep -v -i warning | tail -3
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader
+
+say "build the libraries, warm Triton's cache"
+python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.cutlass import lib; lib.library(); \
+print(f'cutlass library ready in {time.time() - t:.0f} s')" > $LOGS/build_cutlass.log 2>&1 &
+
+python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.deepgemm import lib; \
+lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
+print(f'DeepGEMM library ready in {time.time() - t:.0f} s')" > $LOGS/build_deepgemm.log 2>&1 &
+
+for p in $PRESETS; do
+  (python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends triton;
+   python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends cutlass) > "$LOGS/warm_$p.log" 2>&1 &
+
+done
+if [ -n "$BASE" ]; then
+  PYTHONPATH=$BASE:$BASE/plugins/cuda python3 "$BENCH/decode.py" --warm-only --tokens 1 \
+    --backends triton grouped_mm cutlass > "$LOGS/warm_base.log" 2>&1 &
+
+fi
+while [ "$(left)" -gt 190 ] && [ -n "$(jobs -rp)" ]; do sleep 2; done
+say "warm done; still running (stopped now): $(jobs -rp | tr '\n' ' ')"
+for pid in $(jobs -rp); do pkill -P "$pid"; kill "$pid"; done 2>/dev/null
+tail -n 2 $LOGS/build_*.log; grep -h "FAILED\|cells in" $LOGS/warm_*.log | head -20
+
+say decode
+timeout "$(until_left 100)" python3 "$BENCH/decode.py" --out-dir "$OUT" 2>&1 | tail -n 60
+
+say "host_time (this tree)"
+timeout "$(until_left 50)" python3 "$BENCH/host_time.py" --sections 1 --json "$OUT/host_time.json" \
+  > "$OUT/host_time.md" 2>$LOGS/host_time.err
+grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 60
+
+say "GPU tests: FP8 quantization inside the GEMMs"
+timeout "$(until_left 30)" python3 -m pytest plugins/cuda/tests/test_triton.py -m gpu -q -p no:cacheprovider \
+  -k "bitwise_the_separate or (matches_reference and fp8_block)" > "$OUT/gpu_tests.log" 2>&1
+tail -n 5 "$OUT/gpu_tests.log"
+
+if [ -n "$BASE" ]; then
+  say "host_time (BASE)"
+  PYTHONPATH=$BASE:$BASE/plugins/cuda timeout "$(until_left 3)" python3 "$BENCH/host_time.py" --tokens 1 \
+    --json "$OUT/host_time_base.json" > "$OUT/host_time_base.md" 2>$LOGS/host_time_base.err
+  tail -n 40 "$OUT/host_time_base.md"
+fi
+tar -C $LOGS -cf "$OUT/logs.tar" . 2>/dev/null
+say done

@@ -1,0 +1,325 @@
+"""Where the host time of one MoE forward goes at decode sizes, per CUDA experts backend (issue 31, item 1).
+
+    python benchmarks/cuda/host_time.py [--presets ...] [--quant unquantized fp8_block] [--tokens 1 16 64]
+        [--backends triton cutlass grouped_mm] [--iters 50] [--sections] [--json out.json]
+
+Each cell (preset x quant x backend x T) is a ``MoELayer`` planned with that experts backend, random
+weights and routing as ``moe-core bench`` makes them, ``check_ids`` off (as engines run it; ``--check-ids``
+turns it on). Columns, per forward:
+
+  host_us      median CPU time of ``layer(x, topk)`` with the GPU idle (synchronized before the call, not
+               inside it: launches are asynchronous, so this is what the host spends issuing the work)
+  prof_cpu_us  torch.profiler's CPU time of the same call (a ``record_function`` around it; the profiler
+               adds its own cost)
+  launches     device kernels the call ran (the profiler's device events; memsets and copies included)
+  gpu_us       the sum of those kernels' device times (calls back to back, so the GPU keeps its clocks)
+  syncs        host-device synchronizations (``torch.cuda.set_sync_debug_mode``'s warnings)
+
+``--sections``: the calls again with ``perf_counter`` timers around the pipeline's pieces (the layer's
+stages, the backends' launchers, each Triton kernel's launch by kernel name, TMA descriptors,
+``torch.empty``): inclusive host time per forward, nested pieces counted in their callers too. Timers
+add about a microsecond each, so read the pieces against each other, not against ``host_us``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+
+from moe_core import MoELayer
+from moe_core.bench import _fill_weights  # noqa: PLC2701 (the bench's own weight filling, not a copy)
+from moe_core.config import MoEConfig, preset
+from moe_core.contracts import TopK
+from moe_core.planner import PlanError, plan
+from moe_core.router import route
+
+PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3")
+BACKENDS = ("triton", "cutlass", "grouped_mm")
+
+
+# ------------------------------------------------------------------ cells (decode.py builds them the same way)
+
+
+def build_layer(cfg: MoEConfig, device: torch.device, check_ids: bool = False) -> MoELayer:
+    """A layer planned for ``cfg`` (``PlanError`` if its experts backend cannot run it), weights filled."""
+    layer = MoELayer(cfg, plan=plan(cfg), check_ids=check_ids, device=device)
+    _fill_weights(layer, cfg, seed=0)
+    return layer
+
+
+def make_inputs(cfg: MoEConfig, layer: MoELayer, T: int) -> tuple[torch.Tensor, TopK, int]:
+    """(hidden states, routing, experts touched) for T tokens: random, routed by the preset's router."""
+    g = torch.Generator(device=layer.device).manual_seed(1000 + T)
+    x = torch.randn((T, cfg.hidden_size), generator=g, device=layer.device).to(cfg.params_dtype)
+    logits = torch.randn((T, cfg.num_experts), generator=g, device=layer.device)
+    topk = route(logits, cfg.top_k, cfg.router, layer.correction_bias)
+    topk = TopK(topk.weights.contiguous(), topk.ids.contiguous())
+    touched = int(torch.unique(topk.ids[topk.ids >= 0]).numel())
+    return x, topk, touched
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+WARM_S = 0.3  # seconds of calls before timing: host caches and clocks (one run read 1.5-3x colder without it)
+
+
+def warm_up(fn: Callable[[], Any], device: torch.device) -> None:
+    """At least 3 calls and WARM_S seconds of them (compiles, caches, CPU and GPU clocks)."""
+    t0, i = time.perf_counter(), 0
+    while i < 3 or time.perf_counter() - t0 < WARM_S:
+        fn()
+        i += 1
+        if i % 8 == 0:
+            sync(device)
+    sync(device)
+
+
+def host_times(fn: Callable[[], Any], device: torch.device, iters: int) -> list[float]:
+    """Seconds the host spends in ``fn()`` with the device idle at the start of each call."""
+    out = []
+    for _ in range(iters):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    sync(device)
+    return out
+
+
+# ------------------------------------------------------------------ profiler
+
+
+def profile(fn: Callable[[], Any], device: torch.device, iters: int) -> dict[str, float]:
+    """Per call of ``fn``: the profiler's CPU time, device kernels and their summed device time. The calls
+    run back to back: with a sync before each, the H100 idled long enough between them to drop its clocks
+    (kernel times 3x their graph-replay times on 2026-11-25)."""
+    from torch.profiler import ProfilerActivity, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(iters):
+            with record_function("moe_forward"):
+                fn()
+        sync(device)
+    cpu, kernels, gpu = 0.0, 0, 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CPU and evt.name == "moe_forward":
+            cpu += evt.time_range.elapsed_us()
+        elif evt.device_type != torch.autograd.DeviceType.CPU:
+            kernels += 1
+            gpu += evt.time_range.elapsed_us()
+    return {"prof_cpu_us": cpu / iters, "launches": kernels / iters, "gpu_us": gpu / iters}
+
+
+def count_syncs(fn: Callable[[], Any], device: torch.device) -> int:
+    """Synchronizing calls in one ``fn()`` (those torch's sync debug mode reports)."""
+    if device.type != "cuda":
+        return 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+# ------------------------------------------------------------------ sections
+
+
+class Sections:
+    """``perf_counter`` timers patched around named callables; inclusive microseconds per name."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        times = self.times[name]
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times.append((time.perf_counter() - t0) * 1e6)
+        return timed
+
+    def patch(self, owner: Any, attr: str, name: Optional[str] = None) -> None:
+        if not hasattr(owner, attr):
+            return
+        old = getattr(owner, attr)
+        setattr(owner, attr, self.wrap(name or attr, old))
+        self._undo.append(lambda: setattr(owner, attr, old))
+
+    def patch_triton_launches(self) -> None:
+        """Every Triton kernel launch (``JITFunction.run``), timed by kernel name."""
+        from triton.runtime.jit import JITFunction
+
+        old = JITFunction.run
+        sections = self
+
+        def run(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return old(self, *args, **kwargs)
+            finally:
+                sections.times[f"triton launch {self.fn.__name__}"].append((time.perf_counter() - t0) * 1e6)
+        JITFunction.run = run
+        self._undo.append(lambda: setattr(JITFunction, "run", old))
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def table(self, calls: int) -> list[dict[str, Any]]:
+        rows = [{"section": k, "per_forward": len(v) / calls, "us_per_forward": sum(v) / calls}
+                for k, v in self.times.items() if v]
+        return sorted(rows, key=lambda r: -r["us_per_forward"])
+
+
+def instrument(layer: MoELayer, sections: Sections) -> None:
+    """Timers around the layer's stages and the CUDA plugin's pipeline pieces."""
+    for stage in ("_dispatch", "_apply", "_combine", "_fused_forward"):
+        if hasattr(layer, stage):
+            setattr(layer, stage, sections.wrap(f"layer.{stage[1:]}", getattr(layer, stage)))
+    try:
+        from moe_plugin_cuda.triton import ops as triton_ops
+    except ImportError:  # no triton: the other pieces still are timed
+        triton_ops = None
+    if triton_ops is not None:
+        for fn in ("fused_experts", "align_block_size", "expert_rows", "quantize_fp8_groups", "gemm1", "gemm2",
+                   "_a_descriptor", "_b_descriptor"):
+            sections.patch(triton_ops, fn, f"triton_ops.{fn}")
+        sections.patch_triton_launches()
+    try:
+        from moe_plugin_cuda.cutlass import experts as cutlass_experts
+        from moe_plugin_cuda.cutlass import ops as cutlass_ops
+    except ImportError:
+        cutlass_experts = cutlass_ops = None
+    if cutlass_experts is not None:
+        for fn in ("run_fused", "choose_path"):
+            sections.patch(cutlass_experts, fn, f"cutlass_experts.{fn}")
+        for fn in ("fused_experts", "quantize_into_rows", "_experts"):
+            sections.patch(cutlass_ops, fn, f"cutlass_ops.{fn}")
+    from moe_plugin_cuda import grouped_mm
+
+    sections.patch(grouped_mm, "grouped_mm_experts", "grouped_mm.grouped_mm_experts")
+    sections.patch(torch, "empty", "torch.empty")
+
+
+# ------------------------------------------------------------------ main
+
+
+def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_sections: bool) -> dict[str, Any]:
+    dev = layer.device
+
+    def call():
+        return layer(x, topk)
+
+    with torch.no_grad():
+        warm_up(call, dev)
+        host = host_times(call, dev, iters)
+        row: dict[str, Any] = {"host_us": statistics.median(host) * 1e6, "host_us_min": min(host) * 1e6}
+        row.update(profile(call, dev, max(5, iters // 5)))
+        row["syncs"] = count_syncs(call, dev)
+        if with_sections:
+            sections = Sections()
+            saved = {k: getattr(layer, k) for k in ("_dispatch", "_apply", "_combine", "_fused_forward")
+                     if hasattr(layer, k)}
+            instrument(layer, sections)
+            try:
+                call()
+                sync(dev)
+                for times in sections.times.values():  # (the timers hold these lists)
+                    times.clear()
+                for _ in range(iters):
+                    sync(dev)
+                    call()
+                sync(dev)
+            finally:
+                sections.undo()
+                for k, v in saved.items():
+                    setattr(layer, k, v)
+            row["sections"] = sections.table(iters)
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--sections", nargs="*", type=int, default=None, metavar="T",
+                   help="also time the pipeline's pieces (at these T; none given: at every T)")
+    p.add_argument("--check-ids", action="store_true", help="the layer's expert-id check on (its default in eager)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("host_time.py needs a CUDA device (or --device cpu)", file=sys.stderr)
+        return 1
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    rows = []
+    print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs |\n"
+          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    for name in args.presets:
+        for q in args.quant:
+            for backend in args.backends:
+                cfg = preset(name, quant=q, device=args.device, experts=backend)
+                try:
+                    layer = build_layer(cfg, device, args.check_ids)
+                except PlanError as exc:
+                    print(f"<!-- skip {name} {q} {backend}: {exc.summary} -->", flush=True)
+                    continue
+                for T in args.tokens:
+                    x, topk, _ = make_inputs(cfg, layer, T)
+                    sections = args.sections is not None and (not args.sections or T in args.sections)
+                    try:
+                        r = {"preset": name, "quant": q, "backend": backend, "T": T,
+                             **measure_cell(layer, x, topk, args.iters, sections)}
+                    except Exception as exc:  # report the cell, keep the others
+                        print(f"<!-- {name} {q} {backend} T={T} FAILED: {type(exc).__name__}: {exc} -->", flush=True)
+                        continue
+                    rows.append(r)
+                    print(f"| {name} | {q} | {backend} | {T} | {r['host_us']:.1f} | {r['prof_cpu_us']:.1f} | "
+                          f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} |", flush=True)
+                    for s in r.get("sections", []):
+                        print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
+                              flush=True)
+                del layer
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:],
+                "check_ids": args.check_ids}
+        try:
+            import triton
+
+            meta["triton"] = triton.__version__
+        except ImportError:
+            pass
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
