@@ -18,8 +18,8 @@ t0=$(date +%s)
 # the CUTLASS experts' library compiles at first use (~1-2 min of CPU): build it beside the first steps
 # (a file lock makes the layer checks wait for it if they reach cutlass first)
 python3 -c "from moe_plugin_cuda.cutlass import lib as c; print(c.missing() or c.library())" > "$out/cutlass_build.log" 2>&1 &
-# per-step limits in seconds; DEEPEP_BUDGET=short fits the whole driver in ~4.5 minutes (after other work)
-if [ "${DEEPEP_BUDGET:-}" = short ]; then lim=(70 30 80 60 40); else lim=(90 40 100 120 75); fi
+# per-step limits in seconds; DEEPEP_BUDGET=short fits the whole driver in ~4 minutes (after other work)
+if [ "${DEEPEP_BUDGET:-}" = short ]; then lim=(60 25 70 50 30); else lim=(90 40 100 120 75); fi
 run2 "${lim[0]}" plugins/cuda/scripts/deepep_vs_torch_a2a.py > "$out/vs_torch_a2a.log" 2>&1; step "deepep_vs_torch_a2a" $?
 run2 "${lim[1]}" plugins/cuda/tests/emulation/deepep_fidelity.py > "$out/fidelity.log" 2>&1; step "fidelity (real deep_ep)" $?
 run2 "${lim[2]}" benchmarks/ep/bench_deepep.py --out "$out/deepep-h100x2.json" > "$out/bench.log" 2>&1; step "bench_deepep" $?
