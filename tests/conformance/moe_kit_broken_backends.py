@@ -16,7 +16,7 @@ from moe_core.backends import BackendSpec, Role
 from moe_core.contracts import Activation, EPNormalDispatch, Format, QuantScheme, StandardCombine, WireDtype
 from moe_core.distributed.torch_a2a import TorchA2ADispatcher
 from moe_core.plugins import BackendPlugin, PluginManager
-from moe_core.reference.experts import ACTIVATIONS, ReferenceExperts
+from moe_core.reference.experts import ReferenceExperts, gated_activation
 
 HERE = __name__
 
@@ -94,7 +94,7 @@ class SiluForGelu(ReferenceExperts):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        self.act = ACTIVATIONS[Activation.SILU]
+        self.glu = gated_activation(Activation.SILU)
 
 
 class MirroredRounding(ReferenceExperts):

@@ -62,7 +62,7 @@ def test_reference_experts_pass_the_kit():
     assert report.ok, report.text()
     assert sum(r.status == "passed" for r in report.results) > 150
     ids = {r.case_id for r in report.results}
-    assert {"experts-ep_masked-nvfp4-nvfp4-silu-T257-K4", "experts-ep_normal-w4a4-bf16-silu-T0-K1",
+    assert {"experts-ep_masked-nvfp4-bf16-silu-T257-K4", "experts-ep_normal-w4a4-bf16-silu-T0-K1",
             "experts-standard-fp8_block-fp8-silu-poisoned", "experts-ep_masked-fp8_block-fp8-gelu-T37-K4"} <= ids
 
 

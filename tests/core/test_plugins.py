@@ -150,7 +150,7 @@ def _spec(**changes):
 
 
 def test_backend_spec_ep_is_typed_and_accepts_the_old_strings():
-    assert _spec().ep is mc.EPSupport.ANY
+    assert _spec().ep is mc.EPSupport.NONE  # the default: no backend claims EP without saying so
     for text, member in (("none", mc.EPSupport.NONE), ("any", mc.EPSupport.ANY), ("required", mc.EPSupport.REQUIRED)):
         assert _spec(ep=text).ep is member  # converted once, at the boundary
         assert _spec(ep=member).ep is member

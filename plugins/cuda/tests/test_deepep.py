@@ -213,9 +213,12 @@ def test_backends_reports_deepep_2x_usable_through_the_legacy_buffer(deep_ep_emu
 
     deep_ep_emu.__version__ = "2.1.0"
     deep_ep_emu.ElasticBuffer = type("ElasticBuffer", (), {})
-    assert cli.main(["backends"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[2:3] == ["deepep"])
-    assert "available" in row and "DeepEP 2.1.0" in row and "legacy V1 deep_ep.Buffer API" in row, row
+    assert cli.main(["backends", "--json"]) == 0
+    import json
+
+    row = next(r for r in json.loads(capsys.readouterr().out) if r["backend"] == "deepep")
+    assert row["available"] and "DeepEP 2.1.0" in row["message"], row
+    assert "legacy V1 deep_ep.Buffer API" in row["message"], row
 
 
 def test_probe_refuses_a_buffer_without_the_v1_methods(deep_ep_emu, monkeypatch):
