@@ -213,9 +213,15 @@ def test_backends_reports_deepep_2x_usable_through_the_legacy_buffer(deep_ep_emu
 
     deep_ep_emu.__version__ = "2.1.0"
     deep_ep_emu.ElasticBuffer = type("ElasticBuffer", (), {})
-    assert cli.main(["backends", "--json"]) == 0
     import json
 
+    from moe_core.plugins import get_plugin_manager
+
+    get_plugin_manager.cache_clear()  # the default manager caches availability: let it see the emulated 2.x
+    try:
+        assert cli.main(["backends", "--json"]) == 0
+    finally:
+        get_plugin_manager.cache_clear()
     row = next(r for r in json.loads(capsys.readouterr().out) if r["backend"] == "deepep")
     assert row["available"] and "DeepEP 2.1.0" in row["message"], row
     assert "legacy V1 deep_ep.Buffer API" in row["message"], row
