@@ -27,6 +27,13 @@ class DeviceKind(_StrEnum):
         """The torch device type tensors of this kind live on (ROCm: ``cuda``)."""
         return "cuda" if self is DeviceKind.ROCM else self.value
 
+    @classmethod
+    def of(cls, device: torch.device) -> "DeviceKind":
+        """The kind of a torch device (a ``cuda`` device of a ROCm build is ``rocm``)."""
+        if device.type == "cuda" and getattr(torch.version, "hip", None):
+            return cls.ROCM
+        return cls(device.type)
+
     def is_present(self) -> bool:
         """Whether this machine has a device of this kind (never raises)."""
         if self is DeviceKind.CPU:

@@ -38,6 +38,7 @@ from transformers.models.llama4 import modeling_llama4
 
 from moe_core.config import MoEConfig
 from moe_core.contracts import Activation, QuantScheme, TopK
+from moe_core.devices import DeviceKind
 from moe_core.layer import MoELayer
 from moe_core.planner import Plan
 
@@ -187,12 +188,6 @@ def _activation(module: nn.Module) -> tuple[Activation, dict[str, float]]:
                               "(silu, exact gelu)")
 
 
-def _device_kind(device: torch.device) -> str:
-    if device.type == "cuda" and torch.version.hip:
-        return "rocm"
-    return device.type
-
-
 def _convert(module: nn.Module, src: dict[str, torch.Tensor], top_k: int) -> tuple[dict[str, torch.Tensor], MoEConfig]:
     """The module's tensors in the core layout (views where the layout allows) and its config."""
     cls_name = type(module).__name__
@@ -229,7 +224,7 @@ def _convert(module: nn.Module, src: dict[str, torch.Tensor], top_k: int) -> tup
     config = MoEConfig(
         num_experts=w13.shape[0], top_k=top_k, hidden_size=w2.shape[1], intermediate_size=w2.shape[2],
         activation=activation, quant=quant, params_dtype=params_dtype, expert_bias=has_bias,
-        apply_router_weight_on_input=llama4, device=_device_kind(w13.device), **act_params, **_OVERRIDES,
+        apply_router_weight_on_input=llama4, device=str(DeviceKind.of(w13.device)), **act_params, **_OVERRIDES,
     )
     return tensors, config
 

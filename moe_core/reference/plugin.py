@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from moe_core.backends import BackendSpec, EPSupport, Role
 from moe_core.contracts import Activation, Format, QuantScheme, WireDtype
+from moe_core.devices import DEVICE_KINDS
 from moe_core.plugin_base import BackendPlugin
 
-ALL_DEVICES = frozenset({"cpu", "cuda", "rocm", "npu"})
+ALL_DEVICES = frozenset(DEVICE_KINDS)
 
 
 class ReferencePlugin(BackendPlugin):

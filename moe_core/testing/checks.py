@@ -33,6 +33,7 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.devices import DEVICE_KINDS
 from moe_core.layer import MoELayer
 from moe_core.planner import DtypeStep, Plan, PlanError
 from moe_core.planner import plan as make_plan
@@ -516,7 +517,7 @@ def add_honesty_cases(spec: BackendSpec, add: Callable[..., None]) -> None:
         add("honesty-ep-none-rejects-ep2", honesty, change={"ep_size": 2})
     if spec.ep is EPSupport.REQUIRED:
         add("honesty-ep-required-rejects-ep1", honesty, change={"ep_size": 1})
-    for kind in ("cpu", "cuda", "rocm", "npu"):
+    for kind in DEVICE_KINDS:
         if kind not in spec.devices:
             add(f"honesty-unclaimed-device-{kind}", honesty, change={"device": kind})
 
