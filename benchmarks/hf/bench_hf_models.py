@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -151,6 +152,16 @@ def batched_mm_bytes(model, batch: int, tokens: int) -> int:
 CONTEXT = 256
 
 
+def rewind(cache: StaticCache, length: int) -> None:
+    """Set every layer's fill level back to ``length``. transformers 5.x's static layers write at
+    their own running length (a device tensor, advanced by each update) and ignore cache_position,
+    so repeated decode steps, and CUDA-graph replays of one, would run past the cache's end
+    (a device-side index_copy_ assert) unless rewound. An in-place fill_ is captured in the graph."""
+    for layer in cache.layers:
+        if torch.is_tensor(getattr(layer, "cumulative_length", None)):
+            layer.cumulative_length.fill_(length)
+
+
 def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch.device, iters: int,
              graphs: bool) -> dict:
     model.set_experts_implementation(impl)
@@ -172,8 +183,12 @@ def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch
         pos = torch.tensor([CONTEXT], device=device)
 
         def step():
+            rewind(cache, CONTEXT)  # every timed (or replayed) step decodes at the same position
             return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
         out = step()
+        if cache.get_seq_length() != CONTEXT + 1:
+            raise RuntimeError(f"the static cache holds {cache.get_seq_length()} tokens after one decode step, "
+                               f"expected {CONTEXT + 1}: rewind() does not match this transformers' StaticCache")
         graph_note = False
         if graphs and device.type == "cuda":
             try:
@@ -204,7 +219,14 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed calls per cell (median); default 10 (smoke: 2)")
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--moe-core-experts", default="auto", help="force moe_core's experts backend (MoEConfig.experts)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every model in this process (default on a GPU: one child process per model, so that "
+                        "a device-side assert, which poisons the CUDA context, costs only that model's cells)")
     args = p.parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    models = args.models.split(",")
+    if torch.cuda.is_available() and not args.smoke and not args.in_process and len(models) > 1:
+        return run_isolated(argv, models, args.out)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     iters = args.iters or (2 if args.smoke else 10)
     graphs = not args.no_graphs
@@ -277,6 +299,38 @@ def main(argv=None) -> int:
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "results.md").write_text(markdown(meta, rows, args.impls.split(",")))
     print((args.out / "results.md").read_text())
+    return 0
+
+
+def run_isolated(argv: list[str], models: list[str], out: Path) -> int:
+    """One child process per model; their rows merged into one results.json / results.md."""
+    meta, rows, started = None, [], time.time()
+    for name in models:
+        part = out / f"part-{name}"
+        child = [sys.executable, str(Path(__file__).resolve()), *argv, "--in-process", "--models", name,
+                 "--out", str(part)]  # argparse keeps the last --models / --out
+        proc = subprocess.run(child, capture_output=True, text=True)
+        (out / f"part-{name}.log").parent.mkdir(parents=True, exist_ok=True)
+        (out / f"part-{name}.log").write_text(proc.stdout + proc.stderr)
+        print(proc.stdout[-4000:], flush=True)
+        result = part / "results.json"
+        if proc.returncode == 0 and result.exists():
+            doc = json.loads(result.read_text())
+            meta = meta or doc["meta"]
+            rows += doc["rows"]
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            rows.append({"model": name, "format": "all", "error": f"child exited {proc.returncode}: {tail[0][:300]}"})
+    meta = dict(meta or {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "device": "cuda",
+                         "torch": torch.__version__, "transformers": transformers.__version__, "iters": None,
+                         "context_for_decode": CONTEXT})
+    meta["command"] = " ".join([Path(sys.argv[0]).name] + argv)
+    meta["total_seconds"] = round(time.time() - started, 1)
+    impls = next((a.split("=", 1)[1] for a in argv if a.startswith("--impls=")), None) or \
+        (argv[argv.index("--impls") + 1] if "--impls" in argv else ",".join(IMPLS))
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / "results.md").write_text(markdown(meta, rows, impls.split(",")))
+    print((out / "results.md").read_text())
     return 0
 
 

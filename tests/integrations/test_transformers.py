@@ -190,3 +190,24 @@ def test_fp8_block_experts_run_as_the_core_scheme(t):
     expected = moe_float64(x.float(), weights.float(), ids, dq13, dq2,
                            quantize_activation=lambda v, which, e: fp8_round_trip(v, 128))
     assert relative_error(out, expected) <= 1e-2
+
+
+def test_hf_bench_decode_steps_stay_at_one_position():
+    """benchmarks/hf/bench_hf_models.py times a decode step many times (and replays it in a graph on the
+    GPU): each step must write the same cache slot. transformers' static layers advance their own fill
+    level on every update, so without the bench's rewind the steps run past the cache (a device-side
+    assert on the GPU, an IndexError here) after 8 calls."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "hf" / "bench_hf_models.py"
+    spec = importlib.util.spec_from_file_location("bench_hf_models", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    moe_hf.register()
+    config = bench.model_configs(smoke=True)["qwen3-30b-a3b"]
+    config.num_hidden_layers = 1
+    model = bench.build("qwen3-30b-a3b", config, "bf16", torch.device("cpu"), smoke=True)
+    for impl in ("eager", "moe_core"):  # 2 warm-ups + 12 timed steps: past the cache's 8 free slots
+        cell = bench.run_cell(model, impl, "decode", 2, 1, torch.device("cpu"), iters=12, graphs=False)
+        assert cell["logits"].shape == (2, 1, config.vocab_size) and torch.isfinite(cell["logits"]).all()
