@@ -187,19 +187,13 @@ def _matches(choice: str, spec: BackendSpec, manager: PluginManager) -> bool:
 
 
 def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, dry_run: bool,
-                  notes: list[str]) -> list[Reason]:
-    """Reasons one backend alone cannot serve ``config``."""
+                  notes: list[str], probe_anyway: bool = False) -> list[Reason]:
+    """Reasons one backend alone cannot serve ``config``. Its probe (which can be slow) runs only when
+    its declarations let it serve the config, or when the user named it (then every reason is shown)."""
     reasons: list[Reason] = []
     if manager.spec(spec.qualified_name) is None:  # its plugin was taken out during this plan (decision 44)
         record = next((r for r in manager.records if r.name == spec.plugin), None)
         return [record.status if record else Reason(Code.LOAD_ERROR, f"{spec.qualified_name} was unregistered")]
-    availability = manager.availability(spec)
-    if not availability.ok:
-        if dry_run:
-            notes.append(f"{spec.qualified_name} is not usable on this machine ({availability.code}); "
-                         "assumed available for the dry run")
-        else:
-            reasons.append(availability)
     if config.device not in spec.devices:
         reasons.append(Reason(Code.NO_DEVICE, f"{spec.qualified_name} runs on {'/'.join(sorted(spec.devices))}, "
                               f"the layer targets {config.device}",
@@ -221,6 +215,14 @@ def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, 
             reasons.append(Reason(Code.UNSUPPORTED_FEATURE, f"{spec.qualified_name} does not declare expert biases "
                                   "(MoEConfig.expert_bias=True, e.g. gpt-oss)",
                                   "use a backend whose BackendSpec sets expert_bias=True (the core 'reference')"))
+    if probe_anyway or not reasons:
+        availability = manager.availability(spec)
+        if not availability.ok:
+            if dry_run:
+                notes.append(f"{spec.qualified_name} is not usable on this machine ({availability.code}); "
+                             "assumed available for the dry run")
+            else:
+                reasons.append(availability)
     reasons += spec.run_check(config)
     return reasons
 
@@ -384,7 +386,8 @@ def plan(config: MoEConfig, *, manager: Optional[PluginManager] = None, dry_run:
         notes: list[str] = []
         reasons: list[Reason] = []
         for spec in ([d] if d else []) + [e]:
-            reasons += _spec_reasons(spec, config, manager, dry_run, notes)
+            named = (config.dispatcher if spec is d else config.experts) != AUTO
+            reasons += _spec_reasons(spec, config, manager, dry_run, notes, probe_anyway=named)
         fmt, format_reasons = _choose_format(d, e, config)
         reasons += format_reasons
         decision = None

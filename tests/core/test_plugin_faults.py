@@ -200,3 +200,19 @@ def test_a_slow_plugin_import_or_probe_is_reported(install_dist, caplog, monkeyp
     manager = PluginManager(allow=["slow"])
     manager.availability(manager.spec("bad_experts"))
     assert "importing plugin 'slow'" in caplog.text and "probe of backend slow.bad_experts" in caplog.text
+
+
+def test_planning_probes_only_backends_whose_declarations_fit(install_dist, tmp_path):
+    """A probe can be slow (a driver query, a library import): planning runs it only for a backend
+    that could serve the config by its declarations (issue 28 item 12)."""
+    log = tmp_path / "probes.log"
+    probe = HEADER + f"\ndef probe():\n    open({str(log)!r}, 'a').write('probed\\n')\n    return mc.available()\n"
+    install_dist("moe-plugin-pc", "pc_plugin", probe + plugin_source(
+        specs=f"[{spec_source(extra=', probe=probe, quant_schemes=frozenset({mc.QuantScheme.FP8_BLOCK})')}]").replace(HEADER, ""),
+        entry="pcount")
+    manager = PluginManager(allow=["pcount"])
+    plan = mc.plan(CFG, manager=manager)  # unquantized: the fp8-only backend cannot serve it
+    assert plan.experts.qualified_name != "pcount.bad_experts" and not log.exists()
+    assert any("pcount.bad_experts" in str(r) and "quant" in str(r) for r in plan.rejected)
+    plan = mc.plan(CFG.replace(quant="fp8_block"), manager=manager)
+    assert log.read_text().count("probed") == 1 and plan.experts.qualified_name == "pcount.bad_experts"
