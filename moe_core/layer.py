@@ -195,11 +195,13 @@ class MoELayer(nn.Module):
                     Code.LOAD_ERROR, f"building {spec.qualified_name} ({spec.impl}) failed", exc))
                 self.plan = make_plan(self.config, manager=manager)
         # under EP one rank's bad id must reach every rank (decision 15): a dispatcher that checks
-        # in-band does it; otherwise a synchronous check is exchanged over the group
+        # in-band does it; otherwise the check is exchanged over the group: the id ranges (synchronous
+        # check) or a device flag max-reduced before a device-side assert on every rank (no host sync)
         in_band = getattr(self.dispatcher, "checks_ids_on_every_rank", False)
         self._ids_exchanged = self._ep_group_check and not in_band and self._sync_check
+        self._ids_flag_reduced = self._ep_group_check and not in_band and not self._sync_check
         self._gathers_tokens = self._ep_group_check and getattr(self.dispatcher, "expects_replicated_input", False)
-        self._ids_checked_by_group = self._ep_group_check and (in_band or self._sync_check)
+        self._ids_checked_by_group = self._ep_group_check
         if self._trace:
             self._bind_traced(self._manager if self._manager is not None else get_plugin_manager())
         else:
@@ -410,6 +412,8 @@ class MoELayer(nn.Module):
                                  f"got values in [{lo}, {hi}]")
         if self._ids_exchanged and self.check_ids:
             layer_collectives.check_ids_on_every_rank(topk.ids, self._num_experts, self.config.ep_group)
+        elif self._ids_flag_reduced and self.check_ids:
+            layer_collectives.assert_ids_on_every_rank_async(topk.ids, self._num_experts, self.config.ep_group)
         if self.shared_experts is not None:
             return self._forward_with_shared(hidden_states, topk)
         return self._routed(hidden_states, topk)

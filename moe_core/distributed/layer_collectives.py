@@ -61,6 +61,17 @@ def check_ids_on_every_rank(ids: torch.Tensor, num_experts: int, group: Any) -> 
                          + ", ".join(f"[{lo}, {hi}] on EP rank {r}" for r, (lo, hi) in bad.items()))
 
 
+def assert_ids_on_every_rank_async(ids: torch.Tensor, num_experts: int, group: Any) -> None:
+    """The same check without a host sync (accelerators): a device flag, max-reduced over the
+    group, then a device-side assertion on every rank, so every rank fails at its next
+    synchronization rather than one rank failing and the others waiting in the dispatch."""
+    bad = ((ids < -1) | (ids >= num_experts)).any().to(torch.int32).reshape(1)
+    if not torch.compiler.is_compiling():  # a traced c10d call is not worth the risk: compiled, the rank alone asserts
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    torch._assert_async(bad[0] == 0, f"moe_core.MoELayer: topk.ids must be in [-1, {num_experts}) "
+                        "(-1 = no expert) on every EP rank; some rank's ids are not")
+
+
 def gather_tokens(x: torch.Tensor, topk: TopK, group: Any) -> tuple[torch.Tensor, TopK, slice]:
     """Every rank's tokens, in rank order, on every rank; and the rows of this rank's tokens.
 

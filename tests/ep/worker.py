@@ -396,6 +396,11 @@ def scenario_layer_bad_ids(world: int, rank: int, device: torch.device, seed: in
         # the group is still usable afterwards
         x, topk = make_hidden(3, H, torch.bfloat16, gen), make_topk(3, K, E, gen)
         results[f"{dispatcher}/{fmt}/after"] = _outcome(layer, x.to(device), topk)
+    # the accelerator form of the check (no host sync: a max-reduced device flag, then a device-side
+    # assert on every rank), forced here on CPU where torch._assert_async raises at once
+    layer._ids_exchanged, layer._ids_flag_reduced = False, True
+    results["standard/async"] = _outcome(layer, x.to(device), TopK(topk.weights, topk.ids.clone().fill_(
+        E + 1) if rank == 0 else topk.ids))
     return results
 
 
