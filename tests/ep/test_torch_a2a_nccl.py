@@ -60,6 +60,14 @@ def test_overflow_on_one_rank_nccl(world):
             assert "device-side assert" in c["message"] or "max_tokens_per_rank" in c["message"], c
 
 
+def test_bad_id_on_one_rank_fails_every_rank_nccl():
+    """The accelerator form of the id check (no host sync) under a dispatcher without an in-band
+    check: every rank's next synchronize fails, none waits in a collective."""
+    for res in run_ranks("layer_bad_ids_device", 2, TIMEOUT, backend="nccl"):
+        c = res["cases"]["bad_id_rank0"]
+        assert c["raised"] and "device-side assert" in c["message"] and c["seconds"] < 60, (res["rank"], c)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_masked_graph_safe_nccl(world):
     for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
@@ -71,7 +79,8 @@ def test_masked_graph_safe_nccl(world):
 if __name__ == "__main__":
     failed = 0
     for fn, args in [(test_layer_nccl, WORLDS), (test_dispatch_layout_nccl, WORLDS), (test_errors_nccl, [None]),
-                     (test_masked_graph_safe_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS)]:
+                     (test_masked_graph_safe_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS),
+                     (test_bad_id_on_one_rank_fails_every_rank_nccl, [None])]:
         for a in args:
             name = f"{fn.__name__}[{a}]" if a is not None else fn.__name__
             try:

@@ -404,6 +404,24 @@ def scenario_layer_bad_ids(world: int, rank: int, device: torch.device, seed: in
     return results
 
 
+def scenario_layer_bad_ids_device(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """On GPUs, with a dispatcher that does not check ids in-band (``standard``) and the default
+    check: rank 0's bad id makes every rank's next synchronize fail (the device flag reduced over the
+    group, then a device-side assert), instead of rank 0 failing alone (decision 43)."""
+    gen = torch.Generator().manual_seed(seed + rank)
+    cfg = dataclasses.replace(ep_config(world, rank, "bf16"), dispatcher="standard")
+    layer = build_layer(cfg, Format.STANDARD, checkpoint(seed), device)
+    x, topk = make_hidden(5, H, torch.bfloat16, gen), make_topk(5, K, E, gen)
+    ids = topk.ids.clone()
+    if rank == 0:
+        ids[2, 0] = E + 3
+
+    def forward_and_sync():
+        layer(x.to(device), TopK(topk.weights.to(device), ids.to(device)))
+        torch.cuda.synchronize()
+    return {"bad_id_rank0": _outcome(forward_and_sync)}
+
+
 def scenario_mismatch(world: int, rank: int, device: torch.device, seed: int) -> dict:
     """Ranks built with different configs: every rank raises at build time naming the field and each
     rank's value (issue 28 item 8), and a layer that fails to plan on one rank fails on all."""
@@ -442,7 +460,8 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
     return results
 
 
-SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
+             "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 
