@@ -9,6 +9,11 @@ around one call (median of ``--iters`` after ``--warmup``; moe-core and direct c
 drift hits both), as the max over ranks of each rank's median. "direct" does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
+Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to ``TopK``). What
+moe-core does beyond the direct calls is what the dispatcher contract requires: normal dispatch hands
+the experts int32 local ids (one cast kernel) and the per-expert counts on the device (one copy from
+pinned memory) in typed results; low latency adds no GPU work, only the host's checks and results.
+``benchmarks/ep/deepep_host_time.py`` measures that host path on the CPU.
 Raw bytes: the rows each rank sends (token x destination rank for normal mode, token x expert for
 low latency), at the wire's row size, split evenly over ranks.
 """
@@ -78,7 +83,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
     ids64 = scores.topk(K, dim=1).indices
     w = torch.rand(tokens, K, device=DEVICE, generator=gen)
     w = w / w.sum(1, keepdim=True)
-    topk = TopK(w, ids64.to(torch.int32))
+    topk = TopK(w, ids64)  # as a router hands it over: int64 ids, TopK keeps them for DeepEP (ids_int64)
     d = dispatcher("deepep", mode, wire, tokens, rank, world)
     a2a = dispatcher("torch_a2a", mode, wire, tokens, rank, world)
     buf = d.buffer
