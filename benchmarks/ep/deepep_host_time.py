@@ -26,7 +26,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ NO_KERNEL = {"aten.view.default", "aten._unsafe_view.default", "aten.slice.Tenso
              "aten.view_as.default", "aten.lift_fresh.default", "aten.as_strided.default"}
 
 
+FIRST_CALL: list[Optional[float]] = [None]  # when the timed call first reached DeepEP (perf_counter)
+
+
 class Replay:
     """A ``deep_ep.Buffer`` whose methods return their first (real, emulated) result again."""
 
@@ -64,6 +67,8 @@ class Replay:
             return real
 
         def replay(*args: Any, **kwargs: Any) -> Any:
+            if FIRST_CALL[0] is None:
+                FIRST_CALL[0] = time.perf_counter()
             if name not in self._cache:
                 self._cache[name] = real(*args, **kwargs)
             return self._cache[name]
@@ -81,18 +86,23 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def host_us(fn: Callable[[], Any], iters: int) -> float:
+def host_us(fn: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """(whole call, until its first DeepEP call) in us: the least of 5 block medians (other load on
+    the machine only adds). Before its first launch the GPU idles in a sync-per-call timing."""
     for _ in range(5):
         fn()
     blocks = []
-    for _ in range(5):  # the least of 5 block medians: other load on the machine only adds
-        out = []
+    for _ in range(5):
+        whole, before = [], []
         for _ in range(max(iters // 5, 1)):
+            FIRST_CALL[0] = None
             t0 = time.perf_counter()
             fn()
-            out.append((time.perf_counter() - t0) * 1e6)
-        blocks.append(statistics.median(out))
-    return min(blocks)
+            t1 = time.perf_counter()
+            whole.append((t1 - t0) * 1e6)
+            before.append(((FIRST_CALL[0] or t1) - t0) * 1e6)
+        blocks.append((statistics.median(whole), statistics.median(before)))
+    return min(b[0] for b in blocks), min(b[1] for b in blocks)
 
 
 def ops_of(fn: Callable[[], Any]) -> dict[str, int]:
@@ -148,16 +158,16 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"normal mode {args.normal_tokens} tokens, low latency 128; least of 5 medians of {args.iters // 5} calls; "
         f"TopK from {'int64' if args.int64_ids else 'int32'} ids", flush=True)
-    say("| mode | wire | stage | moe-core host us | direct host us | extra | torch ops outside DeepEP: "
-          "moe-core / direct |\n|---|---|---|---|---|---|---|")
+    say("| mode | wire | stage | host us: moe-core / direct | of which before DeepEP's first call | "
+        "torch ops outside DeepEP: moe-core / direct |\n|---|---|---|---|---|---|")
     for mode, tokens in (("normal", args.normal_tokens), ("low_latency", 128)):
         for wire in ("bf16", "fp8"):
             for stage, (mc, direct) in case(mode, wire, tokens, args).items():
-                m_us, d_us = host_us(mc, args.iters), host_us(direct, args.iters)
+                (m_us, m_pre), (d_us, d_pre) = host_us(mc, args.iters), host_us(direct, args.iters)
                 m_ops, d_ops = ops_of(mc), ops_of(direct)
                 extra = collections.Counter(m_ops) - collections.Counter(d_ops)
                 fmt = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(extra.items())) or "none"
-                say(f"| {mode} | {wire} | {stage} | {m_us:.1f} | {d_us:.1f} | {m_us - d_us:+.1f} | "
+                say(f"| {mode} | {wire} | {stage} | {m_us:.1f} / {d_us:.1f} | {m_pre:.1f} / {d_pre:.1f} | "
                       f"{sum(m_ops.values())} / {sum(d_ops.values())} (extra: {fmt}) |", flush=True)
                 if args.profile and rank == 0:
                     prof = cProfile.Profile()
