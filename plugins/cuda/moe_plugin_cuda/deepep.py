@@ -375,37 +375,35 @@ class DeepEPDispatcher(Dispatcher):
     # low-latency kernels
 
     def _low_latency_buffer(self) -> Any:
-        buf = self.buffer
-        if self._entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
-            buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
-            self._entry.used_normal = False
-        return buf
-
-    def _in_flight(self, async_: bool) -> Callable[[Optional[Callable[[], None]]], Optional[Callable[[], None]]]:
-        """Before a low-latency call: raise if it would be the third in flight on the buffer's two
-        halves (a synchronous call is in flight too while it runs). Returns ``wrap(hook)``, applied
-        once the call was issued: an async call counts until its receive hook runs."""
+        """The buffer for a low-latency call, after two checks: raise if the call would be the third in
+        flight on the buffer's two halves (a synchronous call is in flight too while it runs; an async
+        one counts until its receive hook ran, see ``_counted``), and zero the low-latency part if
+        normal kernels ran since. The hot path reads the entry directly (host time is GPU idle time
+        before a low-latency launch)."""
         entry = self._entry
         if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
             raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
                                "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
                                "Pending before issuing another")
-        if not async_:
-            return lambda hook: None
+        buf = entry.buffer if entry.built_for is entry.need else self.buffer
+        if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
+            buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
+            entry.used_normal = False
+        return buf
 
-        def wrap(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
-            entry.low_latency_in_flight += 1
+    def _counted(self, hook: Optional[Callable[[], None]]) -> Callable[[], None]:
+        """An issued async low-latency call's receive: it counts as in flight until this runs."""
+        entry = self._entry
+        entry.low_latency_in_flight += 1
 
-            def receive() -> None:
-                entry.low_latency_in_flight -= 1
-                if hook is not None:
-                    hook()
-            return receive
-        return wrap
+        def receive() -> None:
+            entry.low_latency_in_flight -= 1
+            if hook is not None:
+                hook()
+        return receive
 
     def _dispatch_low_latency(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor,
                               async_: bool) -> Pending[EPMaskedDispatch]:
-        wrap = self._in_flight(async_)
         buf = self._low_latency_buffer()
         # async: the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
@@ -423,7 +421,7 @@ class DeepEPDispatcher(Dispatcher):
                 hidden = QuantizedActivations(recv_x)
             return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
 
-        return Pending(finish, None, wrap(hook))
+        return Pending(finish, None, self._counted(hook) if async_ else None)
 
     def _combine_low_latency(self, ci: EPMaskedCombine, async_: bool) -> Pending[torch.Tensor]:
         h: _LowLatencyHandle = ci.handle
@@ -433,7 +431,7 @@ class DeepEPDispatcher(Dispatcher):
         if ci.topk.weights.shape != h.topk_idx.shape:
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
                              f"got {tuple(ci.topk.weights.shape)}")
-        wrap = self._in_flight(async_)
         out, _, hook = self._low_latency_buffer().low_latency_combine(
             _bf16(y), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False, return_recv_hook=async_)
-        return Pending(lambda: out if out.dtype is h.dtype else out.to(h.dtype), None, wrap(hook))
+        return Pending(lambda: out if out.dtype is h.dtype else out.to(h.dtype), None,
+                       self._counted(hook) if async_ else None)
