@@ -13,6 +13,8 @@ Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to
 moe-core does beyond the direct calls is what the dispatcher contract requires: normal dispatch hands
 the experts int32 local ids (one cast kernel) and the per-expert counts on the device (one copy from
 pinned memory) in typed results; low latency adds no GPU work, only the host's checks and results.
+The combine input (``EPNormalCombine`` / ``EPMaskedCombine``) is what the experts stage returns: it
+is made once, outside the timing, as DeepEP's direct combine gets its tensors ready-made.
 ``benchmarks/ep/deepep_host_time.py`` measures that host path on the CPU.
 Raw bytes: the rows each rank sends (token x destination rank for normal mode, token x expert for
 low latency), at the wire's row size, split evenly over ranks.
@@ -106,13 +108,13 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         direct_y, direct_handle = (recv[0][0] if fp8 else recv[0]).to(torch.bfloat16), recv[4]
         stages = {
             "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
-            "combine": (lambda: d.combine(EPNormalCombine(y, handle)),
+            "combine": (lambda ci=EPNormalCombine(y, handle): d.combine(ci),
                         lambda: buf.combine(direct_y, direct_handle),
                         None),
         }
         a_out = a2a.dispatch(x, topk)
         a_y = a_out.hidden.dequantize(torch.bfloat16)
-        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPNormalCombine(a_y, a_out.handle)),)
+        stages["combine"] = stages["combine"][:2] + (lambda ci=EPNormalCombine(a_y, a_out.handle): a2a.combine(ci),)
         local = E // world
         dests = torch.stack([((ids64 >= r * local) & (ids64 < (r + 1) * local)).any(1) for r in range(world)], 1)
         rows["dispatch"] = int(dests.sum())
@@ -130,12 +132,12 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         direct_handle = recv[2]
         stages = {
             "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
-            "combine": (lambda: d.combine(EPMaskedCombine(y, topk, handle)),
+            "combine": (lambda ci=EPMaskedCombine(y, topk, handle): d.combine(ci),
                         lambda: buf.low_latency_combine(y, ids64, w, direct_handle), None),
         }
         a_out = a2a.dispatch(x, topk)
         a_y = a_out.hidden.dequantize(torch.bfloat16)
-        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPMaskedCombine(a_y, topk, a_out.handle)),)
+        stages["combine"] = stages["combine"][:2] + (lambda ci=EPMaskedCombine(a_y, topk, a_out.handle): a2a.combine(ci),)
         rows["dispatch"] = rows["combine"] = int((ids64 >= 0).sum())
 
     results = []

@@ -140,14 +140,14 @@ def case(mode: str, wire: str, tokens: int, args: argparse.Namespace) -> dict[st
                                 num_tokens_per_expert=per_expert)
 
         handle = direct_dispatch()[4]
-        return {"dispatch": (lambda: d.dispatch(x, topk), direct_dispatch),
-                "combine": (lambda: d.combine(EPNormalCombine(y, out.handle)), lambda: buf.combine(y, handle))}
+        return {"dispatch": (lambda: d.dispatch(x, topk), direct_dispatch),  # the experts' output, made once:
+                "combine": (lambda ci=EPNormalCombine(y, out.handle): d.combine(ci), lambda: buf.combine(y, handle))}
     out = d.dispatch(x, topk)
     y = out.hidden.dequantize(torch.bfloat16).contiguous()
     handle = buf.low_latency_dispatch(x, ids64, d.num_max, E, use_fp8=fp8)[2]
     return {"dispatch": (lambda: d.dispatch(x, topk),
                          lambda: buf.low_latency_dispatch(x, ids64, d.num_max, E, use_fp8=fp8)),
-            "combine": (lambda: d.combine(EPMaskedCombine(y, topk, out.handle)),
+            "combine": (lambda ci=EPMaskedCombine(y, topk, out.handle): d.combine(ci),
                         lambda: buf.low_latency_combine(y, ids64, w, handle))}
 
 
