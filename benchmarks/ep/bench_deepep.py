@@ -29,7 +29,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,23 +43,29 @@ E, K, H = 256, 8, 7168
 DEVICE = torch.device("cuda")
 
 
-def timed(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
-    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run)."""
+def timed(fn: Callable[[], object], iters: int, warmup: int, host: Optional[list[float]] = None) -> list[float]:
+    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run). ``host``, when
+    given, gets each call's host time (until the call returned; the GPU may still run)."""
     out = []
     for i in range(warmup + iters):
+        t0 = time.perf_counter()
         if DEVICE.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t0 = time.perf_counter()
             fn()
+            t1 = time.perf_counter()
             b.record()
             b.synchronize()
             us = a.elapsed_time(b) * 1e3
         else:
-            t0 = time.perf_counter()
             fn()
-            us = (time.perf_counter() - t0) * 1e6
+            t1 = time.perf_counter()
+            us = (t1 - t0) * 1e6
         if i >= warmup:
             out.append(us)
+            if host is not None:
+                host.append((t1 - t0) * 1e6)
     return out
 
 
@@ -147,17 +153,21 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         chunk = -(-nbytes // world)
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
-        mc_t, dir_t = [], []
+        mc_t, dir_t, mc_host, dir_host = [], [], [], []
         for _ in range(3):  # alternate so clock and thermal drift hit both
-            mc_t += timed(mc, iters // 3, warmup)
-            dir_t += timed(direct, iters // 3, warmup)
+            mc_t += timed(mc, iters // 3, warmup, mc_host)
+            dir_t += timed(direct, iters // 3, warmup, dir_host)
         ta_t = timed(ta, iters, warmup)
         raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), iters, warmup)
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
                         "moe_core_us": round(median_over_ranks(mc_t), 2),
                         "deepep_direct_us": round(median_over_ranks(dir_t), 2),
                         "torch_a2a_us": round(median_over_ranks(ta_t), 2),
-                        "raw_a2a_us": round(median_over_ranks(raw_t), 2)})
+                        "raw_a2a_us": round(median_over_ranks(raw_t), 2),
+                        # diagnostics: how long each call kept the host; a moe-core - direct gap that is
+                        # as large here as in the *_us columns is host time, not GPU work
+                        "moe_core_host_us": round(median_over_ranks(mc_host), 2),
+                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2)})
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
     return results
