@@ -198,7 +198,7 @@ def _counts_on_device(counts: list[int], device: torch.device) -> torch.Tensor:
     one copy from pinned memory (the caching host allocator keeps the block until the copy ran).
     A pageable copy would wait for the stream (+200 us a dispatch on 2x H100); counting the received
     ids on the device took four kernels, one of them a scatter-add of every (token, slot) pair into
-    E_local + 1 counters (docs/decisions.md "deepep per-call work")."""
+    E_local + 1 counters (docs/decisions.md "int64 ids kept")."""
     host = torch.tensor(counts, dtype=torch.int32, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
@@ -282,7 +282,7 @@ class DeepEPDispatcher(Dispatcher):
             raise ValueError(f"hidden_states must be [T, {self.hidden}], got "
                              f"{tuple(shape) if shape is not None else type(x).__name__}")
         ids_shape = topk.ids.shape
-        if ids_shape[0] != shape[0] or ids_shape[1] != self.top_k or len(ids_shape) != 2:
+        if len(ids_shape) != 2 or ids_shape[0] != shape[0] or ids_shape[1] != self.top_k:
             raise ValueError(f"topk.ids must be [T={shape[0]}, top_k={self.top_k}], got {tuple(ids_shape)}")
         if self.low_latency and shape[0] > self.max_tokens:
             raise ValueError(f"low-latency dispatch: {shape[0]} tokens exceed max_tokens_per_rank="
