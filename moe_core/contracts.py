@@ -158,11 +158,14 @@ class TopK:
 
     Routers that return bf16/fp16 weights or int64 ids (Hugging Face's do) may pass them as they
     are: they are converted once, here, to float32 / int32 (one cast each; no copy when already
-    in the contract's dtypes). Every stage after this sees only float32 / int32.
+    in the contract's dtypes). Every stage after this sees only float32 / int32, except a
+    dispatcher whose library takes int64 ids (``ids_int64``: the router's own tensor, no cast).
     """
 
     weights: torch.Tensor
     ids: torch.Tensor
+    # the router's int64 ids and the versions of both tensors when this TopK was made (ids_int64)
+    _int64: Optional[tuple[torch.Tensor, int, int]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         w, i = self.weights, self.ids
@@ -172,8 +175,9 @@ class TopK:
             w = w.float()
             object.__setattr__(self, "weights", w)
         if i.dtype == torch.int64:
-            i = i.to(torch.int32)
+            source, i = i, i.to(torch.int32)
             object.__setattr__(self, "ids", i)
+            object.__setattr__(self, "_int64", (source, source._version, i._version))
         if w.dtype != torch.float32:
             raise TypeError(f"TopK.weights must be torch.float32 (or bf16/fp16, converted), got {w.dtype}")
         if i.dtype != torch.int32:
@@ -185,6 +189,18 @@ class TopK:
             )
         if w.device != i.device:
             raise ValueError(f"TopK.weights on {w.device} but TopK.ids on {i.device}")
+
+    def ids_int64(self, cast: bool = True) -> Optional[torch.Tensor]:
+        """The ids as int64 (``torch.topk``'s dtype, which DeepEP's kernels take): the router's own
+        tensor when this TopK was made from int64 ids and neither tensor changed in place since (no
+        cast: a kernel launch fewer per call; docs/decisions.md "int64 ids kept"), else ``ids``
+        cast (``cast=False``: ``None`` instead). While a CUDA graph is captured (or dynamo traces)
+        it is always the cast, so that replays read ``ids``, which graph users update in place."""
+        kept = self._int64
+        if (kept is not None and not torch.compiler.is_compiling() and kept[0]._version == kept[1]
+                and self.ids._version == kept[2] and not (self.ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return kept[0]
+        return self.ids.to(torch.int64) if cast else None
 
     @property
     def num_tokens(self) -> int:

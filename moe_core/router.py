@@ -50,7 +50,7 @@ def route(
     weights = scores.gather(1, ids)
     if config.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
-    return TopK(weights.float().contiguous(), ids.to(torch.int32).contiguous())
+    return TopK(weights.float().contiguous(), ids.contiguous())  # int64: TopK keeps it for ids_int64
 
 
 def balanced_correction_bias(num_experts: int, generator: torch.Generator, device) -> torch.Tensor:

@@ -9,6 +9,13 @@ around one call (median of ``--iters`` after ``--warmup``; moe-core and direct c
 drift hits both), as the max over ranks of each rank's median. "direct" does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
+Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to ``TopK``). What
+moe-core does beyond the direct calls is what the dispatcher contract requires: normal dispatch hands
+the experts int32 local ids (one cast kernel) and the per-expert counts on the device (one copy from
+pinned memory) in typed results; low latency adds no GPU work, only the host's checks and results.
+The combine input (``EPNormalCombine`` / ``EPMaskedCombine``) is what the experts stage returns: it
+is made once, outside the timing, as DeepEP's direct combine gets its tensors ready-made.
+``benchmarks/ep/deepep_host_time.py`` measures that host path on the CPU.
 Raw bytes: the rows each rank sends (token x destination rank for normal mode, token x expert for
 low latency), at the wire's row size, split evenly over ranks.
 """
@@ -22,7 +29,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,23 +43,29 @@ E, K, H = 256, 8, 7168
 DEVICE = torch.device("cuda")
 
 
-def timed(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
-    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run)."""
+def timed(fn: Callable[[], object], iters: int, warmup: int, host: Optional[list[float]] = None) -> list[float]:
+    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run). ``host``, when
+    given, gets each call's host time (until the call returned; the GPU may still run)."""
     out = []
     for i in range(warmup + iters):
+        t0 = time.perf_counter()
         if DEVICE.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t0 = time.perf_counter()
             fn()
+            t1 = time.perf_counter()
             b.record()
             b.synchronize()
             us = a.elapsed_time(b) * 1e3
         else:
-            t0 = time.perf_counter()
             fn()
-            us = (time.perf_counter() - t0) * 1e6
+            t1 = time.perf_counter()
+            us = (t1 - t0) * 1e6
         if i >= warmup:
             out.append(us)
+            if host is not None:
+                host.append((t1 - t0) * 1e6)
     return out
 
 
@@ -78,7 +91,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
     ids64 = scores.topk(K, dim=1).indices
     w = torch.rand(tokens, K, device=DEVICE, generator=gen)
     w = w / w.sum(1, keepdim=True)
-    topk = TopK(w, ids64.to(torch.int32))
+    topk = TopK(w, ids64)  # as a router hands it over: int64 ids, TopK keeps them for DeepEP (ids_int64)
     d = dispatcher("deepep", mode, wire, tokens, rank, world)
     a2a = dispatcher("torch_a2a", mode, wire, tokens, rank, world)
     buf = d.buffer
@@ -101,13 +114,13 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         direct_y, direct_handle = (recv[0][0] if fp8 else recv[0]).to(torch.bfloat16), recv[4]
         stages = {
             "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
-            "combine": (lambda: d.combine(EPNormalCombine(y, handle)),
+            "combine": (lambda ci=EPNormalCombine(y, handle): d.combine(ci),
                         lambda: buf.combine(direct_y, direct_handle),
                         None),
         }
         a_out = a2a.dispatch(x, topk)
         a_y = a_out.hidden.dequantize(torch.bfloat16)
-        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPNormalCombine(a_y, a_out.handle)),)
+        stages["combine"] = stages["combine"][:2] + (lambda ci=EPNormalCombine(a_y, a_out.handle): a2a.combine(ci),)
         local = E // world
         dests = torch.stack([((ids64 >= r * local) & (ids64 < (r + 1) * local)).any(1) for r in range(world)], 1)
         rows["dispatch"] = int(dests.sum())
@@ -125,12 +138,12 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         direct_handle = recv[2]
         stages = {
             "dispatch": (lambda: d.dispatch(x, topk), direct_dispatch, lambda: a2a.dispatch(x, topk)),
-            "combine": (lambda: d.combine(EPMaskedCombine(y, topk, handle)),
+            "combine": (lambda ci=EPMaskedCombine(y, topk, handle): d.combine(ci),
                         lambda: buf.low_latency_combine(y, ids64, w, direct_handle), None),
         }
         a_out = a2a.dispatch(x, topk)
         a_y = a_out.hidden.dequantize(torch.bfloat16)
-        stages["combine"] = stages["combine"][:2] + (lambda: a2a.combine(EPMaskedCombine(a_y, topk, a_out.handle)),)
+        stages["combine"] = stages["combine"][:2] + (lambda ci=EPMaskedCombine(a_y, topk, a_out.handle): a2a.combine(ci),)
         rows["dispatch"] = rows["combine"] = int((ids64 >= 0).sum())
 
     results = []
@@ -140,17 +153,21 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         chunk = -(-nbytes // world)
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
-        mc_t, dir_t = [], []
+        mc_t, dir_t, mc_host, dir_host = [], [], [], []
         for _ in range(3):  # alternate so clock and thermal drift hit both
-            mc_t += timed(mc, iters // 3, warmup)
-            dir_t += timed(direct, iters // 3, warmup)
+            mc_t += timed(mc, iters // 3, warmup, mc_host)
+            dir_t += timed(direct, iters // 3, warmup, dir_host)
         ta_t = timed(ta, iters, warmup)
         raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), iters, warmup)
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
                         "moe_core_us": round(median_over_ranks(mc_t), 2),
                         "deepep_direct_us": round(median_over_ranks(dir_t), 2),
                         "torch_a2a_us": round(median_over_ranks(ta_t), 2),
-                        "raw_a2a_us": round(median_over_ranks(raw_t), 2)})
+                        "raw_a2a_us": round(median_over_ranks(raw_t), 2),
+                        # diagnostics: how long each call kept the host; a moe-core - direct gap that is
+                        # as large here as in the *_us columns is host time, not GPU work
+                        "moe_core_host_us": round(median_over_ranks(mc_host), 2),
+                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2)})
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
     return results

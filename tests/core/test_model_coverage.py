@@ -136,6 +136,23 @@ def test_topk_from_bf16_weights_and_int64_ids_and_any_leading_shape():
     assert layer(torch.randn(H), random_topk(1, E, K)).shape == (H,)
 
 
+def test_topk_keeps_a_routers_int64_ids_until_either_tensor_changes():
+    """``ids_int64`` (what DeepEP takes): the router's own int64 tensor, no cast, while it and ``ids``
+    are as they were; a cast of ``ids`` after an in-place change of either, or for int32-made TopK."""
+    ids64 = random_topk(7, E, K, drop=0.2).ids.long()
+    topk = mc.TopK(torch.rand(7, K), ids64)
+    assert topk.ids.dtype == torch.int32 and topk.ids_int64() is ids64 and topk.ids_int64(cast=False) is ids64
+    assert mc.route(torch.randn(5, E), K).ids_int64(cast=False) is not None  # the reference router hands int64 over
+    topk.ids[0, 0] = -1  # a graph user refilling ids in place
+    assert topk.ids_int64(cast=False) is None
+    assert torch.equal(topk.ids_int64(), topk.ids.long()) and topk.ids_int64()[0, 0] == -1
+    kept = mc.TopK(torch.rand(7, K), ids64)
+    ids64.add_(0)  # the source changed after the TopK was made
+    assert kept.ids_int64(cast=False) is None and kept.ids_int64().dtype == torch.int64
+    assert mc.TopK(torch.rand(7, K), ids64.int()).ids_int64(cast=False) is None
+    assert torch.equal(mc.TopK(torch.rand(7, K), ids64.int()).ids_int64(), ids64)
+
+
 @pytest.mark.parametrize("ep_rank", [0, 1])
 def test_per_expert_per_shard_loading_keeps_this_ranks_experts(ep_rank):
     cfg = _cfg(ep_size=2, ep_rank=ep_rank, dispatcher="standard")

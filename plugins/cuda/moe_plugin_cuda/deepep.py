@@ -188,13 +188,19 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     return (exp.to(torch.int32) << 23).view(torch.float32)
 
 
-def _count_local(local_ids: torch.Tensor, num_local: int) -> torch.Tensor:
-    """int32 ``[num_local]``: how many entries of ``local_ids`` (int64, -1 = elsewhere) name each local
-    expert, computed on the device without a host sync (``bincount`` on CUDA syncs for its size)."""
-    counts = torch.zeros(num_local + 1, dtype=torch.int32, device=local_ids.device)
-    flat = local_ids.reshape(-1) + 1
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return counts[1:]
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as DeepEP takes activations: bf16, contiguous (``x`` itself when it already is)."""
+    return x if x.dtype is torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
+
+
+def _counts_on_device(counts: list[int], device: torch.device) -> torch.Tensor:
+    """int32 ``[E_local]`` on ``device`` from DeepEP's host list of per-expert counts, without a sync:
+    one copy from pinned memory (the caching host allocator keeps the block until the copy ran).
+    A pageable copy would wait for the stream (+200 us a dispatch on 2x H100); counting the received
+    ids on the device took four kernels, one of them a scatter-add of every (token, slot) pair into
+    E_local + 1 counters (docs/decisions.md "int64 ids kept")."""
+    host = torch.tensor(counts, dtype=torch.int32, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------- dispatcher
@@ -224,10 +230,12 @@ class DeepEPDispatcher(Dispatcher):
         import deep_ep  # the vendor library, at build time only
 
         self._deep_ep = deep_ep
-        self.num_experts, self.hidden = cfg.num_experts, cfg.hidden_size
+        self.num_experts, self.hidden, self.top_k = cfg.num_experts, cfg.hidden_size, cfg.top_k
+        self.max_tokens = cfg.max_tokens_per_rank
         self.fp8 = ctx.dispatch_dtype is WireDtype.FP8
         self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
         self.num_max = deepep_num_max(cfg) if self.low_latency else 0
+        self.slab_shape = (cfg.num_experts // world, world * self.num_max, cfg.hidden_size)  # low-latency combine input
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -269,25 +277,28 @@ class DeepEPDispatcher(Dispatcher):
     # ----------------------------------------------------------------- implementation
 
     def _validate(self, x: torch.Tensor, topk: TopK) -> None:
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden:
+        shape = x.shape if isinstance(x, torch.Tensor) else None
+        if shape is None or len(shape) != 2 or shape[1] != self.hidden:
             raise ValueError(f"hidden_states must be [T, {self.hidden}], got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
-        if topk.ids.shape != (x.shape[0], self.config.top_k):
-            raise ValueError(f"topk.ids must be [T={x.shape[0]}, top_k={self.config.top_k}], got "
-                             f"{tuple(topk.ids.shape)}")
-        if self.low_latency and x.shape[0] > self.config.max_tokens_per_rank:
-            raise ValueError(f"low-latency dispatch: {x.shape[0]} tokens exceed max_tokens_per_rank="
-                             f"{self.config.max_tokens_per_rank} (the fixed capacity); raise it or split the batch")
+                             f"{tuple(shape) if shape is not None else type(x).__name__}")
+        ids_shape = topk.ids.shape
+        if len(ids_shape) != 2 or ids_shape[0] != shape[0] or ids_shape[1] != self.top_k:
+            raise ValueError(f"topk.ids must be [T={shape[0]}, top_k={self.top_k}], got {tuple(ids_shape)}")
+        if self.low_latency and shape[0] > self.max_tokens:
+            raise ValueError(f"low-latency dispatch: {shape[0]} tokens exceed max_tokens_per_rank="
+                             f"{self.max_tokens} (the fixed capacity); raise it or split the batch")
 
     def _dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any, async_: bool) -> Pending[DispatchOutput]:
         self._validate(x, topk)
-        if previous_event is not None and topk.ids.dtype != torch.int64:
-            # DeepEP's comm stream would wait for the caller's event instead of this stream, and the id
-            # cast below writes on this stream after it: order this stream after the event and let
-            # DeepEP wait for this stream (no previous_event) instead
-            previous_event.current_stream_wait()
-            previous_event = None
-        idx = topk.ids.to(torch.int64)  # deep_ep.topk_idx_t
+        idx = topk.ids_int64(cast=False)  # deep_ep.topk_idx_t: the router's int64 ids when TopK kept them
+        if idx is None:
+            if previous_event is not None:
+                # DeepEP's comm stream would wait for the caller's event instead of this stream, and the
+                # id cast below writes on this stream after it: order this stream after the event and
+                # let DeepEP wait for this stream (no previous_event) instead
+                previous_event.current_stream_wait()
+                previous_event = None
+            idx = topk.ids.to(torch.int64)
         if self.low_latency:
             return self._dispatch_low_latency(x, topk, idx, async_)
         return self._dispatch_normal(x, topk, idx, previous_event, async_)
@@ -315,7 +326,7 @@ class DeepEPDispatcher(Dispatcher):
             q, s = quant.quantize_fp8_per_token_group(x, ue8m0=self.ue8m0)
             payload: Any = (q, s)
         else:
-            payload = x.to(torch.bfloat16).contiguous()
+            payload = _bf16(x)
         # async: DeepEP's comm stream waits for previous_event *instead of* the compute stream, so the
         # event must be taken after the payload was written (the layout's event predates the FP8 cast:
         # async FP8 rows came out wrong on 2x H100, docs/decisions.md); the layout itself ran earlier
@@ -325,7 +336,7 @@ class DeepEPDispatcher(Dispatcher):
             num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
             previous_event=self._deep_ep.Buffer.capture() if async_ else None, async_finish=async_,
             allocate_on_comm_stream=on_comm and async_)
-        dtype, num_local = x.dtype, len(counts)
+        dtype = x.dtype
 
         def finish() -> EPNormalDispatch:
             if self.fp8:
@@ -334,12 +345,10 @@ class DeepEPDispatcher(Dispatcher):
             else:
                 hidden = QuantizedActivations(recv_x)
             n = hidden.data.shape[0]
-            ids = recv_idx.to(torch.int32)
-            # DeepEP gives the counts as a host list only; a host-to-device copy of it would wait for
-            # the stream (pageable memory) and leave the GPU idle while Python finishes (+200 us a
-            # dispatch on 2x H100), so count the received ids on the device instead (no sync)
-            return EPNormalDispatch(hidden, TopK(recv_w.float(), ids), _count_local(recv_idx, num_local),
-                                    tuple(int(c) for c in counts), _NormalHandle(handle, n, dtype))
+            # recv_idx int64 -> the contract's int32 in TopK (the one kernel the contract costs here);
+            # DeepEP's counts come as a host list: EPNormalDispatch carries it and a device copy
+            return EPNormalDispatch(hidden, TopK(recv_w, recv_idx), _counts_on_device(counts, recv_idx.device),
+                                    tuple(counts), _NormalHandle(handle, n, dtype))
 
         return Pending(finish, event if async_ else None)
 
@@ -353,53 +362,52 @@ class DeepEPDispatcher(Dispatcher):
             # DeepEP's comm stream waits for the caller's event instead of this stream, so a cast here
             # must follow that event and DeepEP must follow the cast: wait, cast, hand over this stream
             previous_event.current_stream_wait()
-            wire = y.to(torch.bfloat16).contiguous()
+            wire = _bf16(y)
             previous_event = self._deep_ep.Buffer.capture()
         else:
-            wire = y.to(torch.bfloat16).contiguous()
+            wire = _bf16(y)
         combined, _, event = self.buffer.combine(
             wire, h.deepep, previous_event=previous_event, async_finish=async_,
             allocate_on_comm_stream=previous_event is not None and async_)
-        return Pending(lambda: combined.to(h.dtype), event if async_ else None)
+        return Pending(lambda: combined if combined.dtype is h.dtype else combined.to(h.dtype),
+                       event if async_ else None)
 
     # low-latency kernels
 
     def _low_latency_buffer(self) -> Any:
-        buf = self.buffer
-        if self._entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
-            buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
-            self._entry.used_normal = False
-        return buf
-
-    def _in_flight(self, async_: bool) -> Callable[[Optional[Callable[[], None]]], Optional[Callable[[], None]]]:
-        """Before a low-latency call: raise if it would be the third in flight on the buffer's two
-        halves (a synchronous call is in flight too while it runs). Returns ``wrap(hook)``, applied
-        once the call was issued: an async call counts until its receive hook runs."""
+        """The buffer for a low-latency call, after two checks: raise if the call would be the third in
+        flight on the buffer's two halves (a synchronous call is in flight too while it runs; an async
+        one counts until its receive hook ran, see ``_counted``), and zero the low-latency part if
+        normal kernels ran since. The hot path reads the entry directly (host time is GPU idle time
+        before a low-latency launch)."""
         entry = self._entry
         if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
             raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
                                "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
                                "Pending before issuing another")
-        if not async_:
-            return lambda hook: None
+        buf = entry.buffer if entry.built_for is entry.need else self.buffer
+        if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
+            buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
+            entry.used_normal = False
+        return buf
 
-        def wrap(hook: Optional[Callable[[], None]]) -> Callable[[], None]:
-            entry.low_latency_in_flight += 1
+    def _counted(self, hook: Optional[Callable[[], None]]) -> Callable[[], None]:
+        """An issued async low-latency call's receive: it counts as in flight until this runs."""
+        entry = self._entry
+        entry.low_latency_in_flight += 1
 
-            def receive() -> None:
-                entry.low_latency_in_flight -= 1
-                if hook is not None:
-                    hook()
-            return receive
-        return wrap
+        def receive() -> None:
+            entry.low_latency_in_flight -= 1
+            if hook is not None:
+                hook()
+        return receive
 
     def _dispatch_low_latency(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor,
                               async_: bool) -> Pending[EPMaskedDispatch]:
-        wrap = self._in_flight(async_)
         buf = self._low_latency_buffer()
         # async: the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
         recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-            x.to(torch.bfloat16).contiguous(), idx, self.num_max, self.num_experts, use_fp8=self.fp8,
+            _bf16(x), idx, self.num_max, self.num_experts, use_fp8=self.fp8,
             round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False, return_recv_hook=async_)
         dtype, groups = x.dtype, self.hidden // 128
 
@@ -413,19 +421,17 @@ class DeepEPDispatcher(Dispatcher):
                 hidden = QuantizedActivations(recv_x)
             return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
 
-        return Pending(finish, None, wrap(hook))
+        return Pending(finish, None, self._counted(hook) if async_ else None)
 
     def _combine_low_latency(self, ci: EPMaskedCombine, async_: bool) -> Pending[torch.Tensor]:
         h: _LowLatencyHandle = ci.handle
         y = ci.hidden
-        want = (self.num_experts // self.config.ep_size, self.config.ep_size * self.num_max, self.hidden)
-        if tuple(y.shape) != want:
-            raise ValueError(f"EPMaskedCombine.hidden must be {list(want)}, got {tuple(y.shape)}")
-        if ci.topk.weights.shape != tuple(h.topk_idx.shape):
+        if y.shape != self.slab_shape:
+            raise ValueError(f"EPMaskedCombine.hidden must be {list(self.slab_shape)}, got {tuple(y.shape)}")
+        if ci.topk.weights.shape != h.topk_idx.shape:
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
                              f"got {tuple(ci.topk.weights.shape)}")
-        wrap = self._in_flight(async_)
         out, _, hook = self._low_latency_buffer().low_latency_combine(
-            y.to(torch.bfloat16).contiguous(), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False,
-            return_recv_hook=async_)
-        return Pending(lambda: out.to(h.dtype), None, wrap(hook))
+            _bf16(y), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False, return_recv_hook=async_)
+        return Pending(lambda: out if out.dtype is h.dtype else out.to(h.dtype), None,
+                       self._counted(hook) if async_ else None)

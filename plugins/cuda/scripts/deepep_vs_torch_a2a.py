@@ -4,7 +4,11 @@ On GPUs (NCCL), where ``deep_ep`` (DeepEP V1 ``Buffer``, v1.2.1) is importable::
 
     torchrun --nproc-per-node 8 plugins/cuda/scripts/deepep_vs_torch_a2a.py [--hidden 7168 --experts 256 --topk 8 --tokens 128]
 
-Without ``deep_ep`` it exits with status 2 and says so. The CPU tests
+Without ``deep_ep`` it exits with status 2 and says so. ``benchmarks/ep/run_deepep_h100x2.sh`` runs it
+with ``TORCH_COMPILE_DISABLE=1``: ``torch_a2a``, the reference here, then computes its layout eagerly
+(the same functions, docs/decisions.md 16) instead of compiling them for each new case shape (18 cases
+took 76 s with compiling on 2x H100, 9 fit a 60 s step). Each ``ok`` line gives the case's seconds;
+the last line the setup's and the total. The CPU tests
 (``plugins/cuda/tests/test_deepep_ep.py``) run the same ``run_cases`` on gloo against the emulated
 ``deep_ep``.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import torch
@@ -239,6 +244,10 @@ def agreed_seed(seed: Optional[int]) -> int:
     return box[0]
 
 
+def _compile_off() -> bool:
+    return os.environ.get("TORCH_COMPILE_DISABLE", "0") == "1"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, default=7168)
@@ -247,6 +256,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens on rank 0 (fewer on the others)")
     ap.add_argument("--seed", type=int, default=None, help="the data's seed (default: drawn on rank 0, sent to all)")
     args = ap.parse_args(argv)
+    started = time.perf_counter()
     try:
         import deep_ep  # noqa: F401
     except ImportError as exc:
@@ -265,13 +275,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     cases = make_cases(world, args.tokens)
     cases += [dict(c, ue8m0=True) for c in cases if c["wire"] == "fp8" and c["scenario"] == "uniform"]
     cases += [dict(c, **{"async": True}) for c in cases if c["scenario"] == "uniform" and not c.get("ue8m0")]
-    failures = 0
+    # declare both modes' buffer needs before the first call: one DeepEP buffer, created once (not a
+    # normal-mode one, then a low-latency one at the first low-latency case)
+    for mode in ("normal", "low_latency"):
+        _dispatcher("deepep", next(c for c in cases if c["mode"] == mode), shape, args.topk, rank, world, None)
+    failures, setup_s = 0, time.perf_counter() - started
     for i, case in enumerate(cases):
+        t0 = time.perf_counter()
         try:
             r = run_case(case, shape, args.seed, i, rank, world, device)
             if rank == 0:
                 print(f"ok   {case['mode']:<11} {case['wire']:<4} {case['scenario']:<10} ue8m0={case.get('ue8m0', False)!s:<5} "
-                      f"async={case.get('async', False)!s:<5} err vs fp64 {r['err_ref']:.2e}  vs torch_a2a {r['err_a2a']:.2e}")
+                      f"async={case.get('async', False)!s:<5} err vs fp64 {r['err_ref']:.2e}  vs torch_a2a {r['err_a2a']:.2e}"
+                      f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
         except AssertionError as exc:
             failures += 1
             print(f"FAIL rank {rank}: {exc}", file=sys.stderr)
@@ -279,7 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
-        print(f"{len(cases) - failures}/{len(cases)} cases passed on rank 0 (seed {args.seed})")
+        print(f"{len(cases) - failures}/{len(cases)} cases passed on rank 0 (seed {args.seed}; setup {setup_s:.1f} s, "
+              f"all {time.perf_counter() - started:.1f} s, torch.compile {'off' if _compile_off() else 'on'})")
     return 1 if failures else 0
 
 

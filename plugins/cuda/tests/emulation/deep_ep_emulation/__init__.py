@@ -43,7 +43,8 @@ def install(monkeypatch: Any) -> types.ModuleType:
     return mod
 
 
-def install_into_process() -> types.ModuleType:
+def install_into_process(stream_order: bool = True) -> types.ModuleType:
+    """``stream_order=False``: without the stamps (a torch function mode on every op), for host timings."""
     from moe_plugin_cuda import probes
 
     mod = make_module()
@@ -51,5 +52,6 @@ def install_into_process() -> types.ModuleType:
     probes._cuda_capability = lambda: HOPPER
     _real_present = DeviceKind.is_present
     DeviceKind.is_present = lambda k: k is DeviceKind.CUDA or _real_present(k)
-    buffer.StreamOrder().__enter__()  # for the rest of the worker: stream-order checks need the stamps
+    if stream_order:
+        buffer.StreamOrder().__enter__()  # for the rest of the worker: stream-order checks need the stamps
     return mod
