@@ -93,6 +93,9 @@ def _check_tokens(t, device, hidden, x_dtype, wire, world, gen) -> None:
     meta = want[2][torch.randint(0, t + 1, (world * CAPACITY,), generator=gen).to(device)]
     assert _equal(a2a._normal_received(meta, n_scale, TOP_K, 1, NUM_LOCAL),
                   a2a._compiled(a2a._normal_received)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), f"_normal_received T={t}"
+    assert _equal(a2a._worst_case_received(meta, n_scale, TOP_K, 1, NUM_LOCAL),
+                  a2a._compiled(a2a._worst_case_received, False)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), \
+        f"_worst_case_received T={t} {wire}"
     received = a2a._masked_received(meta, n_scale, TOP_K, 1, NUM_LOCAL)
     assert _equal(received, a2a._compiled(a2a._masked_received, False)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), \
         f"_masked_received T={t} {wire}"
