@@ -393,6 +393,25 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
     return data, scale, meta
 
 
+def _normal_wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      wire: WireDtype) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Exact normal mode's per-token wire rows: (wire data ``[T, H]``, scales or None, side block
+    ``int32 [T, M]``) built in one ``cat``: no padding row (only real tokens are sent) and zeros
+    for the in-band counts (this mode checks on the host)."""
+    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
+
+    if wire is WireDtype.FP8:
+        data, scale = quantize_fp8_per_token_group(x)
+    elif wire is WireDtype.INT8:
+        data, scale = quantize_int8_per_token(x)
+    else:
+        data, scale = x, None
+    parts = [] if scale is None else [scale.view(torch.int32)]
+    no_counts = torch.zeros((), dtype=torch.int32, device=ids.device).expand(ids.shape[0], 2)
+    parts += [ids.to(torch.int32), weights.to(torch.float32).view(torch.int32), no_counts]
+    return data, scale, torch.cat(parts, dim=1)
+
+
 def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[torch.Tensor], torch.Tensor,
                                                                       torch.Tensor, torch.Tensor, torch.Tensor]:
     """Received side block -> (scales or None (contiguous, as the experts read them), global ids
@@ -580,11 +599,11 @@ class TorchA2ADispatcher(Dispatcher):
         src = _sources(row, w * t, None)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
-        counts = recv_msg[:, 2:].sum(0).to(torch.int32)
+        counts = recv_msg[:, 2:].sum(0, dtype=torch.int32)
         # compiled only where it fuses a quantization: a compiled call costs more host time than
-        # the few small launches of the BF16 side block (decision 53)
-        wire_rows = _wire_rows if self.wire is WireDtype.BF16 else _fast(_wire_rows, dev)
-        q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire, self.meta_words, t, None)
+        # the one cat of the BF16 side block (decision 53)
+        wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
+        q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
         # the one host sync of normal mode: everything the host needs, in one read
         host = torch.cat([msg[:, 1], recv_msg.reshape(-1)]).tolist()
         send_counts, recv_msg_host = host[:w], [host[w + r * (2 + el):w + (r + 1) * (2 + el)] for r in range(w)]
