@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #32's device pass for torch_a2a on 2 GPUs (NCCL, world 2), about 5 minutes at most:
+# Issue #32's device pass for torch_a2a on 2 GPUs (NCCL, world 2), 5 minutes at most (GRAPH_S + LAYOUT_S + BENCH_S):
 #   tests  graph-safe modes captured and replayed (masked, normal with worst-case buffers), and the
 #          dispatched layouts of every mode (exact normal, worst-case normal, masked) on NCCL
 #                                                                   -> OUT/gpu_tests.log
@@ -7,7 +7,7 @@
 #          worst-case (CUDA graph), masked (CUDA graph), each stage next to raw all_to_all_single
 #          of the same bytes                                        -> OUT/torch_a2a-h100x2.json,
 #                                                                      OUT/bench/results.{json,md}
-# Each phase runs under its own timeout (TEST_S, BENCH_S seconds); the JSON is rewritten after every
+# Each phase runs under its own timeout (GRAPH_S, LAYOUT_S, BENCH_S seconds); the JSON is rewritten after every
 # case, so a phase cut short keeps what it measured.
 # Usage (repo root): bash benchmarks/ep/run_torch_a2a_h100x2.sh OUT
 set -o pipefail
@@ -18,14 +18,17 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 T0=$(date +%s)
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
 
-say "tests (NCCL world 2)"
-timeout "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider tests/ep/test_torch_a2a_nccl.py \
-  -k "graph_safe or dispatch_layout" > "$OUT/gpu_tests.log" 2>&1
-echo "tests exit status $?"
+# graph capture first (the claim), then the layouts; each pytest under its own timeout
+for t in "graph_safe:${GRAPH_S:-80}" "dispatch_layout:${LAYOUT_S:-70}"; do
+  say "tests -k ${t%%:*} (NCCL world 2)"
+  timeout "${t##*:}" python3 -m pytest -q -p no:cacheprovider tests/ep/test_torch_a2a_nccl.py -k "${t%%:*}" \
+    >> "$OUT/gpu_tests.log" 2>&1
+  echo "tests -k ${t%%:*}: exit status $? (124: timed out)"
+done
 grep -E "passed|failed|error|FAILED|assert" "$OUT/gpu_tests.log" | tail -8
 
 say "bench"
-timeout "${BENCH_S:-180}" python3 benchmarks/ep/bench_torch_a2a.py --world 2 --iters "${ITERS:-10}" \
+timeout "${BENCH_S:-150}" python3 benchmarks/ep/bench_torch_a2a.py --world 2 --iters "${ITERS:-10}" \
   --modes normal normal-graph masked-graph --json "$OUT/torch_a2a-h100x2.json" --out "$OUT/bench" \
   > "$OUT/bench.log" 2>&1
 echo "bench exit status $?"

@@ -8,6 +8,7 @@ import pytest
 
 import moe_core as mc
 from moe_core import hookimpl
+from moe_core.distributed.torch_a2a import normal_buffers
 from moe_core.plugins import PluginManager
 
 BASE = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128)
@@ -95,8 +96,6 @@ def test_graph_safe_on_request_torch_a2a_normal_mode():
     """torch_a2a's normal mode is graph-safe only under cuda_graph (worst-case buffers, decision 53):
     planned there when asked for, ranked after the always graph-safe masked mode, never claimed
     graph-safe without the request, and refused without a capacity or with a bad option."""
-    from moe_core.distributed.torch_a2a import normal_buffers
-
     safe = spec("safe", mc.Role.EXPERTS, formats=(mc.Format.EP_NORMAL, mc.Format.EP_MASKED), priority=9,
                 graph_safe_formats=frozenset({mc.Format.EP_NORMAL, mc.Format.EP_MASKED}), ep="any")
     manager = manager_with(FakePlugin([safe]))
