@@ -18,11 +18,11 @@ the two columns and the op lists, not the absolute values.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
-import socket
+import cProfile
 import pathlib
 import pstats
+import socket
 import statistics
 import sys
 import time
@@ -171,7 +171,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
                       f"{sum(m_ops.values())} / {sum(d_ops.values())} (extra: {fmt}) |", flush=True)
                 if args.profile and rank == 0:
                     prof = cProfile.Profile()
-                    prof.runcall(lambda: [mc() for _ in range(200)])
+                    prof.runcall(lambda mc=mc: [mc() for _ in range(200)])
                     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
         dist.barrier()
     dist.destroy_process_group()
