@@ -62,10 +62,23 @@ def test_overflow_on_one_rank_nccl(world):
 
 def test_bad_id_on_one_rank_fails_every_rank_nccl():
     """The accelerator form of the id check (no host sync) under a dispatcher without an in-band
-    check: every rank's next synchronize fails, none waits in a collective."""
-    for res in run_ranks("layer_bad_ids_device", 2, TIMEOUT, backend="nccl"):
-        c = res["cases"]["bad_id_rank0"]
-        assert c["raised"] and "device-side assert" in c["message"] and c["seconds"] < 60, (res["rank"], c)
+    check: every rank fails promptly, none waits in a collective. A rank either reports the
+    device-side assert at its synchronize or is aborted by NCCL's watchdog on that CUDA error
+    (SIGABRT, code -6), as the H100 pass showed (both ranks asserted, 9 s in all)."""
+    import time
+
+    start = time.monotonic()
+    try:
+        results = run_ranks("layer_bad_ids_device", 2, TIMEOUT, backend="nccl")
+    except AssertionError as exc:  # every rank must be named as failed, none by the harness timeout
+        text = str(exc)
+        assert "timed out" not in text and all(f"rank {r}: exited with code -6" in text or f"rank {r} failed" in text
+                                                for r in range(2)), text
+    else:
+        for res in results:
+            c = res["cases"]["bad_id_rank0"]
+            assert c["raised"] and "device-side assert" in c["message"], (res["rank"], c)
+    assert time.monotonic() - start < 120
 
 
 @pytest.mark.parametrize("world", WORLDS)
