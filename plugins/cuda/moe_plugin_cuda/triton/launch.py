@@ -1,0 +1,117 @@
+"""Launch compiled Triton kernels without ``JITFunction.run``'s per-call work (docs/decisions.md, "Decode host time").
+
+``kernel[grid](*args, **kw)`` binds every argument, specializes each one (dtype, pointer alignment, int
+values), hashes that into Triton's cache key and builds launch metadata on every call: on the H100 that was
+about half of a decode forward's host time (four launches of up to ~50 arguments each, with Triton 3.6).
+``launch`` does it once: the first call for a given specialization goes through ``kernel[grid]`` (which
+compiles or finds the kernel) and keeps the ``CompiledKernel`` it returns; later calls with the same
+specialization call the compiled kernel's launcher directly.
+
+The key is never coarser than Triton's own: per argument, tensors give (dtype, 16-byte aligned data
+pointer), ints (== 1, % 16 == 0, int32 range, uint64 range), floats their type, tensor descriptors
+(base dtype, 16-byte alignment, block shape, rank, padding) and anything else (None, bools, constexprs)
+its value; the keyword arguments (constexprs and options such as ``num_warps``) by value, plus the
+device and Triton's debug and instrumentation knobs. A finer key only costs an extra ``kernel[grid]``
+call, never a wrong variant. Where the direct call would skip something Triton does (the interpreter,
+launch hooks such as a profiler's, pre-run hooks, parameters left to their defaults), every call goes
+through ``kernel[grid]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+try:  # (not needed to launch: only to key a host-side descriptor by its specialization)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = ()  # type: ignore[assignment,misc]
+
+MAX_ENTRIES = 4096  # compiled kernels kept (all kernels, devices and specializations); emptied when full
+
+_compiled: dict[tuple, Any] = {}
+# per kernel: (parameter names, how many come before the first constexpr); None: always through kernel[grid]
+_params: dict[JITFunction, tuple[tuple[str, ...], int] | None] = {}
+stats = {"direct": 0, "triton": 0}  # launches by path (what the tests read)
+
+
+def _arg_key(a: Any) -> Any:
+    """What Triton specializes an argument on (a superset of it)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    t = type(a)
+    if t is int:
+        return t, a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a > 0x7FFFFFFFFFFFFFFF
+    if t is float:
+        return t
+    if TensorDescriptor and isinstance(a, TensorDescriptor):
+        base = a.base
+        return (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), len(a.shape),
+                getattr(a, "padding", None))
+    return t, a
+
+
+def _hooks_idle() -> bool:
+    """No launch hook is installed (Triton 3.6 keeps them in ``HookChain``s, later ones as None or a callable)."""
+    rt = triton.knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def _signature(kernel: JITFunction) -> tuple[tuple[str, ...], int] | None:
+    sig = _params.get(kernel, ())
+    if sig == ():
+        sig = None
+        if isinstance(kernel, JITFunction) and not triton.knobs.runtime.interpret:
+            params = kernel.params
+            first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+            sig = tuple(p.name for p in params), first_constexpr
+        _params[kernel] = sig
+    return sig
+
+
+def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """``kernel[grid](*args, **kwargs)``, by the compiled kernel's launcher once Triton has built it.
+
+    Every parameter after the positional ones must be given by keyword, constexprs always (a positional
+    constexpr or a parameter left to its default: every call goes through ``kernel[grid]``)."""
+    sig = _signature(kernel)
+    if sig is None or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
+        stats["triton"] += 1
+        kernel[grid](*args, **kwargs)
+        return
+    names = sig[0]
+    rt = triton.knobs.runtime
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()
+    key = (kernel, device, rt.debug, triton.knobs.compilation.instrumentation_mode,
+           tuple(kwargs.items()), *[_arg_key(a) for a in args])
+    compiled = _compiled.get(key)
+    if compiled is None:
+        stats["triton"] += 1
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):  # (an asynchronous compile's future)
+            compiled = compiled.result()
+        # only a complete call can be replayed: every parameter given, a launcher to call
+        if (all(n in kwargs for n in names[len(args):]) and hasattr(compiled, "packed_metadata")
+                and hasattr(compiled, "run")):
+            if len(_compiled) >= MAX_ENTRIES:
+                _compiled.clear()
+            _compiled[key] = compiled
+        return
+    stats["direct"] += 1
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args, *[kwargs[n] for n in names[len(args):]])
+
+
+def clear() -> None:
+    """Forget every kept kernel (the next launch of each goes through ``kernel[grid]`` again)."""
+    _compiled.clear()
+    _params.clear()
