@@ -1,0 +1,214 @@
+"""The decode host path: ``triton.launch`` (compiled kernels called directly after the first launch per
+specialization) and ``workspace`` (one allocation carved into a forward's scratch tensors).
+
+CPU: the workspace's carving, and ``launch`` staying on ``kernel[grid]`` under Triton's interpreter. GPU
+(``gpu`` marker): direct launches give the bytes ``kernel[grid]`` launches give, whatever the inputs'
+alignment, strides and T, and a differently specialized argument never reuses a compiled variant."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from moe_plugin_cuda.workspace import ALIGN, Layout, Layouts, layout
+
+cuda = torch.cuda.is_available()
+if os.environ.get("CI"):
+    import triton
+else:
+    triton = pytest.importorskip("triton")
+
+
+# ------------------------------------------------------------------ workspace (CPU)
+
+PARTS = [(torch.int32, (37,)), (torch.int32, (1,)), (torch.float8_e4m3fn, (3, 100)), (torch.float32, (3, 1)),
+         (torch.bfloat16, (0, 64)), (torch.bfloat16, (5, 7)), (torch.float32, (2, 3, 4))]
+
+
+def test_layout_parts_are_aligned_disjoint_and_sized():
+    lay = Layout(PARTS)
+    spans = lay.spans
+    for (dtype, shape), (start, end) in zip(PARTS, spans, strict=True):
+        assert start % ALIGN == 0
+        assert end - start == torch.Size(shape).numel() * dtype.itemsize
+    for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False):
+        assert e0 <= s1  # in order, never overlapping
+    assert lay.nbytes % ALIGN == 0 and lay.nbytes >= spans[-1][1]
+
+
+def test_carved_views_never_overlap_and_keep_their_values():
+    lay = Layout(PARTS)
+    views = lay.carve(torch.device("cpu"))
+    assert [(v.dtype, tuple(v.shape)) for v in views] == [(d, s) for d, s in PARTS]
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in views)  # one allocation
+    # (the allocator aligns the buffer: 64 bytes on the CPU, 512 on CUDA; the parts sit ALIGN bytes apart)
+    assert all(v.is_contiguous() and (v.data_ptr() - base) % ALIGN == 0 for v in views if v.numel())
+    vals = []
+    for v in views:  # fill each with its own random bytes, then read all back
+        b = torch.randint(0, 256, (v.numel() * v.element_size(),), dtype=torch.uint8)
+        if v.numel():
+            v.view(-1).view(torch.uint8).copy_(b)
+        vals.append(b)
+    for v, b in zip(views, vals, strict=True):
+        if v.numel():
+            assert torch.equal(v.reshape(-1).view(torch.uint8), b)
+    # the byte ranges the views cover are disjoint
+    ranges = sorted((v.data_ptr(), v.data_ptr() + v.numel() * v.element_size()) for v in views if v.numel())
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(ranges, ranges[1:], strict=False))
+
+
+def test_each_carve_is_a_new_buffer():
+    lay = Layout(PARTS)
+    a, b = lay.carve(torch.device("cpu")), lay.carve(torch.device("cpu"))
+    assert a[0].untyped_storage().data_ptr() != b[0].untyped_storage().data_ptr()
+
+
+def test_layouts_reused_per_key_and_bounded():
+    cache = Layouts(max_entries=3)
+    calls = []
+
+    def parts(T):
+        def make():
+            calls.append(T)
+            return [(torch.int32, (T,)), (torch.bfloat16, (T, 8))]
+        return make
+    l1 = cache.get(("T", 1), parts(1))
+    assert cache.get(("T", 1), parts(1)) is l1 and calls == [1]  # reused across calls at the same T
+    l5 = cache.get(("T", 5), parts(5))
+    assert l5 is not l1 and l5.spans[1][1] - l5.spans[1][0] == 5 * 8 * 2
+    cache.get(("T", 7), parts(7))
+    assert len(cache) == 3
+    cache.get(("T", 9), parts(9))  # full: emptied, then this one
+    assert len(cache) == 1 and calls == [1, 5, 7, 9]
+    assert layout(None, ("T", 1), parts(1)) is not l1  # no cache: a layout for this call only
+
+
+def test_layout_refuses_negative_shapes():
+    with pytest.raises(ValueError, match="non-negative"):
+        Layout([(torch.int32, (-1,))])
+
+
+# ------------------------------------------------------------------ launch
+
+
+def _kernels():
+    import triton.language as tl
+
+    @triton.jit
+    def axpy(x_ptr, y_ptr, out_ptr, n, stride_x, alpha, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs * stride_x, mask=m, other=0.0)
+        y = tl.load(y_ptr + offs, mask=m, other=0.0)
+        tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=m)
+
+    return axpy
+
+
+def _axpy(kernel, launch_fn, x, y, alpha):
+    n = y.numel()
+    out = torch.empty_like(y)
+    launch_fn(kernel, (triton.cdiv(max(n, 1), 64),), x, y, out, n, x.stride(0), alpha, BLOCK=64)
+    return out
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+def test_launch_goes_through_the_interpreter():
+    from moe_plugin_cuda.triton import launch as L
+
+    kernel = _kernels()
+    direct = L.stats["direct"]
+    for n in (1, 5, 64):
+        x, y = torch.randn(n), torch.randn(n)
+        out = _axpy(kernel, L.launch, x, y, 0.5)
+        torch.testing.assert_close(out, 0.5 * x.double().float() + y, rtol=1e-6, atol=1e-6)
+    assert L.stats["direct"] == direct  # nothing kept, nothing launched directly
+    assert not any(k[0] is kernel for k in L._compiled)
+
+
+needs_gpu = pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+
+
+def _triton_launch(kernel, grid, *args, **kwargs):
+    kernel[grid](*args, **kwargs)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_direct_launch_matches_and_keys_on_alignment_and_ints():
+    from moe_plugin_cuda.triton import launch as L
+
+    kernel = _kernels()
+    dev = torch.device("cuda")
+    base = torch.randn(4096 + 8, device=dev)
+    y0 = torch.randn(4096 + 8, device=dev)
+    cases = []  # (x view, y view): aligned, 4-byte offset (not 16-byte aligned), strided; n = 1, 16, odd
+    for n in (1, 16, 37, 1000, 4096):
+        cases += [(base[:n], y0[:n]), (base[1:n + 1], y0[:n]), (base[:2 * n:2] if 2 * n <= base.numel() else base[:n],
+                                                                  y0[3:n + 3])]
+    before = dict(L.stats)
+    for _ in range(3):  # first round compiles / keeps, the next ones launch directly
+        for x, y in cases:
+            got = _axpy(kernel, L.launch, x, y, 1.5)
+            want = _axpy(kernel, _triton_launch, x, y, 1.5)
+            assert torch.equal(got, want)
+    assert L.stats["direct"] > before["direct"]
+    keys = [k for k in L._compiled if k[0] is kernel]
+    # aligned and unaligned pointers, n == 1 and n % 16 == 0 and neither: distinct entries
+    aligned = {k[5][1] for k in keys} | {k[6][1] for k in keys}  # (key: kernel, device, 2 knobs, kwargs, args)
+    assert aligned == {True, False}
+    assert len({k[8] for k in keys}) >= 3
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("a_tma", [0, 1])
+def test_fused_experts_direct_launch_bit_identical(quant, a_tma, monkeypatch):
+    """The whole fused pipeline, T = 0, 1, odd and 64, ids -1, hidden rows offset or strided: the direct
+    launches (from the second call on) give exactly the bytes of ``kernel[grid]`` launches."""
+    from moe_plugin_cuda.triton import launch as L
+    from moe_plugin_cuda.triton import ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+    from moe_plugin_cuda.workspace import Layouts
+
+    dev = torch.device("cuda")
+    E, K, H, inter = 8, 2, 256, 256
+    fp8 = quant == "fp8_block"
+    w13 = torch.randn(E, 2 * inter, H, device=dev) / H ** 0.5
+    w2 = torch.randn(E, H, inter, device=dev) / inter ** 0.5
+    if fp8:
+        s13 = torch.rand(E, 2 * inter // 128, H // 128, device=dev) + 0.5
+        s2 = torch.rand(E, H // 128, inter // 128, device=dev) + 0.5
+        w13, w2 = (w13 * 100).to(torch.float8_e4m3fn), (w2 * 100).to(torch.float8_e4m3fn)
+    else:
+        s13 = s2 = None
+        w13, w2 = interleave_gate_up(w13.bfloat16()), w2.bfloat16()
+    cfg = {"gemm1": dict(BLOCK_M=16, BLOCK_N=128 if fp8 else 64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3,
+                         TWO_ACC=1 if fp8 else 0),
+           "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3, A_TMA=a_tma)}
+    layouts = Layouts()
+
+    def run(hidden, w, ids, launch_fn):
+        monkeypatch.setattr(ops, "launch", launch_fn)
+        return ops.fused_experts(hidden, None, w13, w2, s13, s2, w, ids, fp8_block=fp8, activation="silu",
+                                 routed_scaling_factor=1.0, out_dtype=torch.bfloat16, cfg=cfg,
+                                 w13_interleaved=not fp8, layouts=layouts)
+
+    direct = L.stats["direct"]
+    for T in (0, 1, 7, 64):
+        wide = torch.randn(T, H + 8, device=dev).bfloat16()
+        # contiguous; rows strided at a 16-byte offset; rows strided at a 2-byte offset (no 16-byte alignment)
+        for hidden in (wide[:, :H].contiguous(), wide[:, 8:], wide[:, 1:H + 1]):
+            ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).int() if T \
+                else torch.zeros(0, K, dtype=torch.int32, device=dev)
+            if T:
+                ids[torch.rand(T, K, device=dev) < 0.25] = -1
+            w = torch.rand(T, K, device=dev)
+            for _ in range(2):
+                got = run(hidden, w, ids, L.launch)
+                want = run(hidden, w, ids, _triton_launch)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (T, hidden.stride())
+    assert L.stats["direct"] > direct
