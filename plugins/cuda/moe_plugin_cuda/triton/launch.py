@@ -8,11 +8,12 @@ compiles or finds the kernel) and keeps the ``CompiledKernel`` it returns; later
 specialization call the compiled kernel's launcher directly.
 
 The key is never coarser than Triton's own: per argument, tensors give (dtype, 16-byte aligned data
-pointer), ints (== 1, % 16 == 0, int32 range, uint64 range), floats their type, tensor descriptors
-(base dtype, 16-byte alignment, block shape, rank, padding) and anything else (None, bools, constexprs)
-its value; the keyword arguments (constexprs and options such as ``num_warps``) by value, plus the
-device and Triton's debug and instrumentation knobs. A finer key only costs an extra ``kernel[grid]``
-call, never a wrong variant. Where the direct call would skip something Triton does (the interpreter,
+pointer), tensor descriptors (base dtype, 16-byte alignment, block shape, rank, padding), and ints,
+floats, bools and None their value (finer than Triton's == 1 / % 16 / int32-range specialization, and
+cheaper to compute: a decode step's row counts take a handful of values, each one more entry); the
+keyword arguments (constexprs and options such as ``num_warps``) by value, plus the device and Triton's
+debug and instrumentation knobs. A finer key only costs an extra ``kernel[grid]`` call, never a wrong
+variant. Where the direct call would skip something Triton does (the interpreter,
 launch hooks such as a profiler's, pre-run hooks, parameters left to their defaults), every call goes
 through ``kernel[grid]``.
 """
@@ -32,26 +33,25 @@ except ImportError:  # pragma: no cover - older Triton
 
 MAX_ENTRIES = 4096  # compiled kernels kept (all kernels, devices and specializations); emptied when full
 
-_compiled: dict[tuple, Any] = {}
-# per kernel: (parameter names, how many come before the first constexpr); None: always through kernel[grid]
-_params: dict[JITFunction, tuple[tuple[str, ...], int] | None] = {}
+_compiled: dict[tuple, tuple[JITFunction, Any]] = {}  # key (kernel by id) -> (the kernel, its CompiledKernel)
+# per kernel (by id, JITFunction's own hash is slow): (the kernel, (parameter names, how many come before the
+# first constexpr), or None: always through kernel[grid])
+_params: dict[int, tuple[Any, tuple[tuple[str, ...], int] | None]] = {}
 stats = {"direct": 0, "triton": 0}  # launches by path (what the tests read)
 
 
+_PLAIN = frozenset((int, float, bool, type(None)))  # keyed by (type, value)
+
+
 def _arg_key(a: Any) -> Any:
-    """What Triton specializes an argument on (a superset of it)."""
+    """What Triton specializes an argument on, or more (tensors and plain values: inlined in ``launch``)."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    t = type(a)
-    if t is int:
-        return t, a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a > 0x7FFFFFFFFFFFFFFF
-    if t is float:
-        return t
     if TensorDescriptor and isinstance(a, TensorDescriptor):
         base = a.base
-        return (t, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), len(a.shape),
+        return (TensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), len(a.shape),
                 getattr(a, "padding", None))
-    return t, a
+    return type(a), a  # (constexprs, unhashable ones fail loudly)
 
 
 def _hooks_idle() -> bool:
@@ -64,14 +64,17 @@ def _hooks_idle() -> bool:
 
 
 def _signature(kernel: JITFunction) -> tuple[tuple[str, ...], int] | None:
-    sig = _params.get(kernel, ())
-    if sig == ():
-        sig = None
-        if isinstance(kernel, JITFunction) and not triton.knobs.runtime.interpret:
-            params = kernel.params
-            first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
-            sig = tuple(p.name for p in params), first_constexpr
-        _params[kernel] = sig
+    entry = _params.get(id(kernel))
+    if entry is not None and entry[0] is kernel:
+        return entry[1]
+    sig = None
+    if isinstance(kernel, JITFunction) and not triton.knobs.runtime.interpret:
+        params = kernel.params
+        first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
+        sig = tuple(p.name for p in params), first_constexpr
+    if len(_params) >= MAX_ENTRIES:
+        _params.clear()
+    _params[id(kernel)] = kernel, sig
     return sig
 
 
@@ -89,10 +92,13 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     rt = triton.knobs.runtime
     driver = triton.runtime.driver.active
     device = driver.get_current_device()
-    key = (kernel, device, rt.debug, triton.knobs.compilation.instrumentation_mode,
-           tuple(kwargs.items()), *[_arg_key(a) for a in args])
-    compiled = _compiled.get(key)
-    if compiled is None:
+    # (ints and floats by type too: 1 and 1.0 hash alike; bool is not int here)
+    key = (id(kernel), device, rt.debug, triton.knobs.compilation.instrumentation_mode, tuple(kwargs.items()),
+           tuple(map(type, kwargs.values())),
+           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
+             (type(a), a) if type(a) in _PLAIN else _arg_key(a) for a in args])
+    entry = _compiled.get(key)
+    if entry is None or entry[0] is not kernel:  # (an id can be reused once its kernel is gone)
         stats["triton"] += 1
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # (an asynchronous compile's future)
@@ -102,8 +108,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
                 and hasattr(compiled, "run")):
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
-            _compiled[key] = compiled
+            _compiled[key] = kernel, compiled
         return
+    compiled = entry[1]
     stats["direct"] += 1
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_plugin_cuda.triton import kernels
 from moe_plugin_cuda.triton.launch import launch
@@ -19,8 +19,13 @@ from moe_plugin_cuda.workspace import Layouts, layout
 FP8 = torch.float8_e4m3fn
 
 
+# host-side arithmetic (Triton's cdiv and next_power_of_2 are constexpr functions, a few us a call on the host)
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment (one launch)
@@ -55,19 +60,19 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
     progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
-    chunk = min(4096, max(256, _pow2(triton.cdiv(numel, progs))))
-    n_chunks = triton.cdiv(numel, chunk)
+    chunk = min(4096, max(256, _pow2(_cdiv(numel, progs))))
+    n_chunks = _cdiv(numel, chunk)
     chunk_counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     warps = 8 if chunk >= 2048 else 4
     launch(kernels._align_count_kernel, (n_chunks,), flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2,
            CHUNK=chunk, num_warps=warps)
-    blocks_per_prog = triton.cdiv(max_blocks, n_chunks)
+    blocks_per_prog = _cdiv(max_blocks, n_chunks)
     launch(
         kernels._align_place_kernel, (n_chunks,), flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
         E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
-        E_SUB=max(2, _pow2(triton.cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
+        E_SUB=max(2, _pow2(_cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
 
 
 def small_align_cursor(num_experts: int) -> int:
@@ -79,7 +84,7 @@ def align_sizes(numel: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(max_blocks, rows of sorted_ids) of ``align_block_size`` for ``numel`` slots: a bound for any routing."""
     # at most min(numel, E) buckets are non-empty, each padded by < block_m; with tails an expert has
     # cdiv(count, block_m) M-blocks all the same, over fewer rows
-    max_blocks = max(1, triton.cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m))
+    max_blocks = max(1, _cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m))
     return max_blocks, max_blocks * block_m
 
 
@@ -133,7 +138,7 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     ``SMALL_ALIGN_MAX`` slots, two beyond; no host sync (graph-safe)."""
     flat = _int32_ids(topk_ids)
     numel, dev = flat.numel(), flat.device
-    rows = numel if row_align == 1 else triton.cdiv(numel + min(numel, num_experts) * (row_align - 1),
+    rows = numel if row_align == 1 else _cdiv(numel + min(numel, num_experts) * (row_align - 1),
                                                    row_align) * row_align
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
@@ -147,7 +152,7 @@ def quantize_fp8_groups(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch
     """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group (into ``out``:
     contiguous tensors of those shapes, if given)."""
     M, H = x.shape
-    g = triton.cdiv(H, 128)
+    g = _cdiv(H, 128)
     if out is None:
         q = torch.empty((M, H), dtype=FP8, device=x.device)
         s = torch.empty((M, g), dtype=torch.float32, device=x.device)
@@ -155,7 +160,7 @@ def quantize_fp8_groups(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch
         q, s = out
     if M:
         groups = min(8, _pow2(g))
-        launch(kernels._quant_fp8_group_kernel, (M, triton.cdiv(g, groups)), x, q, s, H, x.stride(0), q.stride(0),
+        launch(kernels._quant_fp8_group_kernel, (M, _cdiv(g, groups)), x, q, s, H, x.stride(0), q.stride(0),
                s.stride(0), GROUPS=groups)
     return q, s
 
@@ -166,7 +171,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2);
     ``descriptors``: a cache of the weights' TMA descriptors (see ``_b_descriptor``)."""
     dummy = c
-    grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (num_m_blocks * _cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
     if align is None:
         sorted_ids = expert_ids = tile_starts = dummy
@@ -207,8 +212,6 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
 
 def _a_descriptor(a: torch.Tensor, block_m: int, block_k: int):
     """Host-side TMA descriptor over contiguous A rows [rows, K] (``A_TMA``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if a.stride(1) != 1 or a.stride(0) * a.element_size() % 16:
         raise ValueError(f"A_TMA needs rows of a multiple of 16 bytes, contiguous (TMA), got {tuple(a.shape)} "
                          f"strides {a.stride()} x {a.element_size()} bytes")
@@ -223,8 +226,6 @@ def _b_descriptor(b: torch.Tensor, cfg: dict, cache: Optional[dict] = None):
     key = (b.data_ptr(), b.shape, b.stride(), b.dtype, cfg["BLOCK_N"], cfg["BLOCK_K"])
     if cache is not None and key in cache:
         return cache[key]
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     E, n, k = b.shape
     if b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
         raise ValueError(f"B_TMA needs contiguous weights [E, N, K], got {tuple(b.shape)} strides {b.stride()}")
@@ -258,7 +259,7 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 def gemm1_parts(h_rows: int, inter: int, fp8: bool, fused_quant: bool, out_dtype: torch.dtype) -> list:
     """``gemm1``'s outputs as workspace parts ``(dtype, shape)``: h, then its scales (FP8 epilogue), or h in
     fp32 and its quantized copy (FP8 without the epilogue's quantization)."""
-    g = triton.cdiv(inter, 128)
+    g = _cdiv(inter, 128)
     if fused_quant:
         return [(FP8, (h_rows, inter)), (torch.float32, (h_rows, g))]
     if fp8:
@@ -350,7 +351,7 @@ def fused_experts(
         small = numel <= SMALL_ALIGN_MAX  # the one-program alignment's cursor (the two-launch one allocates its own)
         return [(torch.int32, (max_len,)), (torch.int32, (n_blocks,)), (torch.int32, (1,)),
                 (torch.int32, (n_blocks if tails else 0,)), (torch.int32, (small_align_cursor(E) if small else 0,)),
-                (FP8, (T if quant_in else 0, H)), (torch.float32, (T if quant_in else 0, triton.cdiv(H, 128))),
+                (FP8, (T if quant_in else 0, H)), (torch.float32, (T if quant_in else 0, _cdiv(H, 128))),
                 (out_dtype, (numel, H)),
                 *gemm1_parts(max_len if row_order else numel, inter, fp8_block, fused_quant, out_dtype)]
     sorted_ids, expert_ids, post_pad, tile_starts, cursor, q, q_scale, y, *h_out = \
@@ -367,8 +368,8 @@ def fused_experts(
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
           descriptors=descriptors)
-    block_h = min(1024, triton.next_power_of_2(H))
-    launch(kernels._moe_reduce_kernel, (T, triton.cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
+    block_h = min(1024, _pow2(H))
+    launch(kernels._moe_reduce_kernel, (T, _cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
            ids, ids, TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
     return out
 
@@ -396,7 +397,7 @@ def masked_experts(
             a, a_scale = quantize_fp8_groups(a)
         else:
             a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
-    n_blocks = E * triton.cdiv(C, bm)
+    n_blocks = E * _cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
     h1, h1_scale = gemm1(a, a_scale, w13, w13_scale, align=None, masked_m=mm, num_rows=E * C, a_row_div=1,
                          capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
