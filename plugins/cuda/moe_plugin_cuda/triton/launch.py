@@ -31,6 +31,7 @@ try:  # (not needed to launch: only to key a host-side descriptor by its special
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = ()  # type: ignore[assignment,misc]
 
+enabled = True  # False: every launch through kernel[grid] (a baseline to measure against: host_time.py)
 MAX_ENTRIES = 4096  # compiled kernels kept (all kernels, devices and specializations); emptied when full
 
 _compiled: dict[tuple, tuple[JITFunction, Any]] = {}  # key (kernel by id) -> (the kernel, its CompiledKernel)
@@ -84,7 +85,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     Every parameter after the positional ones must be given by keyword, constexprs always (a positional
     constexpr or a parameter left to its default: every call goes through ``kernel[grid]``)."""
     sig = _signature(kernel)
-    if sig is None or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
+    if sig is None or not enabled or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
         stats["triton"] += 1
         kernel[grid](*args, **kwargs)
         return
