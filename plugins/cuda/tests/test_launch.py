@@ -93,18 +93,23 @@ def test_layout_refuses_negative_shapes():
 # ------------------------------------------------------------------ launch
 
 
-def _kernels():
-    import triton.language as tl
+tl = pytest.importorskip("triton.language")
 
-    @triton.jit
-    def axpy(x_ptr, y_ptr, out_ptr, n, stride_x, alpha, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < n
-        x = tl.load(x_ptr + offs * stride_x, mask=m, other=0.0)
-        y = tl.load(y_ptr + offs, mask=m, other=0.0)
-        tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=m)
 
-    return axpy
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride_x, alpha, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs * stride_x, mask=m, other=0.0)
+    y = tl.load(y_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _keys(kernel):
+    """The launcher's kept entries of ``kernel``: each key's last 7 items are the 7 arguments' keys."""
+    from moe_plugin_cuda.triton import launch as L
+
+    return [k[-7:] for k, (kern, _) in L._compiled.items() if kern is kernel]
 
 
 def _axpy(kernel, launch_fn, x, y, alpha):
@@ -118,14 +123,14 @@ def _axpy(kernel, launch_fn, x, y, alpha):
 def test_launch_goes_through_the_interpreter():
     from moe_plugin_cuda.triton import launch as L
 
-    kernel = _kernels()
+    kernel = _axpy_kernel
     direct = L.stats["direct"]
     for n in (1, 5, 64):
         x, y = torch.randn(n), torch.randn(n)
         out = _axpy(kernel, L.launch, x, y, 0.5)
         torch.testing.assert_close(out, 0.5 * x.double().float() + y, rtol=1e-6, atol=1e-6)
     assert L.stats["direct"] == direct  # nothing kept, nothing launched directly
-    assert not any(k[0] is kernel for k in L._compiled)
+    assert not _keys(kernel)
 
 
 needs_gpu = pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
@@ -140,7 +145,7 @@ def _triton_launch(kernel, grid, *args, **kwargs):
 def test_direct_launch_matches_and_keys_on_alignment_and_ints():
     from moe_plugin_cuda.triton import launch as L
 
-    kernel = _kernels()
+    kernel = _axpy_kernel
     dev = torch.device("cuda")
     base = torch.randn(4096 + 8, device=dev)
     y0 = torch.randn(4096 + 8, device=dev)
@@ -155,11 +160,10 @@ def test_direct_launch_matches_and_keys_on_alignment_and_ints():
             want = _axpy(kernel, _triton_launch, x, y, 1.5)
             assert torch.equal(got, want)
     assert L.stats["direct"] > before["direct"]
-    keys = [k for k in L._compiled if k[0] is kernel]
-    # aligned and unaligned pointers, n == 1 and n % 16 == 0 and neither: distinct entries
-    aligned = {k[5][1] for k in keys} | {k[6][1] for k in keys}  # (key: kernel, device, 2 knobs, kwargs, args)
-    assert aligned == {True, False}
-    assert len({k[8] for k in keys}) >= 3
+    keys = _keys(kernel)
+    # aligned and unaligned pointers (x, y: (dtype, aligned)), each n: distinct entries
+    assert {k[0][1] for k in keys} == {True, False} and {k[1][1] for k in keys} == {True, False}
+    assert {k[3] for k in keys} == {(int, n) for n in (1, 16, 37, 1000, 4096)}
 
 
 @pytest.mark.gpu

@@ -347,24 +347,25 @@ def fused_experts(
     key = (T, top_k, E, H, inter, bm, tails, quant_in, fp8_block, fused_quant, row_order, out_dtype, hidden.device)
     n_blocks, max_len = align_sizes(numel, E, bm)
 
-    def parts():
-        small = numel <= SMALL_ALIGN_MAX  # the one-program alignment's cursor (the two-launch one allocates its own)
-        return [(torch.int32, (max_len,)), (torch.int32, (n_blocks,)), (torch.int32, (1,)),
-                (torch.int32, (n_blocks if tails else 0,)), (torch.int32, (small_align_cursor(E) if small else 0,)),
-                (FP8, (T if quant_in else 0, H)), (torch.float32, (T if quant_in else 0, _cdiv(H, 128))),
-                (out_dtype, (numel, H)),
+    small = numel <= SMALL_ALIGN_MAX  # the one-program alignment's cursor (the two-launch one allocates its own)
+
+    def parts():  # (only the parts this call uses: each view costs host time)
+        return [(torch.int32, (max_len,)), (torch.int32, (n_blocks,)), (torch.int32, (1,)), (out_dtype, (numel, H)),
+                *([(torch.int32, (n_blocks,))] if tails else []),
+                *([(torch.int32, (small_align_cursor(E),))] if small else []),
+                *([(FP8, (T, H)), (torch.float32, (T, _cdiv(H, 128)))] if quant_in else []),
                 *gemm1_parts(max_len if row_order else numel, inter, fp8_block, fused_quant, out_dtype)]
-    sorted_ids, expert_ids, post_pad, tile_starts, cursor, q, q_scale, y, *h_out = \
-        layout(layouts, key, parts).carve(hidden.device)
+    sorted_ids, expert_ids, post_pad, y, *rest = layout(layouts, key, parts).carve(hidden.device)
+    tile_starts = rest.pop(0) if tails else None
+    cursor = rest.pop(0) if small else None
     if quant_in:
-        hidden, a_scale = quantize_fp8_groups(hidden, (q, q_scale))
-    align = align_block_size(ids, E, bm, tails, (sorted_ids, expert_ids, post_pad, tile_starts if tails else None,
-                                                 cursor if cursor.numel() else None))
+        hidden, a_scale = quantize_fp8_groups(hidden, (rest.pop(0), rest.pop(0)))
+    align = align_block_size(ids, E, bm, tails, (sorted_ids, expert_ids, post_pad, tile_starts, cursor))
     # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
-                         row_order=row_order, descriptors=descriptors, out=h_out)
+                         row_order=row_order, descriptors=descriptors, out=rest)  # (rest: gemm1_parts)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
           descriptors=descriptors)
