@@ -8,7 +8,7 @@
 #   3. decode.py, bf16 and FP8 block -> OUT/decode-h100-<date>.{json,md}
 #   4. host_time.py on this tree (T=1, sections) -> OUT/host_time.{md,json}
 #   5. host_time.py at T=1 with every Triton launch through kernel[grid] (--triton-launch: the direct launcher's
-#      baseline, same machine) -> OUT/host_time_triton_launch.md; with BASE, host_time.py at T=1 on BASE (the code
+#      baseline, same machine; the two qwen3 presets) -> OUT/host_time_triton_launch.md; with BASE, host_time.py at T=1 on BASE (the code
 #      before, imported through PYTHONPATH) -> OUT/host_time_base.{md,json}
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR bash benchmarks/cuda/decode_h100.sh OUT
@@ -70,7 +70,7 @@ say decode
 timeout "$(until_left 90)" python3 "$BENCH/decode.py" --out-dir "$OUT" 2>&1 | tail -n 60
 
 say "host_time (this tree)"
-HT_LEFT=25; [ -n "$BASE" ] && HT_LEFT=50  # (what the baselines get)
+HT_LEFT=30; [ -n "$BASE" ] && HT_LEFT=55  # (what the baselines get)
 timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sections 1 \
   --backends triton cutlass --json "$OUT/host_time.json" > "$OUT/host_time.md" 2>$LOGS/host_time.err
 grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
@@ -79,7 +79,7 @@ grep -A 14 "qwen3-30b-a3b | unquantized | triton | 1 |" "$OUT/host_time.md" | he
 say "host_time (this tree, every launch through kernel[grid])"
 TL_LEFT=3; [ -n "$BASE" ] && TL_LEFT=25
 timeout "$(until_left $TL_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --backends triton cutlass \
-  --triton-launch > "$OUT/host_time_triton_launch.md" 2>>$LOGS/host_time.err
+  --presets qwen3-30b-a3b qwen3-235b-a22b --triton-launch > "$OUT/host_time_triton_launch.md" 2>>$LOGS/host_time.err
 tail -n 20 "$OUT/host_time_triton_launch.md"
 
 if [ -n "$BASE" ]; then
