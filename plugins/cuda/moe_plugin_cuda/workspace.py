@@ -1,4 +1,5 @@
-"""One allocation for a forward's scratch tensors (docs/decisions.md, "Decode host time").
+"""One allocation for a forward's scratch tensors (docs/decisions.md, "Triton kernels are launched
+through their compiled launcher; a forward's scratch is one allocation").
 
 A decode forward allocated up to seven small tensors (alignment, activations, GEMM outputs): about 15% of
 its host time on the H100. ``Layout`` places them in one flat byte buffer (each part at a multiple of

@@ -1,4 +1,5 @@
-"""Launch compiled Triton kernels without ``JITFunction.run``'s per-call work (docs/decisions.md, "Decode host time").
+"""Launch compiled Triton kernels without ``JITFunction.run``'s per-call work (docs/decisions.md, "Triton
+kernels are launched through their compiled launcher").
 
 ``kernel[grid](*args, **kw)`` binds every argument, specializes each one (dtype, pointer alignment, int
 values), hashes that into Triton's cache key and builds launch metadata on every call: on the H100 that was
@@ -94,8 +95,8 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     driver = triton.runtime.driver.active
     device = driver.get_current_device()
     # (ints and floats by type too: 1 and 1.0 hash alike; bool is not int here)
-    key = (id(kernel), device, rt.debug, triton.knobs.compilation.instrumentation_mode, tuple(kwargs.items()),
-           tuple(map(type, kwargs.values())),
+    key = (id(kernel), device, rt.debug, getattr(triton.knobs.compilation, "instrumentation_mode", None),
+           tuple(kwargs.items()), tuple(map(type, kwargs.values())),
            *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
              (type(a), a) if type(a) in _PLAIN else _arg_key(a) for a in args])
     entry = _compiled.get(key)
