@@ -216,3 +216,28 @@ def test_fused_experts_direct_launch_bit_identical(quant, a_tma, monkeypatch):
                 want = run(hidden, w, ids, _triton_launch)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (T, hidden.stride())
     assert L.stats["direct"] > direct
+
+
+# ------------------------------------------------------------------ the tokens' FP8 quantization in the alignment's launch
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.skipif(cuda, reason="interpreter path")),
+                                    pytest.param("cuda", marks=[pytest.mark.gpu, needs_gpu])])
+@pytest.mark.parametrize("T,H,E,K,bm,tails", [(1, 256, 8, 2, 16, False), (3, 200, 16, 4, 32, True),
+                                              (17, 1100, 128, 8, 16, False), (64, 7168, 256, 8, 64, True)])
+def test_align_quantizes_the_tokens_as_the_quantizer_does(T, H, E, K, bm, tails, device, check_alignment):
+    """One launch (the one-program alignment plus a program per row chunk) gives the alignment of a separate
+    launch and exactly the codes and scales of ``quantize_fp8_groups``; tokens strided, ids -1, H not a multiple
+    of 128. (The interpreter without a GPU, the compiled kernels on one.)"""
+    from moe_plugin_cuda.triton import ops
+
+    dev = torch.device(device)
+    wide = (torch.randn(T, H + 8, device=dev) * torch.rand(T, 1, device=dev) * 5).bfloat16()
+    x = wide[:, 3:H + 3]
+    ids = torch.randint(-1, E, (T, K), dtype=torch.int32, device=dev)
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=dev)
+    s = torch.empty(T, -(-H // 128), dtype=torch.float32, device=dev)
+    al = ops.align_block_size(ids, E, bm, tails, quant=(x, q, s))
+    check_alignment(ids, E, bm, tails, al)
+    q_ref, s_ref = ops.quantize_fp8_groups(x)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)

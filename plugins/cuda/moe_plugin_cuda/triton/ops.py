@@ -40,9 +40,13 @@ def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor, *, expert_ids=None,
-            post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1, cursor=None) -> None:
+            post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1, cursor=None,
+            quant=None) -> bool:
     """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'.
-    ``cursor``: the one-program kernel's ``[small_align_cursor(E)]`` int32 scratch (allocated here if None)."""
+    ``cursor``: the one-program kernel's ``[small_align_cursor(E)]`` int32 scratch (allocated here if None).
+    ``quant``: (x [T, H], codes [T, H] e4m3, scales [T, H/128] fp32) to quantize as ``quantize_fp8_groups`` does,
+    in the one-program kernel's launch (more programs beside it); returns whether it did (not for more slots
+    than ``SMALL_ALIGN_MAX``: the caller quantizes then)."""
     numel = flat.numel()
     dev = flat.device
     row_map = counts is not None
@@ -53,10 +57,16 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     if numel <= SMALL_ALIGN_MAX:
         if cursor is None:
             cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
-        launch(kernels._align_small_kernel, (1,), flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts,
+        x, q, s = quant if quant is not None else (out, out, out)
+        H = x.shape[1] if quant is not None else 0
+        groups = min(8, _pow2(_cdiv(H, 128))) if quant is not None else 1
+        chunks = _cdiv(_cdiv(H, 128), groups)
+        launch(kernels._align_small_kernel, (1 + x.shape[0] * chunks if quant is not None else 1,), flat, numel, cursor,
+               out, *ptrs, max_blocks, x, q, s, H, x.stride(0), q.stride(0), s.stride(0), chunks, E=num_experts,
                E_POW2=e_pow2, BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
-               BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails)
-        return
+               BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails, QUANT=quant is not None,
+               GROUPS=groups)
+        return quant is not None
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
     progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
@@ -73,6 +83,7 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
         E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
         E_SUB=max(2, _pow2(_cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
+    return False
 
 
 def small_align_cursor(num_experts: int) -> int:
@@ -99,7 +110,7 @@ class Alignment(NamedTuple):
 
 
 def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: bool = False,
-                     buffers: Optional[tuple] = None) -> Alignment:
+                     buffers: Optional[tuple] = None, quant: Optional[tuple] = None) -> Alignment:
     """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``
     (``tails``: to ``block_m / 2``, for the GEMM kernels' half tiles, see ``_moe_gemm_kernel``).
 
@@ -122,8 +133,9 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: b
         expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
         post_pad = torch.empty(1, dtype=torch.int32, device=dev)
         tile_starts = torch.empty(max_blocks, dtype=torch.int32, device=dev) if tails else None
+    # quant: (x, codes, scales) quantized in the same launch when it is one program (else by the caller)
     _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad,
-            tile_starts=tile_starts, max_blocks=max_blocks, cursor=cursor)
+            tile_starts=tile_starts, max_blocks=max_blocks, cursor=cursor, quant=quant if numel <= SMALL_ALIGN_MAX else None)
     return Alignment(sorted_ids, expert_ids, post_pad, max_blocks, tile_starts)
 
 
@@ -358,9 +370,14 @@ def fused_experts(
     sorted_ids, expert_ids, post_pad, y, *rest = layout(layouts, key, parts).carve(hidden.device)
     tile_starts = rest.pop(0) if tails else None
     cursor = rest.pop(0) if small else None
-    if quant_in:
-        hidden, a_scale = quantize_fp8_groups(hidden, (rest.pop(0), rest.pop(0)))
-    align = align_block_size(ids, E, bm, tails, (sorted_ids, expert_ids, post_pad, tile_starts, cursor))
+    quant = None
+    if quant_in:  # the tokens' FP8 codes: in the alignment's launch when it is one program (decode), else their own
+        quant = (hidden, rest.pop(0), rest.pop(0))
+        if not small:
+            quantize_fp8_groups(hidden, quant[1:])
+        hidden, a_scale = quant[1:]
+    align = align_block_size(ids, E, bm, tails, (sorted_ids, expert_ids, post_pad, tile_starts, cursor),
+                             quant if small else None)
     # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
