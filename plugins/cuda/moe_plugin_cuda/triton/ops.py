@@ -41,12 +41,12 @@ def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
 
 def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor, *, expert_ids=None,
             post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1, cursor=None,
-            quant=None) -> bool:
+            quant=None) -> None:
     """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'.
     ``cursor``: the one-program kernel's ``[small_align_cursor(E)]`` int32 scratch (allocated here if None).
     ``quant``: (x [T, H], codes [T, H] e4m3, scales [T, H/128] fp32) to quantize as ``quantize_fp8_groups`` does,
-    in the one-program kernel's launch (more programs beside it); returns whether it did (not for more slots
-    than ``SMALL_ALIGN_MAX``: the caller quantizes then)."""
+    in the one-program kernel's launch (more programs beside it): up to ``SMALL_ALIGN_MAX`` slots only (the caller
+    quantizes beyond)."""
     numel = flat.numel()
     dev = flat.device
     row_map = counts is not None
@@ -66,7 +66,10 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
                E_POW2=e_pow2, BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
                BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails, QUANT=quant is not None,
                GROUPS=groups)
-        return quant is not None
+        return
+    if quant is not None:
+        raise ValueError(f"quant: the tokens are quantized in the one-program alignment only (up to "
+                         f"{SMALL_ALIGN_MAX} slots), got {numel} slots")
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
     progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
@@ -79,11 +82,10 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
            CHUNK=chunk, num_warps=warps)
     blocks_per_prog = _cdiv(max_blocks, n_chunks)
     launch(
-        kernels._align_place_kernel, (n_chunks,), flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
-        E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
+        kernels._align_place_kernel, (n_chunks,), flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks,
+        blocks_per_prog, E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
         E_SUB=max(2, _pow2(_cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
-    return False
 
 
 def small_align_cursor(num_experts: int) -> int:
@@ -116,7 +118,9 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: b
 
     Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding entries hold
     ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot. Up to ``SMALL_ALIGN_MAX``
-    slots it is one launch, above that two (count, place).
+    slots it is one launch, above that two (count, place). ``buffers``: (sorted_ids, expert_ids, post_pad,
+    tile_starts or None, the one-program kernel's cursor or None) to write, e.g. a workspace's, else allocated
+    here. ``quant``: (x, codes, scales), tokens quantized in the same launch (``_bucket``; one program only).
     """
     if tails and block_m % 32:
         raise ValueError(f"half tiles need BLOCK_M a multiple of 32 (halves of >= 16 rows), got {block_m}")
@@ -133,9 +137,8 @@ def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: b
         expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
         post_pad = torch.empty(1, dtype=torch.int32, device=dev)
         tile_starts = torch.empty(max_blocks, dtype=torch.int32, device=dev) if tails else None
-    # quant: (x, codes, scales) quantized in the same launch when it is one program (else by the caller)
     _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad,
-            tile_starts=tile_starts, max_blocks=max_blocks, cursor=cursor, quant=quant if numel <= SMALL_ALIGN_MAX else None)
+            tile_starts=tile_starts, max_blocks=max_blocks, cursor=cursor, quant=quant)
     return Alignment(sorted_ids, expert_ids, post_pad, max_blocks, tile_starts)
 
 
@@ -150,8 +153,7 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     ``SMALL_ALIGN_MAX`` slots, two beyond; no host sync (graph-safe)."""
     flat = _int32_ids(topk_ids)
     numel, dev = flat.numel(), flat.device
-    rows = numel if row_align == 1 else _cdiv(numel + min(numel, num_experts) * (row_align - 1),
-                                                   row_align) * row_align
+    rows = numel if row_align == 1 else _cdiv(numel + min(numel, num_experts) * (row_align - 1), row_align) * row_align
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     row_of_slot = torch.empty(numel, dtype=torch.int32, device=dev)
