@@ -105,11 +105,11 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, stride_x, alpha, BLOCK: tl.constexpr)
     tl.store(out_ptr + offs, (alpha * x + y).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _keys(kernel):
-    """The launcher's kept entries of ``kernel``: each key's last 7 items are the 7 arguments' keys."""
+def _kept(kernel) -> int:
+    """The launcher's kept compiled variants of ``kernel``."""
     from moe_plugin_cuda.triton import launch as L
 
-    return [k[-7:] for k, (kern, _) in L._compiled.items() if kern is kernel]
+    return sum(kern is kernel for kern, _ in L._compiled.values())
 
 
 def _axpy(kernel, launch_fn, x, y, alpha):
@@ -130,7 +130,7 @@ def test_launch_goes_through_the_interpreter():
         out = _axpy(kernel, L.launch, x, y, 0.5)
         torch.testing.assert_close(out, 0.5 * x.double().float() + y, rtol=1e-6, atol=1e-6)
     assert L.stats["direct"] == direct  # nothing kept, nothing launched directly
-    assert not _keys(kernel)
+    assert not _kept(kernel)
 
 
 needs_gpu = pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
@@ -160,10 +160,39 @@ def test_direct_launch_matches_and_keys_on_alignment_and_ints():
             want = _axpy(kernel, _triton_launch, x, y, 1.5)
             assert torch.equal(got, want)
     assert L.stats["direct"] > before["direct"]
-    keys = _keys(kernel)
-    # aligned and unaligned pointers (x, y: (dtype, aligned)), each n: distinct entries
-    assert {k[0][1] for k in keys} == {True, False} and {k[1][1] for k in keys} == {True, False}
-    assert {k[3] for k in keys} == {(int, n) for n in (1, 16, 37, 1000, 4096)}
+    assert _kept(kernel) >= 2 * 5  # aligned and unaligned x, each n (1, 16 and 37 are different Triton variants)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_differently_specialized_argument_is_a_miss():
+    """Each argument Triton specializes on, changed alone, goes through ``kernel[grid]`` again (a new variant
+    kept), never to the variant kept for the other value; an unchanged call goes direct."""
+    from moe_plugin_cuda.triton import launch as L
+
+    kernel = _axpy_kernel
+    L.clear()
+    dev = torch.device("cuda")
+    base, y0 = torch.randn(4096, device=dev), torch.randn(4096, device=dev)
+
+    def step(x, y, alpha=1.5, expect="triton"):
+        before = dict(L.stats)
+        got = _axpy(kernel, L.launch, x, y, alpha)
+        assert torch.equal(got, _axpy(kernel, _triton_launch, x, y, alpha))
+        assert L.stats[expect] == before[expect] + 1, expect
+
+    step(base[:37], y0[:37])  # first call: through kernel[grid], kept
+    step(base[:37], y0[:37], expect="direct")
+    step(base[1:38], y0[:37])  # x 4 bytes off 16-byte alignment
+    step(base[1:38], y0[:37], expect="direct")
+    step(base[:37], y0[4:41], expect="direct")  # y 16 bytes further: the same alignment, the kept variant
+    step(base[:16], y0[:16])  # n % 16 == 0
+    step(base[:1], y0[:1])  # n == 1
+    step(base[:1], y0[:1], expect="direct")
+    step(base[:2 * 37:2], y0[:37])  # stride 2 (an int argument: 1 -> 2)
+    step(base[:37].double(), y0[:37].double())  # another dtype
+    step(base[:37], y0[:37], alpha=2)  # an int where a float was
+    step(base[:37], y0[:37], expect="direct")
 
 
 @pytest.mark.gpu

@@ -8,20 +8,22 @@ about half of a decode forward's host time (four launches of up to ~50 arguments
 compiles or finds the kernel) and keeps the ``CompiledKernel`` it returns; later calls with the same
 specialization call the compiled kernel's launcher directly.
 
-The key is never coarser than Triton's own: per argument, tensors give (dtype, 16-byte aligned data
-pointer), tensor descriptors (base dtype, 16-byte alignment, block shape, rank, padding), and ints,
-floats, bools and None their value (finer than Triton's == 1 / % 16 / int32-range specialization, and
-cheaper to compute: a decode step's row counts take a handful of values, each one more entry); the
-keyword arguments (constexprs and options such as ``num_warps``) by value, plus the device and Triton's
-debug and instrumentation knobs. A finer key only costs an extra ``kernel[grid]`` call, never a wrong
-variant. Where the direct call would skip something Triton does (the interpreter,
+The key is never coarser than Triton's own: the arguments' types; tensors' dtypes and data pointers modulo 16
+(Triton: whether 16-byte aligned); tensor descriptors' (base dtype, 16-byte alignment, block shape, rank,
+padding); ints, floats, bools and None by value (finer than Triton's == 1 / % 16 / int32-range
+specialization, and cheaper: a decode step's row counts take a handful of values, each one more entry); the
+keyword arguments (constexprs and options such as ``num_warps``) by value and type, plus the device and
+Triton's debug and instrumentation knobs. A finer key only costs an extra ``kernel[grid]`` call, never a wrong
+variant. It is built by C-level ``map``/``itemgetter`` over positions worked out once per argument-type
+signature (a Python loop over ~40 arguments cost as much as Triton's own binding). Where the direct call would skip something Triton does (the interpreter,
 launch hooks such as a profiler's, pre-run hooks, parameters left to their defaults), every call goes
 through ``kernel[grid]``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Callable
 
 import torch
 import triton
@@ -42,7 +44,33 @@ _params: dict[int, tuple[Any, tuple[tuple[str, ...], int] | None]] = {}
 stats = {"direct": 0, "triton": 0}  # launches by path (what the tests read)
 
 
-_PLAIN = frozenset((int, float, bool, type(None)))  # keyed by (type, value)
+_PLAIN = frozenset((int, float, bool, type(None)))  # keyed by value (their types are in the key too)
+# per (kernel id, argument types): how to pick the tensors, the plain values and the rest out of the arguments
+_pickers: dict[tuple, tuple[Callable, Callable, tuple[int, ...]]] = {}
+_dtype = operator.attrgetter("dtype")
+_data_ptr = torch.Tensor.data_ptr
+_mod16 = (15).__and__  # data pointer modulo 16
+
+
+def _getter(positions: list[int]) -> Callable[[tuple], tuple]:
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+def _picker(kernel_id: int, types: tuple) -> tuple[Callable, Callable, tuple[int, ...]]:
+    pick = _pickers.get((kernel_id, types))
+    if pick is None:
+        tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+        plain = [i for i, t in enumerate(types) if t in _PLAIN]
+        other = tuple(i for i, t in enumerate(types) if i not in tensors and i not in plain)
+        if len(_pickers) >= MAX_ENTRIES:
+            _pickers.clear()
+        pick = _pickers[kernel_id, types] = _getter(tensors), _getter(plain), other
+    return pick
 
 
 def _arg_key(a: Any) -> Any:
@@ -94,11 +122,14 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     rt = triton.knobs.runtime
     driver = triton.runtime.driver.active
     device = driver.get_current_device()
-    # (ints and floats by type too: 1 and 1.0 hash alike; bool is not int here)
+    # (types too: 1, 1.0 and True hash alike)
+    types = tuple(map(type, args))
+    tensors_of, plain_of, other = _picker(id(kernel), types)
+    tensors = tensors_of(args)
     key = (id(kernel), device, rt.debug, getattr(triton.knobs.compilation, "instrumentation_mode", None),
-           tuple(kwargs.items()), tuple(map(type, kwargs.values())),
-           *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else
-             (type(a), a) if type(a) in _PLAIN else _arg_key(a) for a in args])
+           tuple(kwargs.items()), tuple(map(type, kwargs.values())), types, plain_of(args),
+           tuple(map(_dtype, tensors)), tuple(map(_mod16, map(_data_ptr, tensors))),
+           tuple([_arg_key(args[i]) for i in other]) if other else ())
     entry = _compiled.get(key)
     if entry is None or entry[0] is not kernel:  # (an id can be reused once its kernel is gone)
         stats["triton"] += 1
@@ -124,3 +155,4 @@ def clear() -> None:
     """Forget every kept kernel (the next launch of each goes through ``kernel[grid]`` again)."""
     _compiled.clear()
     _params.clear()
+    _pickers.clear()
