@@ -207,16 +207,16 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         a_desc = _a_descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"])
         # the half-tile branch is compiled even without TAILS (never run then): its descriptor must fit it
         a_desc_half = _a_descriptor(a, max(1, cfg["BLOCK_M"] // 2), cfg["BLOCK_K"])
+    sa, sb, sc = a.stride(), b.stride(), c.stride()  # (one call each: host time)
+    sas = a_scale.stride() if a_scale is not None else (0, 0)
+    sbs = b_scale.stride() if b_scale is not None else (0, 0, 0)
+    scs = c_scale.stride() if c_scale is not None else (0, 0)
     launch(kernels._moe_gemm_kernel, grid,
         a, a_desc, a_desc_half, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, tile_starts, masked_m if masked_m is not None else dummy,
         N, b.shape[1], Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
-        b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
-        b_scale.stride(2) if b_scale is not None else 0,
-        c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
+        sa[0], sa[1], sb[0], sb[1], sb[2], sc[0], sc[1], sas[0], sas[1], sbs[0], sbs[1], sbs[2], scs[0], scs[1],
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, ROW_ORDER=row_order and not masked, A_TMA=a_tma,
