@@ -2,11 +2,14 @@
 # Issue 31's device pass on one H100, inside BUDGET_S seconds (default 340):
 #   1. install this tree and the CUTLASS / DeepGEMM headers (WHEELHOUSE: a folder of their wheels)
 #   2. build the cutlass backend's libraries while parallel `decode.py --warm-only` processes fill Triton's
-#      kernel cache for every decode cell (and, with BASE, for the T=1 cells of the tree in BASE)
-#   3. decode.py -> OUT/decode-h100-<date>.{json,md}
-#   4. host_time.py on this tree (sections at T=1) -> OUT/host_time.{md,json}
-#   5. the GPU tests of the FP8 in-GEMM quantization (bitwise against the separate quantizer) -> OUT/gpu_tests.log
-#   6. host_time.py at T=1 on BASE (the code before, imported through PYTHONPATH) -> OUT/host_time_base.{md,json}
+#      kernel cache for every decode cell (and, with BASE, for the T=1 cells of the tree in BASE), and the GPU
+#      tests of the decode host path (TESTS_K, default the direct launcher, triton, cutlass and the weights;
+#      TESTS_K=none skips them) run on 4 xdist workers -> OUT/gpu_tests.log (stopped when the warm phase ends)
+#   3. decode.py, bf16 and FP8 block -> OUT/decode-h100-<date>.{json,md}
+#   4. host_time.py on this tree (T=1, sections) -> OUT/host_time.{md,json}
+#   5. host_time.py at T=1 with every Triton launch through kernel[grid] (--triton-launch: the direct launcher's
+#      baseline, same machine; the two qwen3 presets) -> OUT/host_time_triton_launch.md; with BASE, host_time.py at T=1 on BASE (the code
+#      before, imported through PYTHONPATH) -> OUT/host_time_base.{md,json}
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR bash benchmarks/cuda/decode_h100.sh OUT
 set -o pipefail
@@ -38,6 +41,12 @@ python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.deepgemm i
 lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
 print(f'DeepGEMM library ready in {time.time() - t:.0f} s')" > $LOGS/build_deepgemm.log 2>&1 &
 
+TESTS_K=${TESTS_K:-launch or triton or cutlass or weights}
+if [ "$TESTS_K" != none ]; then
+  timeout "$(until_left 195)" python3 -m pytest plugins/cuda/tests -m gpu -q -p no:cacheprovider -n 4 \
+    -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
+  TESTS_PID=$!
+fi
 for p in $PRESETS; do
   (python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends triton;
    python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends cutlass) > "$LOGS/warm_$p.log" 2>&1 &
@@ -50,21 +59,28 @@ if [ -n "$BASE" ]; then
 fi
 while [ "$(left)" -gt 190 ] && [ -n "$(jobs -rp)" ]; do sleep 2; done
 say "warm done; still running (stopped now): $(jobs -rp | tr '\n' ' ')"
+[ -n "$TESTS_PID" ] && wait "$TESTS_PID"  # (its own timeout ends it by now)
 for pid in $(jobs -rp); do pkill -P "$pid"; kill "$pid"; done 2>/dev/null
 tail -n 2 $LOGS/build_*.log; grep -h "FAILED\|cells in" $LOGS/warm_*.log | head -20
+if [ -n "$TESTS_PID" ]; then
+  say "GPU tests (-k '$TESTS_K')"; grep -h "FAILED\|ERROR\|Timeout\|passed\|failed" "$OUT/gpu_tests.log" | tail -n 25
+fi
 
 say decode
-timeout "$(until_left 100)" python3 "$BENCH/decode.py" --out-dir "$OUT" 2>&1 | tail -n 60
+timeout "$(until_left 90)" python3 "$BENCH/decode.py" --out-dir "$OUT" 2>&1 | tail -n 60
 
 say "host_time (this tree)"
-timeout "$(until_left 50)" python3 "$BENCH/host_time.py" --sections 1 --json "$OUT/host_time.json" \
-  > "$OUT/host_time.md" 2>$LOGS/host_time.err
-grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 60
+HT_LEFT=30; [ -n "$BASE" ] && HT_LEFT=55  # (what the baselines get)
+timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sections 1 \
+  --backends triton cutlass --json "$OUT/host_time.json" > "$OUT/host_time.md" 2>$LOGS/host_time.err
+grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
+grep -A 14 "qwen3-30b-a3b | unquantized | triton | 1 |" "$OUT/host_time.md" | head -n 15
 
-say "GPU tests: FP8 quantization inside the GEMMs"
-timeout "$(until_left 30)" python3 -m pytest plugins/cuda/tests/test_triton.py -m gpu -q -p no:cacheprovider \
-  -k "bitwise_the_separate or (matches_reference and fp8_block)" > "$OUT/gpu_tests.log" 2>&1
-tail -n 5 "$OUT/gpu_tests.log"
+say "host_time (this tree, every launch through kernel[grid])"
+TL_LEFT=3; [ -n "$BASE" ] && TL_LEFT=25
+timeout "$(until_left $TL_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --backends triton cutlass \
+  --presets qwen3-30b-a3b qwen3-235b-a22b --triton-launch > "$OUT/host_time_triton_launch.md" 2>>$LOGS/host_time.err
+tail -n 20 "$OUT/host_time_triton_launch.md"
 
 if [ -n "$BASE" ]; then
   say "host_time (BASE)"

@@ -14,10 +14,13 @@ turns it on). Columns, per forward:
   launches     device kernels the call ran (the profiler's device events; memsets and copies included)
   gpu_us       the sum of those kernels' device times (calls back to back, so the GPU keeps its clocks)
   syncs        host-device synchronizations (``torch.cuda.set_sync_debug_mode``'s warnings)
+  direct       of the Triton launches per forward (host_us's calls), those ``moe_plugin_cuda.triton.launch``
+               made straight through the compiled kernel's launcher (the rest went through ``kernel[grid]``)
 
 ``--sections``: the calls again with ``perf_counter`` timers around the pipeline's pieces (the layer's
-stages, the backends' launchers, each Triton kernel's launch by kernel name, TMA descriptors,
-``torch.empty``): inclusive host time per forward, nested pieces counted in their callers too. Timers
+stages, the backends' launchers, each Triton kernel's launch by kernel name (``launch NAME``: through
+``moe_plugin_cuda.triton.launch``, direct or not; ``triton launch NAME``: through ``JITFunction.run``), TMA
+descriptors, ``torch.empty``): inclusive host time per forward, nested pieces counted in their callers too. Timers
 add about a microsecond each, so read the pieces against each other, not against ``host_us``.
 """
 
@@ -167,8 +170,25 @@ class Sections:
         setattr(owner, attr, self.wrap(name or attr, old))
         self._undo.append(lambda: setattr(owner, attr, old))
 
+    def patch_launcher(self, owner: Any) -> None:
+        """``owner.launch`` (``moe_plugin_cuda.triton.launch.launch``, as a module imported it), timed by kernel name:
+        the direct launches and the ``kernel[grid]`` ones alike."""
+        if not hasattr(owner, "launch"):
+            return
+        old = owner.launch
+        sections = self
+
+        def launch(kernel, grid, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return old(kernel, grid, *args, **kwargs)
+            finally:
+                sections.times[f"launch {kernel.fn.__name__}"].append((time.perf_counter() - t0) * 1e6)
+        owner.launch = launch
+        self._undo.append(lambda: setattr(owner, "launch", old))
+
     def patch_triton_launches(self) -> None:
-        """Every Triton kernel launch (``JITFunction.run``), timed by kernel name."""
+        """Every Triton kernel launch through ``JITFunction.run`` (``kernel[grid]``), timed by kernel name."""
         from triton.runtime.jit import JITFunction
 
         old = JITFunction.run
@@ -206,6 +226,7 @@ def instrument(layer: MoELayer, sections: Sections) -> None:
         for fn in ("fused_experts", "align_block_size", "expert_rows", "quantize_fp8_groups", "gemm1", "gemm2",
                    "_a_descriptor", "_b_descriptor"):
             sections.patch(triton_ops, fn, f"triton_ops.{fn}")
+        sections.patch_launcher(triton_ops)
         sections.patch_triton_launches()
     try:
         from moe_plugin_cuda.cutlass import experts as cutlass_experts
@@ -217,6 +238,7 @@ def instrument(layer: MoELayer, sections: Sections) -> None:
             sections.patch(cutlass_experts, fn, f"cutlass_experts.{fn}")
         for fn in ("fused_experts", "quantize_into_rows", "_experts"):
             sections.patch(cutlass_ops, fn, f"cutlass_ops.{fn}")
+        sections.patch_launcher(cutlass_ops)
     from moe_plugin_cuda import grouped_mm
 
     sections.patch(grouped_mm, "grouped_mm_experts", "grouped_mm.grouped_mm_experts")
@@ -232,10 +254,16 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
     def call():
         return layer(x, topk)
 
+    try:
+        from moe_plugin_cuda.triton.launch import stats as launch_stats
+    except ImportError:
+        launch_stats = {"direct": 0, "triton": 0}
     with torch.no_grad():
         warm_up(call, dev)
+        before = dict(launch_stats)
         host = host_times(call, dev, iters)
-        row: dict[str, Any] = {"host_us": statistics.median(host) * 1e6, "host_us_min": min(host) * 1e6}
+        row: dict[str, Any] = {"host_us": statistics.median(host) * 1e6, "host_us_min": min(host) * 1e6,
+                               **{f"{k}_launches": (launch_stats[k] - before[k]) / iters for k in before}}
         row.update(profile(call, dev, max(5, iters // 5)))
         row["syncs"] = count_syncs(call, dev)
         if with_sections:
@@ -270,6 +298,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sections", nargs="*", type=int, default=None, metavar="T",
                    help="also time the pipeline's pieces (at these T; none given: at every T)")
     p.add_argument("--check-ids", action="store_true", help="the layer's expert-id check on (its default in eager)")
+    p.add_argument("--triton-launch", action="store_true",
+                   help="every Triton launch through kernel[grid], none direct (the launcher's baseline)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
     args = p.parse_args(argv)
@@ -277,9 +307,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("host_time.py needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 1
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if args.triton_launch:
+        from moe_plugin_cuda.triton import launch
+
+        launch.enabled = False
     rows = []
-    print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs |\n"
-          "|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs | direct |\n"
+          "|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.presets:
         for q in args.quant:
             for backend in args.backends:
@@ -300,7 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         continue
                     rows.append(r)
                     print(f"| {name} | {q} | {backend} | {T} | {r['host_us']:.1f} | {r['prof_cpu_us']:.1f} | "
-                          f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} |", flush=True)
+                          f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} | "
+                          f"{r['direct_launches']:g}/{r['direct_launches'] + r['triton_launches']:g} |", flush=True)
                     for s in r.get("sections", []):
                         print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
                               flush=True)
@@ -309,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     torch.cuda.empty_cache()
     if args.json:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:],
-                "check_ids": args.check_ids}
+                "check_ids": args.check_ids, "direct_launch": not args.triton_launch}
         try:
             import triton
 

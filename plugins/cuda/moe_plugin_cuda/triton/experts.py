@@ -23,6 +23,7 @@ from moe_core.plugin_api import (
 )
 from moe_plugin_cuda.triton import tuning_configs
 from moe_plugin_cuda.weights import InterleavedW13, expert_weights, interleave_gate_up_
+from moe_plugin_cuda.workspace import Layouts
 
 if TYPE_CHECKING:
     from moe_core.plugin_api import MoELayer
@@ -105,6 +106,7 @@ class TritonExperts(Experts):
         # the weights' TMA descriptors (B_TMA configs), built once per weight tensor and tile instead of per
         # call; emptied when process_weights runs (a new checkpoint may sit at another address)
         self._descriptors: dict = {}
+        self._layouts = Layouts()  # the workspace layout (one allocation per forward) per T
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
         self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
         _BACKENDS[self.op_key] = self
@@ -158,7 +160,7 @@ class TritonExperts(Experts):
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
             activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
             cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
-            descriptors=self._descriptors)
+            descriptors=self._descriptors, layouts=self._layouts)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
         """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""

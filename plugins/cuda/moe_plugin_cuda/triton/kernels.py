@@ -103,13 +103,21 @@ def _write_slots(out_ptr, offs, pos, inb, valid, ROW_MAP: tl.constexpr):
 
 @triton.jit
 def _align_small_kernel(ids_ptr, numel, cursor_ptr, out_ptr, expert_ids_ptr, post_pad_ptr, counts_out_ptr,
-                        starts_out_ptr, tile_starts_ptr, max_blocks, E: tl.constexpr, E_POW2: tl.constexpr,
+                        starts_out_ptr, tile_starts_ptr, max_blocks, x_ptr, q_ptr, s_ptr, H, stride_x, stride_q,
+                        stride_s, quant_chunks, E: tl.constexpr, E_POW2: tl.constexpr,
                         BLOCK_M: tl.constexpr, NUMEL_POW2: tl.constexpr, BLOCKS_TILE: tl.constexpr,
-                        ROW_MAP: tl.constexpr, TAILS: tl.constexpr):
+                        ROW_MAP: tl.constexpr, TAILS: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr):
     """The whole alignment in one program (small T*K): histogram, bucket layout, scatter. ROW_MAP
     (``expert_rows``): each slot's row, and per expert its count and first row, instead of the
     sorted slots, M-block experts and padded total. TAILS: buckets padded to BLOCK_M/2, and each
-    M-block's first row (``_block_experts``)."""
+    M-block's first row (``_block_experts``). QUANT: programs 1.. quantize the tokens ``x`` [T, H] to FP8 as
+    ``_quant_fp8_group_kernel`` does (``quant_chunks`` programs of GROUPS groups a row), in the same launch."""
+    if QUANT:
+        pid = tl.program_id(0)
+        if pid > 0:
+            _quant_row_groups(x_ptr, q_ptr, s_ptr, (pid - 1) // quant_chunks, (pid - 1) % quant_chunks, H, stride_x,
+                              stride_q, stride_s, GROUPS)
+            return
     offs = tl.arange(0, NUMEL_POW2)
     inb = offs < numel
     ids = tl.load(ids_ptr + offs, mask=inb, other=-1)
@@ -442,8 +450,14 @@ def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s
     """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale)).
     GROUPS groups of one row per program (one group per program was 140 us, ~4x HBM time, for
     DeepSeek-V3's 4096 x 7168 input on the H100)."""
-    row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    _quant_row_groups(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), H, stride_x, stride_q, stride_s, GROUPS)
+
+
+@triton.jit
+def _quant_row_groups(x_ptr, q_ptr, s_ptr, row, chunk, H, stride_x, stride_q, stride_s, GROUPS: tl.constexpr):
+    """Row ``row``'s groups ``chunk*GROUPS ...`` of ``_quant_fp8_group_kernel`` (also run by the alignment kernel)."""
+    row = row.to(tl.int64)
+    grp = chunk * GROUPS + tl.arange(0, GROUPS)
     offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
     m = offs < H  # also masks the groups past the last one
     x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)

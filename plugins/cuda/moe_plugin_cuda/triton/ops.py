@@ -10,15 +10,22 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_plugin_cuda.triton import kernels
+from moe_plugin_cuda.triton.launch import launch
+from moe_plugin_cuda.workspace import Layouts, layout
 
 FP8 = torch.float8_e4m3fn
 
 
+# host-side arithmetic (Triton's cdiv and next_power_of_2 are constexpr functions, a few us a call on the host)
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment (one launch)
@@ -33,8 +40,13 @@ def _int32_ids(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tensor, *, expert_ids=None,
-            post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1) -> None:
-    """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'."""
+            post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1, cursor=None,
+            quant=None) -> None:
+    """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'.
+    ``cursor``: the one-program kernel's ``[small_align_cursor(E)]`` int32 scratch (allocated here if None).
+    ``quant``: (x [T, H], codes [T, H] e4m3, scales [T, H/128] fp32) to quantize as ``quantize_fp8_groups`` does,
+    in the one-program kernel's launch (more programs beside it): up to ``SMALL_ALIGN_MAX`` slots only (the caller
+    quantizes beyond)."""
     numel = flat.numel()
     dev = flat.device
     row_map = counts is not None
@@ -43,27 +55,50 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     e_pow2 = max(16, _pow2(num_experts))
     ptrs = tuple(t if t is not None else dummy for t in (expert_ids, post_pad, counts, starts, tile_starts))
     if numel <= SMALL_ALIGN_MAX:
-        cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
-        kernels._align_small_kernel[(1,)](flat, numel, cursor, out, *ptrs, max_blocks, E=num_experts, E_POW2=e_pow2,
-                                    BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
-                                    BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails)
+        if cursor is None:
+            cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
+        x, q, s = quant if quant is not None else (out, out, out)
+        H = x.shape[1] if quant is not None else 0
+        groups = min(8, _pow2(_cdiv(H, 128))) if quant is not None else 1
+        chunks = _cdiv(_cdiv(H, 128), groups)
+        launch(kernels._align_small_kernel, (1 + x.shape[0] * chunks if quant is not None else 1,), flat, numel, cursor,
+               out, *ptrs, max_blocks, x, q, s, H, x.stride(0), q.stride(0), s.stride(0), chunks, E=num_experts,
+               E_POW2=e_pow2, BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
+               BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails, QUANT=quant is not None,
+               GROUPS=groups)
         return
+    if quant is not None:
+        raise ValueError(f"quant: the tokens are quantized in the one-program alignment only (up to "
+                         f"{SMALL_ALIGN_MAX} slots), got {numel} slots")
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
     progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
-    chunk = min(4096, max(256, _pow2(triton.cdiv(numel, progs))))
-    n_chunks = triton.cdiv(numel, chunk)
+    chunk = min(4096, max(256, _pow2(_cdiv(numel, progs))))
+    n_chunks = _cdiv(numel, chunk)
     chunk_counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     warps = 8 if chunk >= 2048 else 4
-    kernels._align_count_kernel[(n_chunks,)](flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2, CHUNK=chunk,
-                                       num_warps=warps)
-    blocks_per_prog = triton.cdiv(max_blocks, n_chunks)
-    kernels._align_place_kernel[(n_chunks,)](
-        flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks, blocks_per_prog, E=num_experts,
-        E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
+    launch(kernels._align_count_kernel, (n_chunks,), flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2,
+           CHUNK=chunk, num_warps=warps)
+    blocks_per_prog = _cdiv(max_blocks, n_chunks)
+    launch(
+        kernels._align_place_kernel, (n_chunks,), flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks,
+        blocks_per_prog, E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
         BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
-        E_SUB=max(2, _pow2(triton.cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
+        E_SUB=max(2, _pow2(_cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
+
+
+def small_align_cursor(num_experts: int) -> int:
+    """Entries of the one-program alignment kernel's cursor scratch (``_bucket``'s ``cursor``)."""
+    return max(16, _pow2(num_experts))
+
+
+def align_sizes(numel: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max_blocks, rows of sorted_ids) of ``align_block_size`` for ``numel`` slots: a bound for any routing."""
+    # at most min(numel, E) buckets are non-empty, each padded by < block_m; with tails an expert has
+    # cdiv(count, block_m) M-blocks all the same, over fewer rows
+    max_blocks = max(1, _cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m))
+    return max_blocks, max_blocks * block_m
 
 
 class Alignment(NamedTuple):
@@ -76,30 +111,34 @@ class Alignment(NamedTuple):
     tile_starts: Optional[torch.Tensor] = None  # tails only: each M-block's first row (+1: half tile)
 
 
-def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: bool = False) -> Alignment:
+def align_block_size(ids: torch.Tensor, num_experts: int, block_m: int, tails: bool = False,
+                     buffers: Optional[tuple] = None, quant: Optional[tuple] = None) -> Alignment:
     """Bucket the flattened slots of ``ids`` ([T, K] int32) by expert, padded to ``block_m``
     (``tails``: to ``block_m / 2``, for the GEMM kernels' half tiles, see ``_moe_gemm_kernel``).
 
     Entries of ``sorted_ids`` at or beyond ``post_pad`` are undefined; padding entries hold
     ``numel`` (the sentinel). Ids outside ``[0, E)`` (-1) get no slot. Up to ``SMALL_ALIGN_MAX``
-    slots it is one launch, above that two (count, place).
+    slots it is one launch, above that two (count, place). ``buffers``: (sorted_ids, expert_ids, post_pad,
+    tile_starts or None, the one-program kernel's cursor or None) to write, e.g. a workspace's, else allocated
+    here. ``quant``: (x, codes, scales), tokens quantized in the same launch (``_bucket``; one program only).
     """
     if tails and block_m % 32:
         raise ValueError(f"half tiles need BLOCK_M a multiple of 32 (halves of >= 16 rows), got {block_m}")
     flat = _int32_ids(ids)
     numel = flat.numel()
     dev = flat.device
-    # at most min(numel, E) buckets are non-empty, each padded by < block_m; with tails an expert has
-    # cdiv(count, block_m) M-blocks all the same, over fewer rows
-    max_len = numel + min(numel, num_experts) * (block_m - 1)
-    max_blocks = max(1, triton.cdiv(max_len, block_m))
-    max_len = max_blocks * block_m
-    sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    post_pad = torch.empty(1, dtype=torch.int32, device=dev)
-    tile_starts = torch.empty(max_blocks, dtype=torch.int32, device=dev) if tails else None
+    max_blocks, max_len = align_sizes(numel, num_experts, block_m)
+    cursor = None
+    if buffers is not None:  # (sorted_ids, expert_ids, post_pad, tile_starts or None, cursor or None): a workspace's
+        sorted_ids, expert_ids, post_pad, tile_starts, cursor = buffers
+        assert sorted_ids.numel() == max_len and expert_ids.numel() == max_blocks and tails == (tile_starts is not None)
+    else:
+        sorted_ids = torch.empty(max_len, dtype=torch.int32, device=dev)
+        expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+        tile_starts = torch.empty(max_blocks, dtype=torch.int32, device=dev) if tails else None
     _bucket(flat, num_experts, block_m, sorted_ids, expert_ids=expert_ids, post_pad=post_pad,
-            tile_starts=tile_starts, max_blocks=max_blocks)
+            tile_starts=tile_starts, max_blocks=max_blocks, cursor=cursor, quant=quant)
     return Alignment(sorted_ids, expert_ids, post_pad, max_blocks, tile_starts)
 
 
@@ -114,8 +153,7 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     ``SMALL_ALIGN_MAX`` slots, two beyond; no host sync (graph-safe)."""
     flat = _int32_ids(topk_ids)
     numel, dev = flat.numel(), flat.device
-    rows = numel if row_align == 1 else triton.cdiv(numel + min(numel, num_experts) * (row_align - 1),
-                                                   row_align) * row_align
+    rows = numel if row_align == 1 else _cdiv(numel + min(numel, num_experts) * (row_align - 1), row_align) * row_align
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     row_of_slot = torch.empty(numel, dtype=torch.int32, device=dev)
@@ -123,16 +161,21 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     return counts, starts, row_of_slot, rows
 
 
-def quantize_fp8_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group."""
+def quantize_fp8_groups(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group (into ``out``:
+    contiguous tensors of those shapes, if given)."""
     M, H = x.shape
-    g = triton.cdiv(H, 128)
-    q = torch.empty((M, H), dtype=FP8, device=x.device)
-    s = torch.empty((M, g), dtype=torch.float32, device=x.device)
+    g = _cdiv(H, 128)
+    if out is None:
+        q = torch.empty((M, H), dtype=FP8, device=x.device)
+        s = torch.empty((M, g), dtype=torch.float32, device=x.device)
+    else:
+        q, s = out
     if M:
         groups = min(8, _pow2(g))
-        kernels._quant_fp8_group_kernel[(M, triton.cdiv(g, groups))](x, q, s, H, x.stride(0), q.stride(0), s.stride(0),
-                                                               GROUPS=groups)
+        launch(kernels._quant_fp8_group_kernel, (M, _cdiv(g, groups)), x, q, s, H, x.stride(0), q.stride(0),
+               s.stride(0), GROUPS=groups)
     return q, s
 
 
@@ -142,7 +185,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2);
     ``descriptors``: a cache of the weights' TMA descriptors (see ``_b_descriptor``)."""
     dummy = c
-    grid = (num_m_blocks * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (num_m_blocks * _cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
     if align is None:
         sorted_ids = expert_ids = tile_starts = dummy
@@ -164,16 +207,16 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
         a_desc = _a_descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"])
         # the half-tile branch is compiled even without TAILS (never run then): its descriptor must fit it
         a_desc_half = _a_descriptor(a, max(1, cfg["BLOCK_M"] // 2), cfg["BLOCK_K"])
-    return kernels._moe_gemm_kernel[grid](
+    sa, sb, sc = a.stride(), b.stride(), c.stride()  # (one call each: host time)
+    sas = a_scale.stride() if a_scale is not None else (0, 0)
+    sbs = b_scale.stride() if b_scale is not None else (0, 0, 0)
+    scs = c_scale.stride() if c_scale is not None else (0, 0)
+    launch(kernels._moe_gemm_kernel, grid,
         a, a_desc, a_desc_half, a_scale if a_scale is not None else dummy, b, b_desc, b_scale if b_scale is not None else dummy,
         c, c_scale if c_scale is not None else dummy, topk_w if topk_w is not None else dummy,
         sorted_ids, expert_ids, tile_starts, masked_m if masked_m is not None else dummy,
         N, b.shape[1], Kdim, num_valid, a_row_div, inter, up_row, capacity, num_m_blocks, float(out_scale),
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        a_scale.stride(0) if a_scale is not None else 0, a_scale.stride(1) if a_scale is not None else 0,
-        b_scale.stride(0) if b_scale is not None else 0, b_scale.stride(1) if b_scale is not None else 0,
-        b_scale.stride(2) if b_scale is not None else 0,
-        c_scale.stride(0) if c_scale is not None else 0, c_scale.stride(1) if c_scale is not None else 0,
+        sa[0], sa[1], sb[0], sb[1], sb[2], sc[0], sc[1], sas[0], sas[1], sbs[0], sbs[1], sbs[2], scs[0], scs[1],
         GATE=gate, ROW_MUL=row_mul, ACT=act, MUL_WEIGHT=mul_weight, FP8=fp8, QUANT_OUT=quant_out, MASKED=masked,
         B_TMA=b_tma, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         EVEN_K=Kdim % cfg["BLOCK_K"] == 0, TAILS=tails, ROW_ORDER=row_order and not masked, A_TMA=a_tma,
@@ -183,8 +226,6 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
 
 def _a_descriptor(a: torch.Tensor, block_m: int, block_k: int):
     """Host-side TMA descriptor over contiguous A rows [rows, K] (``A_TMA``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if a.stride(1) != 1 or a.stride(0) * a.element_size() % 16:
         raise ValueError(f"A_TMA needs rows of a multiple of 16 bytes, contiguous (TMA), got {tuple(a.shape)} "
                          f"strides {a.stride()} x {a.element_size()} bytes")
@@ -199,8 +240,6 @@ def _b_descriptor(b: torch.Tensor, cfg: dict, cache: Optional[dict] = None):
     key = (b.data_ptr(), b.shape, b.stride(), b.dtype, cfg["BLOCK_N"], cfg["BLOCK_K"])
     if cache is not None and key in cache:
         return cache[key]
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     E, n, k = b.shape
     if b.stride(2) != 1 or b.stride(1) != k or b.stride(0) != n * k:
         raise ValueError(f"B_TMA needs contiguous weights [E, N, K], got {tuple(b.shape)} strides {b.stride()}")
@@ -231,31 +270,43 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
     return 2, (2 if w13_interleaved else 1), cfg1["BLOCK_N"] == 128
 
 
+def gemm1_parts(h_rows: int, inter: int, fp8: bool, fused_quant: bool, out_dtype: torch.dtype) -> list:
+    """``gemm1``'s outputs as workspace parts ``(dtype, shape)``: h, then its scales (FP8 epilogue), or h in
+    fp32 and its quantized copy (FP8 without the epilogue's quantization)."""
+    g = _cdiv(inter, 128)
+    if fused_quant:
+        return [(FP8, (h_rows, inter)), (torch.float32, (h_rows, g))]
+    if fp8:
+        return [(torch.float32, (h_rows, inter)), (FP8, (h_rows, inter)), (torch.float32, (h_rows, g))]
+    return [(out_dtype, (h_rows, inter))]
+
+
 def gemm1(a, a_scale, w13, w13_scale, *, align, masked_m, num_rows, a_row_div, capacity, num_m_blocks,
-          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False, descriptors=None):
+          activation, fp8, w13_interleaved, out_dtype, cfg1, row_order=False, descriptors=None, out=None):
     """Gated GEMM1 for ``num_rows`` slots: ``(h [num_rows, I], h_scale)``, or with ``row_order`` h at
     the alignment's sorted rows (``[len(sorted_ids), I]``, padding rows zero, rows past the routing's
     last M-block unwritten). FP8: ``h`` is e4m3 with per-(row, 128-column) scales (quantized in the
     epilogue or, for other tile widths, by ``quantize_fp8_groups``); otherwise ``h`` is ``out_dtype``
-    and ``h_scale`` None."""
+    and ``h_scale`` None. ``out``: the tensors of ``gemm1_parts`` (a workspace's), else allocated here."""
     E, n1, H = w13.shape
     inter = n1 // 2
     gate, row_mul, can_fuse = gemm1_mode(cfg1, w13_interleaved)
     fused_quant = fp8 and can_fuse
     # FP8 without the fused epilogue: h stays fp32 until it is quantized, as the scheme defines it (a
     # bf16 copy first would round twice and flip e4m3 values: the conformance kit caught 4.9% at T=1)
-    h_dtype = FP8 if fused_quant else (torch.float32 if fp8 else out_dtype)
     h_rows = align.sorted_ids.numel() if row_order else num_rows
-    h = torch.empty((h_rows, inter), dtype=h_dtype, device=a.device)
-    h_scale = (torch.empty((h_rows, triton.cdiv(inter, 128)), dtype=torch.float32, device=a.device)
-               if fused_quant else None)
+    if out is None:
+        out = [torch.empty(shape, dtype=dt, device=a.device)
+               for dt, shape in gemm1_parts(h_rows, inter, fp8, fused_quant, out_dtype)[:2 if fused_quant else 1]]
+    h = out[0]
+    h_scale = out[1] if fused_quant else None
     _gemm(a, a_scale, w13, w13_scale, h, h_scale, None, align, masked_m,
           N=n1 if gate == 1 else inter, Kdim=H, num_valid=num_rows, a_row_div=a_row_div, inter=inter,
           up_row=1 if w13_interleaved else inter, capacity=capacity, num_m_blocks=num_m_blocks,
           gate=gate, row_mul=row_mul, act=ACT_IDS[activation], mul_weight=False, fp8=fp8, quant_out=fused_quant,
           masked=masked_m is not None, cfg=cfg1, row_order=row_order, descriptors=descriptors)
     if fp8 and not fused_quant:  # rows never computed hold garbage here; their quantized copies are never read
-        h, h_scale = quantize_fp8_groups(h)
+        h, h_scale = quantize_fp8_groups(h, tuple(out[1:]) if len(out) == 3 else None)
     return h, h_scale
 
 
@@ -274,7 +325,7 @@ def fused_experts(
     w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
     out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
-    descriptors: Optional[dict] = None,
+    descriptors: Optional[dict] = None, layouts: Optional[Layouts] = None,
 ) -> torch.Tensor:
     """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
 
@@ -283,7 +334,9 @@ def fused_experts(
     everything is in the compute dtype.
     ``w13_interleaved``: w13 rows are gate/up interleaved (``weights.interleave_gate_up``), else
     the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped. ``descriptors``: a cache of the
-    weights' TMA descriptors the caller owns (``_b_descriptor``).
+    weights' TMA descriptors the caller owns (``_b_descriptor``). The scratch tensors (alignment,
+    quantized tokens, h, the per-slot outputs) are views of one allocation (``workspace``); ``layouts``:
+    the caller's cache of their offsets.
     """
     T, H = hidden.shape
     E = w13.shape[0]
@@ -297,26 +350,47 @@ def fused_experts(
     bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
     assert (cfg2["BLOCK_M"], bool(cfg2.get("TAIL_TILES", 0))) == (bm, tails), \
         "both GEMMs share the alignment's BLOCK_M and TAIL_TILES"
+    quant_in = fp8_block and hidden.dtype != FP8
     if fp8_block:
         _check_fp8_cfg(cfg1, cfg2)
-        if hidden.dtype != FP8:
-            hidden, a_scale = quantize_fp8_groups(hidden)
     ids = topk_ids.contiguous()
-    align = align_block_size(ids, E, bm, tails)
-    n_blocks = align.max_blocks
     numel = T * top_k
+    row_order = bool(cfg2.get("A_TMA", 0))
+    fused_quant = fp8_block and gemm1_mode(cfg1, w13_interleaved)[2]
+    inter = w13.shape[1] // 2
+    key = (T, top_k, E, H, inter, bm, tails, quant_in, fp8_block, fused_quant, row_order, out_dtype, hidden.device)
+    n_blocks, max_len = align_sizes(numel, E, bm)
+
+    small = numel <= SMALL_ALIGN_MAX  # the one-program alignment's cursor (the two-launch one allocates its own)
+
+    def parts():  # (only the parts this call uses: each view costs host time)
+        return [(torch.int32, (max_len,)), (torch.int32, (n_blocks,)), (torch.int32, (1,)), (out_dtype, (numel, H)),
+                *([(torch.int32, (n_blocks,))] if tails else []),
+                *([(torch.int32, (small_align_cursor(E),))] if small else []),
+                *([(FP8, (T, H)), (torch.float32, (T, _cdiv(H, 128)))] if quant_in else []),
+                *gemm1_parts(max_len if row_order else numel, inter, fp8_block, fused_quant, out_dtype)]
+    sorted_ids, expert_ids, post_pad, y, *rest = layout(layouts, key, parts).carve(hidden.device)
+    tile_starts = rest.pop(0) if tails else None
+    cursor = rest.pop(0) if small else None
+    quant = None
+    if quant_in:  # the tokens' FP8 codes: in the alignment's launch when it is one program (decode), else their own
+        quant = (hidden, rest.pop(0), rest.pop(0))
+        if not small:
+            quantize_fp8_groups(hidden, quant[1:])
+        hidden, a_scale = quant[1:]
+    align = align_block_size(ids, E, bm, tails, (sorted_ids, expert_ids, post_pad, tile_starts, cursor),
+                             quant if small else None)
     # A_TMA: GEMM1 writes h in the sorted rows' order, GEMM2 streams it through TMA (no row gather)
     h1, h1_scale = gemm1(hidden, a_scale, w13, w13_scale, align=align, masked_m=None, num_rows=numel,
                          a_row_div=top_k, capacity=0, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
                          w13_interleaved=w13_interleaved, out_dtype=out_dtype, cfg1=cfg1,
-                         row_order=bool(cfg2.get("A_TMA", 0)), descriptors=descriptors)
-    y = torch.empty((numel, H), dtype=out_dtype, device=hidden.device)
+                         row_order=row_order, descriptors=descriptors, out=rest)  # (rest: gemm1_parts)
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
           descriptors=descriptors)
-    block_h = min(1024, triton.next_power_of_2(H))
-    kernels._moe_reduce_kernel[(T, triton.cdiv(H, block_h))](y, ids, out, H, float(routed_scaling_factor), E, ids, ids,
-                                                       TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
+    block_h = min(1024, _pow2(H))
+    launch(kernels._moe_reduce_kernel, (T, _cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
+           ids, ids, TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
     return out
 
 
@@ -343,7 +417,7 @@ def masked_experts(
             a, a_scale = quantize_fp8_groups(a)
         else:
             a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
-    n_blocks = E * triton.cdiv(C, bm)
+    n_blocks = E * _cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
     h1, h1_scale = gemm1(a, a_scale, w13, w13_scale, align=None, masked_m=mm, num_rows=E * C, a_row_div=1,
                          capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
