@@ -201,7 +201,6 @@ class MoELayer(nn.Module):
         self._ids_exchanged = self._ep_group_check and not in_band and self._sync_check
         self._ids_flag_reduced = self._ep_group_check and not in_band and not self._sync_check
         self._gathers_tokens = self._ep_group_check and getattr(self.dispatcher, "expects_replicated_input", False)
-        self._ids_checked_by_group = self._ep_group_check
         if self._trace:
             self._bind_traced(self._manager if self._manager is not None else get_plugin_manager())
         else:
@@ -398,7 +397,7 @@ class MoELayer(nn.Module):
             raise self._input_error(hidden_states, topk)
         # under torch.compile the check is the device-side assert on every device (a host read would
         # break the graph)
-        if self._ids_checked_by_group:
+        if self._ep_group_check:
             pass  # under EP: the dispatcher or an exchange makes every rank raise (no rank left waiting)
         elif self.check_ids and shape[0] and (not self._sync_check or torch.compiler.is_compiling()):
             ids = topk.ids

@@ -84,6 +84,15 @@ def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: i
     return make_plan(cfg).build()[0]
 
 
+def direct_normal_dispatch(buf, x: torch.Tensor, ids64: torch.Tensor, w: torch.Tensor, fp8: bool):
+    """DeepEP's normal dispatch called by hand, as its README does: the layout, then the dispatch."""
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids64, E)
+    payload = quantize_fp8_per_token_group(x) if fp8 else x
+    return buf.dispatch(payload, topk_idx=ids64, topk_weights=w, num_tokens_per_rank=per_rank,
+                        num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert)
+
+
 def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: int, warmup: int) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
     x = torch.randn(tokens, H, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -104,11 +113,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         handle = out.handle
 
         def direct_dispatch():
-            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids64, E)
-            payload = quantize_fp8_per_token_group(x) if fp8 else x
-            return buf.dispatch(payload, topk_idx=ids64, topk_weights=w, num_tokens_per_rank=per_rank,
-                                num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                                num_tokens_per_expert=per_expert)
+            return direct_normal_dispatch(buf, x, ids64, w, fp8)
 
         recv = direct_dispatch()
         direct_y, direct_handle = (recv[0][0] if fp8 else recv[0]).to(torch.bfloat16), recv[4]

@@ -37,13 +37,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "plugins/cuda/tests/emulation"))
 
 import deep_ep_emulation  # noqa: E402
+from bench_deepep import E, H, K, direct_normal_dispatch, dispatcher  # noqa: E402  (the same case as the GPU bench)
 
-from moe_core.config import MoEConfig  # noqa: E402
 from moe_core.contracts import EPMaskedCombine, EPNormalCombine, TopK  # noqa: E402
-from moe_core.planner import plan as make_plan  # noqa: E402
-from moe_core.quant import quantize_fp8_per_token_group  # noqa: E402
 
-E, K, H = 256, 8, 7168
 # ops that launch no kernel on a GPU (views, metadata, no-op casts are not even dispatched)
 NO_KERNEL = {"aten.view.default", "aten._unsafe_view.default", "aten.slice.Tensor", "aten.select.int",
              "aten.unsqueeze.default", "aten.reshape.default", "aten.alias.default", "aten.detach.default",
@@ -112,12 +109,7 @@ def ops_of(fn: Callable[[], Any]) -> dict[str, int]:
 
 
 def case(mode: str, wire: str, tokens: int, args: argparse.Namespace) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=256,
-                    quant="fp8_block" if wire == "fp8" else "unquantized", ep_size=2, ep_rank=dist.get_rank(),
-                    ep_group=dist.group.WORLD, max_tokens_per_rank=tokens, device="cuda", dispatcher="deepep",
-                    experts="reference", dispatch_dtype=wire,
-                    dispatch_format="ep_masked" if mode == "low_latency" else "ep_normal")
-    d = make_plan(cfg).build()[0]
+    d = dispatcher("deepep", mode, wire, tokens, dist.get_rank(), dist.get_world_size())
     gen = torch.Generator().manual_seed(1000)
     x = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
     ids64 = torch.rand(tokens, E, generator=gen).topk(K, dim=1).indices
@@ -133,11 +125,7 @@ def case(mode: str, wire: str, tokens: int, args: argparse.Namespace) -> dict[st
         y = out.hidden.dequantize(torch.bfloat16).contiguous()
 
         def direct_dispatch():
-            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(ids64, E)
-            payload = quantize_fp8_per_token_group(x) if fp8 else x
-            return buf.dispatch(payload, topk_idx=ids64, topk_weights=w, num_tokens_per_rank=per_rank,
-                                num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-                                num_tokens_per_expert=per_expert)
+            return direct_normal_dispatch(buf, x, ids64, w, fp8)
 
         handle = direct_dispatch()[4]
         return {"dispatch": (lambda: d.dispatch(x, topk), direct_dispatch),  # the experts' output, made once:
