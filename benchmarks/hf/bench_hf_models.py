@@ -226,7 +226,7 @@ def main(argv=None) -> int:
     argv = list(argv if argv is not None else sys.argv[1:])
     models = args.models.split(",")
     if torch.cuda.is_available() and not args.smoke and not args.in_process and len(models) > 1:
-        return run_isolated(argv, models, args.out)
+        return run_isolated(argv, models, args.out, args.impls.split(","))
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     iters = args.iters or (2 if args.smoke else 10)
     graphs = not args.no_graphs
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_isolated(argv: list[str], models: list[str], out: Path) -> int:
+def run_isolated(argv: list[str], models: list[str], out: Path, impls: list[str]) -> int:
     """One child process per model; their rows merged into one results.json / results.md."""
     meta, rows, started = None, [], time.time()
     for name in models:
@@ -326,10 +326,8 @@ def run_isolated(argv: list[str], models: list[str], out: Path) -> int:
                          "context_for_decode": CONTEXT})
     meta["command"] = " ".join([Path(sys.argv[0]).name] + argv)
     meta["total_seconds"] = round(time.time() - started, 1)
-    impls = next((a.split("=", 1)[1] for a in argv if a.startswith("--impls=")), None) or \
-        (argv[argv.index("--impls") + 1] if "--impls" in argv else ",".join(IMPLS))
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "results.md").write_text(markdown(meta, rows, impls.split(",")))
+    (out / "results.md").write_text(markdown(meta, rows, impls))
     print((out / "results.md").read_text())
     return 0
 

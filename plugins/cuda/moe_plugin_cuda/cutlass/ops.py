@@ -24,18 +24,10 @@ import torch
 
 from moe_plugin_cuda.triton import kernels
 from moe_plugin_cuda.triton.launch import launch
-from moe_plugin_cuda.triton.ops import FP8, expert_rows, quantize_fp8_groups
+from moe_plugin_cuda.triton.ops import FP8, cdiv, expert_rows, pow2, quantize_fp8_groups
 
 GemmFn = Callable[..., None]
 BLOCK = 128
-
-
-def _cdiv(a: int, b: int) -> int:  # (host side: Triton's cdiv is a constexpr function, slow on the host)
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 _WORKSPACE: dict[tuple, int] = {}
@@ -77,7 +69,7 @@ def cutlass_gemm(a, a_scale, b, b_scale, d, m_sizes, row_start, variant: Optiona
     dev = a.device
     start = row_start.to(torch.int64)
     experts = torch.arange(G, device=dev, dtype=torch.int64)
-    nb, kb = _cdiv(N, BLOCK), _cdiv(Kd, BLOCK)
+    nb, kb = cdiv(N, BLOCK), cdiv(Kd, BLOCK)
     problems = torch.stack([m_sizes.to(torch.int32), torch.full_like(m_sizes, N, dtype=torch.int32),
                             torch.full_like(m_sizes, Kd, dtype=torch.int32)], 1).contiguous()
     ptrs = torch.stack([
@@ -221,12 +213,12 @@ def silu_mul_quant(d1: torch.Tensor, code_dtype: torch.dtype = FP8, mn_major: bo
     ``rows_used`` ([1] int32 on the device): rows at and past it are left undefined."""
     R, two_i = d1.shape
     inter = two_i // 2
-    g = _cdiv(inter, BLOCK)
+    g = cdiv(inter, BLOCK)
     q = torch.empty((R, inter), dtype=code_dtype, device=d1.device)
     s = _scales(R, g, mn_major, d1.device)
     if R:
-        groups = min(8, _pow2(g))
-        launch(kernels._silu_mul_quant_kernel, (R, _cdiv(g, groups)),
+        groups = min(8, pow2(g))
+        launch(kernels._silu_mul_quant_kernel, (R, cdiv(g, groups)),
             d1, q, s, rows_used if rows_used is not None else d1, inter, d1.stride(0), q.stride(0), s.stride(0),
             s.stride(1), GROUPS=groups, BOUNDED=rows_used is not None)
     return q, s
@@ -241,8 +233,8 @@ def silu_mul(d1: torch.Tensor, out_dtype: torch.dtype, interleaved: bool = False
     inter = two_i // 2
     h = torch.empty((R, inter), dtype=out_dtype, device=d1.device)
     if R:
-        block = min(1024, _pow2(inter))
-        launch(kernels._silu_mul_kernel, (R, _cdiv(inter, block)),
+        block = min(1024, pow2(inter))
+        launch(kernels._silu_mul_kernel, (R, cdiv(inter, block)),
             d1, h, rows_used if rows_used is not None else d1, inter, d1.stride(0), h.stride(0), BLOCK=block,
             INTERLEAVED=interleaved, BOUNDED=rows_used is not None)
     return h
@@ -306,7 +298,7 @@ def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], to
     ``mn_major``; None without ``quantize``), ``rows`` = T*K by default. One read of the token
     instead of a quantizer's pass and a gather of K copies."""
     T, H = hidden.shape
-    top_k, g = topk_ids.shape[1], _cdiv(H, BLOCK)
+    top_k, g = topk_ids.shape[1], cdiv(H, BLOCK)
     rows = T * top_k if rows is None else rows
     codes = hidden.dtype if a_scale is not None or not quantize else code_dtype
     a = torch.empty((rows, H), dtype=codes, device=hidden.device)
@@ -317,8 +309,8 @@ def quantize_into_rows(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], to
             src, dst = hidden.view(torch.uint8), a.view(torch.uint8)
         s_out = a if s is None else s  # (dummies where no scale is read or written)
         src_scale = s_out if a_scale is None else a_scale
-        groups = min(8, _pow2(g))
-        launch(kernels._quantize_into_rows_kernel, (T, _cdiv(g, groups)),
+        groups = min(8, pow2(g))
+        launch(kernels._quantize_into_rows_kernel, (T, cdiv(g, groups)),
             src, src_scale, dst, s_out, topk_ids.to(torch.int32).contiguous(), row_of_slot, num_experts, H,
             src.stride(0), src_scale.stride(0), dst.stride(0), s_out.stride(0), s_out.stride(1), TOP_K=top_k,
             GROUPS=groups, QUANTIZE=quantize and a_scale is None, SCALES=quantize)
@@ -349,8 +341,8 @@ def fused_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: to
                                 quantize=fp8_block)
     y = _experts(a, a_s, w13, w13_scale, w2, w2_scale, counts, row_start, gemm, out_dtype, code_dtype,
                  fp8_block=fp8_block, variants=variants, w13_interleaved=w13_interleaved, sorted_rows=True)
-    block_h = min(1024, _pow2(H))
-    launch(kernels._moe_reduce_kernel, (T, _cdiv(H, block_h)),
+    block_h = min(1024, pow2(H))
+    launch(kernels._moe_reduce_kernel, (T, cdiv(H, block_h)),
         y, topk_ids.to(torch.int32).contiguous(), out, H, float(routed_scaling_factor), E, row_of_slot,
         topk_weights.to(torch.float32).contiguous(), TOP_K=top_k, BLOCK_H=block_h, MAPPED=True)
     return out

@@ -74,9 +74,7 @@ def _picker(kernel_id: int, types: tuple) -> tuple[Callable, Callable, tuple[int
 
 
 def _arg_key(a: Any) -> Any:
-    """What Triton specializes an argument on, or more (tensors and plain values: inlined in ``launch``)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
+    """What Triton specializes an argument on, or more (tensors and plain values are keyed in ``launch``)."""
     if TensorDescriptor and isinstance(a, TensorDescriptor):
         base = a.base
         return (TensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape), len(a.shape),

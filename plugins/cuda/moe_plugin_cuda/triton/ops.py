@@ -20,11 +20,11 @@ FP8 = torch.float8_e4m3fn
 
 
 # host-side arithmetic (Triton's cdiv and next_power_of_2 are constexpr functions, a few us a call on the host)
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -43,7 +43,7 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
             post_pad=None, counts=None, starts=None, tile_starts=None, max_blocks: int = 1, cursor=None,
             quant=None) -> None:
     """Launch the alignment kernels: ``align_block_size``'s outputs, or (``counts`` given) ``expert_rows``'.
-    ``cursor``: the one-program kernel's ``[small_align_cursor(E)]`` int32 scratch (allocated here if None).
+    ``cursor``: the one-program kernel's ``[expert_lanes(E)]`` int32 scratch (allocated here if None).
     ``quant``: (x [T, H], codes [T, H] e4m3, scales [T, H/128] fp32) to quantize as ``quantize_fp8_groups`` does,
     in the one-program kernel's launch (more programs beside it): up to ``SMALL_ALIGN_MAX`` slots only (the caller
     quantizes beyond)."""
@@ -52,18 +52,18 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     row_map = counts is not None
     tails = tile_starts is not None
     dummy = out
-    e_pow2 = max(16, _pow2(num_experts))
+    e_pow2 = expert_lanes(num_experts)
     ptrs = tuple(t if t is not None else dummy for t in (expert_ids, post_pad, counts, starts, tile_starts))
     if numel <= SMALL_ALIGN_MAX:
         if cursor is None:
             cursor = torch.empty(e_pow2, dtype=torch.int32, device=dev)
         x, q, s = quant if quant is not None else (out, out, out)
         H = x.shape[1] if quant is not None else 0
-        groups = min(8, _pow2(_cdiv(H, 128))) if quant is not None else 1
-        chunks = _cdiv(_cdiv(H, 128), groups)
+        groups = min(8, pow2(cdiv(H, 128))) if quant is not None else 1
+        chunks = cdiv(cdiv(H, 128), groups)
         launch(kernels._align_small_kernel, (1 + x.shape[0] * chunks if quant is not None else 1,), flat, numel, cursor,
                out, *ptrs, max_blocks, x, q, s, H, x.stride(0), q.stride(0), s.stride(0), chunks, E=num_experts,
-               E_POW2=e_pow2, BLOCK_M=block_m, NUMEL_POW2=max(16, _pow2(numel)),
+               E_POW2=e_pow2, BLOCK_M=block_m, NUMEL_POW2=max(16, pow2(numel)),
                BLOCKS_TILE=64 if e_pow2 <= 256 else 16, ROW_MAP=row_map, TAILS=tails, QUANT=quant is not None,
                GROUPS=groups)
         return
@@ -73,31 +73,32 @@ def _bucket(flat: torch.Tensor, num_experts: int, block_m: int, out: torch.Tenso
     # one place program per chunk: as many as fill a GPU, as few as keep the counts matrix small;
     # chunks of at most 4096 slots (16 a thread at 8 warps: no spills), more programs beyond that
     progs = max(1, min(PLACE_MAX_PROGRAMS, PLACE_MAX_COUNTS // e_pow2))
-    chunk = min(4096, max(256, _pow2(_cdiv(numel, progs))))
-    n_chunks = _cdiv(numel, chunk)
+    chunk = min(4096, max(256, pow2(cdiv(numel, progs))))
+    n_chunks = cdiv(numel, chunk)
     chunk_counts = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     cursor = torch.empty((n_chunks, e_pow2), dtype=torch.int32, device=dev)
     warps = 8 if chunk >= 2048 else 4
     launch(kernels._align_count_kernel, (n_chunks,), flat, numel, chunk_counts, E=num_experts, E_POW2=e_pow2,
            CHUNK=chunk, num_warps=warps)
-    blocks_per_prog = _cdiv(max_blocks, n_chunks)
+    blocks_per_prog = cdiv(max_blocks, n_chunks)
     launch(
         kernels._align_place_kernel, (n_chunks,), flat, numel, chunk_counts, n_chunks, cursor, out, *ptrs, max_blocks,
-        blocks_per_prog, E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(_pow2(n_chunks), 8192 // e_pow2)),
-        BLOCKS_TILE=max(2, min(_pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
-        E_SUB=max(2, _pow2(_cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
+        blocks_per_prog, E=num_experts, E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=chunk, ROWS=max(2, min(pow2(n_chunks), 8192 // e_pow2)),
+        BLOCKS_TILE=max(2, min(pow2(blocks_per_prog), 64 if e_pow2 <= 256 else 16)),
+        E_SUB=max(2, pow2(cdiv(e_pow2, n_chunks))), ROW_MAP=row_map, TAILS=tails, num_warps=8)
 
 
-def small_align_cursor(num_experts: int) -> int:
-    """Entries of the one-program alignment kernel's cursor scratch (``_bucket``'s ``cursor``)."""
-    return max(16, _pow2(num_experts))
+def expert_lanes(num_experts: int) -> int:
+    """The alignment kernels' ``E_POW2``: per-expert lanes, and the entries of the one-program kernel's
+    cursor scratch (``_bucket``'s ``cursor``)."""
+    return max(16, pow2(num_experts))
 
 
 def align_sizes(numel: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(max_blocks, rows of sorted_ids) of ``align_block_size`` for ``numel`` slots: a bound for any routing."""
     # at most min(numel, E) buckets are non-empty, each padded by < block_m; with tails an expert has
     # cdiv(count, block_m) M-blocks all the same, over fewer rows
-    max_blocks = max(1, _cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m))
+    max_blocks = max(1, cdiv(numel + min(numel, num_experts) * (block_m - 1), block_m))
     return max_blocks, max_blocks * block_m
 
 
@@ -153,7 +154,7 @@ def expert_rows(topk_ids: torch.Tensor, num_experts: int, row_align: int = 1):
     ``SMALL_ALIGN_MAX`` slots, two beyond; no host sync (graph-safe)."""
     flat = _int32_ids(topk_ids)
     numel, dev = flat.numel(), flat.device
-    rows = numel if row_align == 1 else _cdiv(numel + min(numel, num_experts) * (row_align - 1), row_align) * row_align
+    rows = numel if row_align == 1 else cdiv(numel + min(numel, num_experts) * (row_align - 1), row_align) * row_align
     counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
     row_of_slot = torch.empty(numel, dtype=torch.int32, device=dev)
@@ -166,15 +167,15 @@ def quantize_fp8_groups(x: torch.Tensor, out: Optional[tuple[torch.Tensor, torch
     """[M, H] -> (e4m3 [M, H], fp32 scales [M, ceil(H/128)]), per token and 128-channel group (into ``out``:
     contiguous tensors of those shapes, if given)."""
     M, H = x.shape
-    g = _cdiv(H, 128)
+    g = cdiv(H, 128)
     if out is None:
         q = torch.empty((M, H), dtype=FP8, device=x.device)
         s = torch.empty((M, g), dtype=torch.float32, device=x.device)
     else:
         q, s = out
     if M:
-        groups = min(8, _pow2(g))
-        launch(kernels._quant_fp8_group_kernel, (M, _cdiv(g, groups)), x, q, s, H, x.stride(0), q.stride(0),
+        groups = min(8, pow2(g))
+        launch(kernels._quant_fp8_group_kernel, (M, cdiv(g, groups)), x, q, s, H, x.stride(0), q.stride(0),
                s.stride(0), GROUPS=groups)
     return q, s
 
@@ -185,7 +186,7 @@ def _gemm(a, a_scale, b, b_scale, c, c_scale, topk_w, align, masked_m, *, N, Kdi
     """One launch of ``_moe_gemm_kernel``; ``row_order``: C at the sorted rows (for an ``A_TMA`` GEMM2);
     ``descriptors``: a cache of the weights' TMA descriptors (see ``_b_descriptor``)."""
     dummy = c
-    grid = (num_m_blocks * _cdiv(N, cfg["BLOCK_N"]),)
+    grid = (num_m_blocks * cdiv(N, cfg["BLOCK_N"]),)
     tails = bool(cfg.get("TAIL_TILES", 0))
     if align is None:
         sorted_ids = expert_ids = tile_starts = dummy
@@ -273,7 +274,7 @@ def gemm1_mode(cfg1: dict, w13_interleaved: bool) -> tuple[int, int, bool]:
 def gemm1_parts(h_rows: int, inter: int, fp8: bool, fused_quant: bool, out_dtype: torch.dtype) -> list:
     """``gemm1``'s outputs as workspace parts ``(dtype, shape)``: h, then its scales (FP8 epilogue), or h in
     fp32 and its quantized copy (FP8 without the epilogue's quantization)."""
-    g = _cdiv(inter, 128)
+    g = cdiv(inter, 128)
     if fused_quant:
         return [(FP8, (h_rows, inter)), (torch.float32, (h_rows, g))]
     if fp8:
@@ -366,8 +367,8 @@ def fused_experts(
     def parts():  # (only the parts this call uses: each view costs host time)
         return [(torch.int32, (max_len,)), (torch.int32, (n_blocks,)), (torch.int32, (1,)), (out_dtype, (numel, H)),
                 *([(torch.int32, (n_blocks,))] if tails else []),
-                *([(torch.int32, (small_align_cursor(E),))] if small else []),
-                *([(FP8, (T, H)), (torch.float32, (T, _cdiv(H, 128)))] if quant_in else []),
+                *([(torch.int32, (expert_lanes(E),))] if small else []),
+                *([(FP8, (T, H)), (torch.float32, (T, cdiv(H, 128)))] if quant_in else []),
                 *gemm1_parts(max_len if row_order else numel, inter, fp8_block, fused_quant, out_dtype)]
     sorted_ids, expert_ids, post_pad, y, *rest = layout(layouts, key, parts).carve(hidden.device)
     tile_starts = rest.pop(0) if tails else None
@@ -388,8 +389,8 @@ def fused_experts(
     gemm2(h1, h1_scale, w2, w2_scale, y, topk_weights.reshape(-1).contiguous(), align=align, masked_m=None,
           num_rows=numel, capacity=0, num_m_blocks=n_blocks, out_scale=1.0, fp8=fp8_block, cfg2=cfg2,
           descriptors=descriptors)
-    block_h = min(1024, _pow2(H))
-    launch(kernels._moe_reduce_kernel, (T, _cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
+    block_h = min(1024, pow2(H))
+    launch(kernels._moe_reduce_kernel, (T, cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
            ids, ids, TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
     return out
 
@@ -417,7 +418,7 @@ def masked_experts(
             a, a_scale = quantize_fp8_groups(a)
         else:
             a_scale = a_scale.reshape(E * C, -1).contiguous()  # DeepEP hands a column-major view
-    n_blocks = E * _cdiv(C, bm)
+    n_blocks = E * cdiv(C, bm)
     mm = masked_m.to(torch.int32).contiguous()
     h1, h1_scale = gemm1(a, a_scale, w13, w13_scale, align=None, masked_m=mm, num_rows=E * C, a_row_div=1,
                          capacity=C, num_m_blocks=n_blocks, activation=activation, fp8=fp8_block,
