@@ -9,7 +9,7 @@ with call monitoring (logged at DEBUG on the ``moe_core.trace`` logger), for deb
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -104,6 +104,9 @@ class MoELayer(nn.Module):
         it, as with any device-side assert. ``check_ids="sync"`` forces the precise, synchronizing
         check on any device (debugging).
     :param trace: route stage calls through the pluggy hooks, with monitoring.
+    :param weights: tensors to adopt as the weights (as ``adopt_weights``) instead of allocating
+        empty ones: nothing the size of the weights is allocated (a DeepSeek-V3 layer's is 21 GiB
+        in bf16), which a model whose weights exist already needs to fit on its device.
 
     Weights (this rank's experts only; ``E = config.num_local_experts``): ``w13 [E, 2I, H]``
     (gate rows, then up rows), ``w2 [E, H, I]`` and the scales of ``config.quant`` (see
@@ -121,6 +124,7 @@ class MoELayer(nn.Module):
         device: Optional[torch.device | str] = None,
         check_ids: Optional[bool | str] = None,
         trace: bool = False,
+        weights: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> None:
         super().__init__()
         user_plan = plan is not None
@@ -152,7 +156,7 @@ class MoELayer(nn.Module):
             e, dtype = config.num_local_experts, config.params_dtype
             self._weight_specs.update(w13_bias=((e, 2 * config.intermediate_size), dtype),
                                       w2_bias=((e, config.hidden_size), dtype))
-        self._weight_names = tuple(self._allocate(self._weight_specs))
+        self._weight_names = tuple(self._weight_specs) if weights is not None else self._allocate(self._weight_specs)
         self.correction_bias: Optional[torch.Tensor]
         if config.router.use_correction_bias:
             self.register_buffer("correction_bias", torch.zeros(config.num_experts, device=self.device))
@@ -160,6 +164,8 @@ class MoELayer(nn.Module):
             self.correction_bias = None
         self._loaded = False
         self._processed = False
+        if weights is not None:
+            self.adopt_weights(**weights)
         self.shared_experts = SharedExperts(config, self.device) if config.shared_intermediate_size else None
         # plain attributes read on every forward (cheaper than going through config / plan)
         self._hidden, self._top_k, self._num_experts = config.hidden_size, config.top_k, config.num_experts
@@ -213,11 +219,11 @@ class MoELayer(nn.Module):
                 self._apply_experts = self.experts.apply
                 self._combine = self.dispatcher.combine
 
-    def _allocate(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
+    def _allocate(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[str, ...]:
         for name, (shape, dtype) in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype, device=self.device),
                                                        requires_grad=False))
-        return list(shapes)
+        return tuple(shapes)
 
     def _bind_traced(self, manager: Any) -> None:
         pm = manager.pm
@@ -356,13 +362,14 @@ class MoELayer(nn.Module):
             raise ValueError(f"adopt_weights for quant={self.config.quant}: expected {sorted(expected)}, "
                              f"got {sorted(tensors)}")
         experts = self.config.local_expert_range
-        for name, full in tensors.items():
-            shape, dtype = self._weight_specs[name]
+        for name in self._weight_names:  # every check before the first adoption: nothing half-adopted
+            full, (shape, dtype) = tensors[name], self._weight_specs[name]
             want = (self.config.num_experts,) + tuple(shape[1:])
             if tuple(full.shape) != want or full.dtype != dtype or full.device != self.device:
                 raise ValueError(f"adopt_weights: {name} must be a {want} {dtype} tensor on {self.device}, got "
                                  f"{tuple(full.shape)} {full.dtype} on {full.device}")
-            setattr(self, name, nn.Parameter(full[experts.start:experts.stop], requires_grad=False))
+        for name in self._weight_names:
+            setattr(self, name, nn.Parameter(tensors[name][experts.start:experts.stop], requires_grad=False))
         self._loaded = True
         self._processed = False
 

@@ -220,13 +220,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-graphs", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--moe-core-experts", default="auto", help="force moe_core's experts backend (MoEConfig.experts)")
     p.add_argument("--in-process", action="store_true",
-                   help="run every model in this process (default on a GPU: one child process per model, so that "
-                        "a device-side assert, which poisons the CUDA context, costs only that model's cells)")
+                   help="run every model and format in this process (default on a GPU: one child process per "
+                        "model and format, so that a device-side assert, which poisons the CUDA context, costs only "
+                        "that child's cells, and each starts with an unfragmented allocator)")
+    p.add_argument("--reference-logits", type=Path, default=None,
+                   help="bf16 eager logits saved by an earlier run (its eager-logits.pt): the FP8 cells' reference")
     args = p.parse_args(argv)
     argv = list(argv if argv is not None else sys.argv[1:])
-    models = args.models.split(",")
-    if torch.cuda.is_available() and not args.smoke and not args.in_process and len(models) > 1:
-        return run_isolated(argv, models, args.out, args.impls.split(","))
+    models, formats = args.models.split(","), args.formats.split(",")
+    if torch.cuda.is_available() and not args.smoke and not args.in_process and len(models) * len(formats) > 1:
+        return run_isolated(argv, models, formats, args.out, args.impls.split(","))
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     iters = args.iters or (2 if args.smoke else 10)
     graphs = not args.no_graphs
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "transformers": transformers.__version__,
             "moe_core": getattr(moe_core, "__version__", "0.1.0"), "context_for_decode": CONTEXT, "iters": iters}
     rows = []
-    bf16_eager: dict[tuple, torch.Tensor] = {}  # the FP8 cells' fallback reference (quantization error included)
+    # the FP8 cells' fallback reference (quantization error included), by (model, kind, batch, tokens)
+    bf16_eager: dict[tuple, torch.Tensor] = torch.load(args.reference_logits) if args.reference_logits else {}
     configs = model_configs(args.smoke)
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 8 << 30
     for name in args.models.split(","):
@@ -260,6 +264,8 @@ def main(argv=None) -> int:
                              "impls": {}} for shape in shapes(args.smoke)}
             logits: dict[tuple, dict[str, torch.Tensor]] = {shape: {} for shape in cells}
             for impl in impls:
+                if impl == "moe_core" and device.type == "cuda":
+                    torch.cuda.empty_cache()  # what the HF implementations left cached, back for moe_core's workspaces
                 for (kind, batch, tokens), cell in cells.items():
                     if impl == "batched_mm" and batched_mm_bytes(model, batch, tokens) > free // 2:
                         cell["impls"][impl] = {"skipped": f"gathers {batched_mm_bytes(model, batch, tokens) / 2**30:.0f} "
@@ -298,29 +304,37 @@ def main(argv=None) -> int:
     meta["total_seconds"] = round(time.time() - started, 1)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "results.md").write_text(markdown(meta, rows, args.impls.split(",")))
+    if bf16_eager and not args.reference_logits:
+        torch.save(bf16_eager, args.out / "eager-logits.pt")
     print((args.out / "results.md").read_text())
     return 0
 
 
-def run_isolated(argv: list[str], models: list[str], out: Path, impls: list[str]) -> int:
-    """One child process per model; their rows merged into one results.json / results.md."""
+def run_isolated(argv: list[str], models: list[str], formats: list[str], out: Path, impls: list[str]) -> int:
+    """One child process per model and format (bf16 first: its eager logits are the FP8 cells'
+    reference); their rows merged into one results.json / results.md."""
     meta, rows, started = None, [], time.time()
+    formats = sorted(formats, key=lambda f: f != "bf16")
     for name in models:
-        part = out / f"part-{name}"
-        child = [sys.executable, str(Path(__file__).resolve()), *argv, "--in-process", "--models", name,
-                 "--out", str(part)]  # argparse keeps the last --models / --out
-        proc = subprocess.run(child, capture_output=True, text=True)
-        (out / f"part-{name}.log").parent.mkdir(parents=True, exist_ok=True)
-        (out / f"part-{name}.log").write_text(proc.stdout + proc.stderr)
-        print(proc.stdout[-4000:], flush=True)
-        result = part / "results.json"
-        if proc.returncode == 0 and result.exists():
-            doc = json.loads(result.read_text())
-            meta = meta or doc["meta"]
-            rows += doc["rows"]
-        else:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            rows.append({"model": name, "format": "all", "error": f"child exited {proc.returncode}: {tail[0][:300]}"})
+        for fmt in formats:
+            part = out / f"part-{name}-{fmt}"
+            reference = out / f"part-{name}-bf16" / "eager-logits.pt"
+            child = [sys.executable, str(Path(__file__).resolve()), *argv, "--in-process", "--models", name,
+                     "--formats", fmt, "--out", str(part)]  # argparse keeps the last --models / --formats / --out
+            if fmt != "bf16" and reference.exists():
+                child += ["--reference-logits", str(reference)]
+            proc = subprocess.run(child, capture_output=True, text=True)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"part-{name}-{fmt}.log").write_text(proc.stdout + proc.stderr)
+            print(proc.stdout[-4000:], flush=True)
+            result = part / "results.json"
+            if proc.returncode == 0 and result.exists():
+                doc = json.loads(result.read_text())
+                meta = meta or doc["meta"]
+                rows += doc["rows"]
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+                rows.append({"model": name, "format": fmt, "error": f"child exited {proc.returncode}: {tail[0][:300]}"})
     meta = dict(meta or {"date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "device": "cuda",
                          "torch": torch.__version__, "transformers": transformers.__version__, "iters": None,
                          "context_for_decode": CONTEXT})

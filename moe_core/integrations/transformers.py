@@ -154,11 +154,11 @@ def _layer(module: nn.Module, top_k: int) -> MoELayer:
     tensors, config = _convert(module, sources, top_k)
     if state is not None and state.layer.config == config:
         layer = state.layer  # same plan: take the new weights
-    else:
-        layer = MoELayer(config, device=sources["gate_up_proj"].device)
+        layer.adopt_weights(**tensors)
+    else:  # built around the module's tensors: no empty weights the size of the layer's (OOM beside HF's)
+        layer = MoELayer(config, device=sources["gate_up_proj"].device, weights=tensors)
     if not (_SHARE or layer.plan.experts.keeps_loaded_weights):
-        tensors = {k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
-    layer.adopt_weights(**tensors)
+        layer.adopt_weights(**{k: v.clone(memory_format=torch.contiguous_format) for k, v in tensors.items()})
     layer.process_weights()
     module.__dict__[_STATE] = _State(layer, _key(sources))
     return layer

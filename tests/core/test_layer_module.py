@@ -90,6 +90,28 @@ def test_meta_layer_refuses_with_a_hint_and_materializes():
     assert layer(torch.randn(3, 64).bfloat16(), random_topk(3, 6, 2)).shape == (3, 64)
 
 
+@pytest.mark.parametrize("scheme", ["unquantized", "fp8_block"])
+def test_built_around_existing_weights_allocates_none(scheme, monkeypatch):
+    cfg = CFG.replace(quant=scheme)
+    dtypes = {n: t.dtype for n, t in mc.MoELayer(cfg).weight_tensors().items()}
+    ck = {n: t.to(dtypes[n]) for n, t in checkpoint(cfg.quant, 6, 64, 32).items()}
+    allocated = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or real_empty(*a, **k))
+    layer = mc.MoELayer(cfg, weights=ck)
+    monkeypatch.undo()
+    assert not [a for a in allocated if a and a[0] not in ((6,), 0)], allocated  # no weight-sized torch.empty
+    for name, t in layer.weight_tensors().items():
+        assert t.data_ptr() == ck[name].data_ptr(), name  # views of the given tensors
+    assert list(layer.state_dict())[:len(ck)] == list(mc.MoELayer(cfg).state_dict())[:len(ck)]  # same order
+    layer.process_weights()
+    x, topk = torch.randn(9, 64).bfloat16(), random_topk(9, 6, 2, drop=0.2)
+    assert torch.equal(layer(x, topk), loaded(cfg, ck)(x, topk))
+    bad = dict(ck, w2=ck["w2"][:, :, :16])
+    with pytest.raises(ValueError, match=r"adopt_weights: w2 must be a \(6, 64, 32\)"):
+        mc.MoELayer(cfg, weights=bad)
+
+
 @pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad, torch.enable_grad])
 @pytest.mark.parametrize("scheme", ["unquantized", "fp8_block", "nvfp4"])
 def test_reference_builds_loads_processes_and_runs_in_every_grad_mode(mode, scheme):
