@@ -31,7 +31,7 @@ from transformers.integrations.moe import use_experts_implementation
 import moe_core
 import moe_core.integrations.transformers as moe_hf
 from moe_core import quant
-from moe_core.reference.oracle import relative_error
+from moe_core.reference.oracle import fp8_round_trip, relative_error
 
 IMPLS = ("eager", "grouped_mm", "batched_mm", "moe_core")
 VOCAB = 32000  # the MoE layers are what is measured; a real vocabulary would only add lm_head time
@@ -162,8 +162,61 @@ def rewind(cache: StaticCache, length: int) -> None:
             layer.cumulative_length.fill_(length)
 
 
+class FirstExperts:
+    """Records the first MoE layer's experts inputs and output of the next forward: the experts
+    math checked alone, on identical inputs (the whole-model logits also carry every later
+    router's response to rounding: a near-tie flips an expert, which is not an error)."""
+
+    def __init__(self, model) -> None:
+        self.module = next(m for n, m in model.named_modules() if n.endswith(".experts") and hasattr(m, "has_gate"))
+        self.reset()
+        self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        self.module.register_forward_hook(self._post, with_kwargs=True)
+
+    def reset(self, armed: bool = False) -> None:
+        self.armed, self.inputs, self.output = armed, None, None
+
+    def arm(self) -> None:
+        self.reset(armed=True)
+
+    def _pre(self, module, args, kwargs) -> None:
+        if self.armed:  # (hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K])
+            values = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index", "top_k_weights") if k in kwargs]
+            self.inputs = tuple(v.detach().clone() for v in values[:3])
+
+    def _post(self, module, args, kwargs, output) -> None:
+        if self.armed:
+            self.output, self.armed = output.detach().float().cpu(), False
+
+    @torch.no_grad()
+    def float64_reference(self, fp8: bool) -> torch.Tensor:
+        """The experts' output on the recorded inputs, in float64, from the module's own weights
+        (FP8: dequantized, activations rounded to FP8 per 128 channels as the fp8_block scheme does)."""
+        m, (x, ids, weights) = self.module, self.inputs
+        out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        inter = m.down_proj.shape[-1]
+        for e in ids.unique().tolist():
+            if e < 0:
+                continue
+            rows, slots = (ids == e).nonzero(as_tuple=True)
+            if fp8:
+                w13, w2 = quant.dequantize_weights(
+                    {"w13": m.gate_up_proj[e:e + 1], "w13_scale": m.gate_up_proj_scale_inv[e:e + 1],
+                     "w2": m.down_proj[e:e + 1], "w2_scale": m.down_proj_scale_inv[e:e + 1]}, "fp8_block")
+                w13, w2 = w13[0].double(), w2[0].double()
+            else:
+                w13, w2 = m.gate_up_proj[e].double(), m.down_proj[e].double()
+            xe = x[rows].double()
+            xe = fp8_round_trip(xe, 128) if fp8 else xe
+            gate_up = xe @ w13.T
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = fp8_round_trip(h, 128) if fp8 else h
+            out.index_add_(0, rows, (h @ w2.T) * weights[rows, slots, None].double())
+        return out.cpu()
+
+
 def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch.device, iters: int,
-             graphs: bool) -> dict:
+             graphs: bool, first: FirstExperts) -> dict:
     model.set_experts_implementation(impl)
     if impl == "moe_core":
         moe_hf.prepare(model)
@@ -174,6 +227,7 @@ def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch
 
             def step():
                 return model(input_ids=ids, logits_to_keep=1, use_cache=False).logits
+            first.arm()
             seconds = timed(step, device, iters)
             return {"ms": seconds * 1e3, "logits": step().float().cpu(), "graph": False}
         cache = StaticCache(config=model.config, max_cache_len=CONTEXT + 8)
@@ -185,6 +239,7 @@ def run_cell(model, impl: str, kind: str, batch: int, tokens: int, device: torch
         def step():
             rewind(cache, CONTEXT)  # every timed (or replayed) step decodes at the same position
             return model(input_ids=ids, past_key_values=cache, cache_position=pos, use_cache=True).logits
+        first.arm()
         out = step()
         if cache.get_seq_length() != CONTEXT + 1:
             raise RuntimeError(f"the static cache holds {cache.get_seq_length()} tokens after one decode step, "
@@ -233,9 +288,6 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     iters = args.iters or (2 if args.smoke else 10)
     graphs = not args.no_graphs
-    # decode cells are captured in CUDA graphs: plan graph-safe backends for them
-    # share_weights: one copy of the experts in memory (DeepSeek-V3's two layers are ~45 GB in bf16)
-    moe_hf.register(share_weights=True, experts=args.moe_core_experts, cuda_graph=graphs and device.type == "cuda")
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     meta = {"command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
@@ -256,6 +308,14 @@ def main(argv=None) -> int:
             except Exception as exc:
                 rows.append({"model": name, "format": fmt, "error": f"build: {type(exc).__name__}: {exc}"})
                 continue
+            # decode cells are captured in CUDA graphs: plan graph-safe backends for them. bf16 shares
+            # the experts with HF (DeepSeek-V3's two layers are ~45 GB: two copies do not fit) and the
+            # backend may rewrite them in place; FP8 (half the size) keeps HF's intact for the check
+            shared = fmt == "bf16"
+            moe_hf.register(share_weights=shared, experts=args.moe_core_experts,
+                            cuda_graph=graphs and device.type == "cuda")
+            first = FirstExperts(model)
+            layer_refs: dict[tuple, tuple] = {}  # shape -> (recorded inputs, float64 experts output)
             # every HF implementation over every shape first, moe_core last: moe_core shares the HF
             # expert weights (register(share_weights=True)) and its backend may rewrite them in place
             impls = [i for i in args.impls.split(",") if i != "moe_core"] + \
@@ -271,15 +331,26 @@ def main(argv=None) -> int:
                         cell["impls"][impl] = {"skipped": f"gathers {batched_mm_bytes(model, batch, tokens) / 2**30:.0f} "
                                                           "GiB of weights (one matrix per token-expert pair)"}
                         continue
+                    shape = (kind, batch, tokens)
+                    first.reset()
                     try:
-                        r = run_cell(model, impl, kind, batch, tokens, device, iters, graphs)
-                        logits[(kind, batch, tokens)][impl] = r.pop("logits")
+                        r = run_cell(model, impl, kind, batch, tokens, device, iters, graphs, first)
+                        logits[shape][impl] = r.pop("logits")
                         cell["impls"][impl] = r
                     except Exception as exc:
                         cell["impls"][impl] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                         traceback.print_exc()
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
+                    # the float64 reference from HF's weights before moe_core may rewrite shared ones
+                    if first.inputs is not None and shape not in layer_refs and (impl != "moe_core" or not shared):
+                        layer_refs[shape] = (first.inputs, first.float64_reference(fmt == "fp8_block"))
+                    if impl == "moe_core" and first.output is not None and shape in layer_refs:
+                        (x, ids, w), expected = layer_refs[shape]
+                        if all(torch.equal(a, b) for a, b in zip(first.inputs, (x, ids, w), strict=True)):
+                            cell["layer1_rel_err"] = relative_error(first.output, expected)
+                        else:
+                            cell["layer1_rel_err"] = "inputs differ from the reference run's"
                     print(f"  {kind} {batch}x{tokens} {impl}: {cell['impls'][impl]}", flush=True)
             for shape, cell in cells.items():
                 got = logits[shape]
@@ -352,8 +423,8 @@ def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
              f"median of {meta['iters']} calls; decode = one token per sequence on a {meta['context_for_decode']}-token "
              f"static cache (CUDA graph where marked g); total {meta.get('total_seconds')} s.", "",
              "| model | format | shape | " + " | ".join(f"{i} ms" for i in impls)
-             + " | moe_core vs fastest HF | moe_core rel err (vs) | moe_core plan |",
-             "|---|---|---|" + "---|" * len(impls) + "---|---|---|"]
+             + " | moe_core vs fastest HF | moe_core logits rel err (vs) | layer-1 experts rel err vs float64 | moe_core plan |",
+             "|---|---|---|" + "---|" * len(impls) + "---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['format']} | build failed: {r['error']} |")
@@ -367,8 +438,10 @@ def markdown(meta: dict, rows: list[dict], impls: list[str]) -> str:
         ours = r["impls"].get("moe_core", {}).get("ms")
         speed = f"{min(hf) / ours:.2f}x" if hf and ours else "-"
         err = f"{r['moe_core_rel_err']:.2e} ({r['moe_core_vs']})" if "moe_core_rel_err" in r else "-"
+        layer1 = r.get("layer1_rel_err", "-")
+        layer1 = f"{layer1:.2e}" if isinstance(layer1, float) else layer1
         lines.append(f"| {r['model']} | {r['format']} | {r['kind']} {r['batch']}x{r['tokens']} | " + " | ".join(cells)
-                     + f" | {speed} | {err} | {'; '.join(r.get('moe_core_plans', []))} |")
+                     + f" | {speed} | {err} | {layer1} | {'; '.join(r.get('moe_core_plans', []))} |")
     notes: dict[str, list[str]] = {}  # one line per distinct message
     for r in rows:
         for i, v in r.get("impls", {}).items():

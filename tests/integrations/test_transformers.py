@@ -208,6 +208,17 @@ def test_hf_bench_decode_steps_stay_at_one_position():
     config = bench.model_configs(smoke=True)["qwen3-30b-a3b"]
     config.num_hidden_layers = 1
     model = bench.build("qwen3-30b-a3b", config, "bf16", torch.device("cpu"), smoke=True)
+    first = bench.FirstExperts(model)
+    recorded = {}
     for impl in ("eager", "moe_core"):  # 2 warm-ups + 12 timed steps: past the cache's 8 free slots
-        cell = bench.run_cell(model, impl, "decode", 2, 1, torch.device("cpu"), iters=12, graphs=False)
+        cell = bench.run_cell(model, impl, "decode", 2, 1, torch.device("cpu"), iters=12, graphs=False, first=first)
         assert cell["logits"].shape == (2, 1, config.vocab_size) and torch.isfinite(cell["logits"]).all()
+        recorded[impl] = (first.inputs, first.output, first.float64_reference(fp8=False))
+    # the decode step's first MoE layer (2 tokens), recorded once per cell: the same inputs under both
+    # implementations, each output within bf16 rounding of the float64 experts
+    (x, ids, w), eager_out, expected = recorded["eager"]
+    assert x.shape == (2, config.hidden_size) and ids.shape == w.shape == (2, config.num_experts_per_tok)
+    assert all(torch.equal(a, b) for a, b in zip(recorded["moe_core"][0], (x, ids, w), strict=True))
+    assert torch.equal(recorded["moe_core"][2], expected)
+    for out in (eager_out, recorded["moe_core"][1]):
+        assert relative_error(out, expected) <= 1e-2
