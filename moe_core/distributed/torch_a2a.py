@@ -6,10 +6,18 @@ as local expert ``e % E_local``. Two modes, chosen by the plan's format:
 **EP_NORMAL** (DeepEP normal-mode semantics). Each token is sent once to every rank that holds at
 least one of its experts (not once per expert), with its top-k ids made local (-1 and weight 0
 for experts elsewhere). Received rows are grouped by source rank (ascending) and keep the
-source's token order. Variable sizes: the per-rank counts are exchanged with a small all-to-all
-and read on the host in one ``tolist`` (the one host sync per dispatch, so this mode is not
-graph-safe). The same read brings the per-local-expert counts (``expert_counts_host``) and a
-collective check of the ids. Combine sends the weighted rows back and sums them per token.
+source's token order. Combine sends the weighted rows back and sums them per token. Two ways
+to size the buffers (``backend_options["torch_a2a"]["normal_buffers"]``, decision 53):
+
+- ``"exact"`` (the default without CUDA graphs): the per-rank counts are exchanged with one small
+  all-to-all and read on the host in one ``tolist`` (the one host sync per dispatch, so not
+  graph-safe); the same read brings the per-local-expert counts (``expert_counts_host``) and a
+  collective check of the ids. Exactly the received rows, no padding. Combine reuses the splits.
+- ``"worst_case"`` (the default with ``cuda_graph=True``; DeepEP's ``num_worst_tokens``): every
+  rank sends ``C = max_tokens_per_rank`` row slots to every rank in equal-split all-to-alls,
+  as masked mode does; the received ``[W*C, H]`` rows hold each source's tokens first in its
+  ``C`` rows, then padding rows (local ids all -1, weights 0, scales 0). The counts stay on the
+  device (``expert_counts_host`` is None) and the checks travel in-band as in masked mode: graph-safe.
 
 **EP_MASKED** (DeepEP low-latency semantics). Fixed capacity ``C = max_tokens_per_rank``: every
 rank sends exactly ``C`` row slots to every rank (a token once per destination rank, unused
@@ -99,12 +107,44 @@ def probe() -> Reason:
         return unavailable(Code.LOAD_ERROR, f"torch.distributed check failed: {exc!r}")
 
 
+NORMAL_BUFFERS = ("exact", "worst_case")
+
+
+def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
+    """How normal mode sizes its receive buffers: ``"exact"`` (the counts are read on the host
+    once per dispatch; not graph-safe) or ``"worst_case"`` (``max_tokens_per_rank`` row slots per
+    rank and peer, counts on the device: graph-safe). ``backend_options[name]["normal_buffers"]``
+    chooses; the default is ``"worst_case"`` when the layer asks for CUDA graphs, else ``"exact"``.
+    Raises ``ValueError`` naming the option for a choice that cannot work."""
+    options = dict(config.options(name))
+    choice = options.pop("normal_buffers", "worst_case" if config.cuda_graph else "exact")
+    if options:
+        raise ValueError(f"backend_options[{name!r}] has unknown keys {sorted(options)}; "
+                         "torch_a2a takes only 'normal_buffers'")
+    if choice not in NORMAL_BUFFERS:
+        raise ValueError(f"backend_options[{name!r}]['normal_buffers'] must be one of {NORMAL_BUFFERS}, got {choice!r}")
+    if choice == "exact" and config.cuda_graph:
+        raise ValueError(f"backend_options[{name!r}]['normal_buffers']='exact' reads the counts on the host, which "
+                         "a CUDA graph cannot capture (cuda_graph=True); use 'worst_case'")
+    if choice == "worst_case" and config.max_tokens_per_rank is None:
+        raise ValueError("torch_a2a's graph-safe normal mode ('worst_case' buffers) sends max_tokens_per_rank row "
+                         "slots to every rank; max_tokens_per_rank is None: set it")
+    return choice
+
+
 def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
-    """Plan-time check: when torch.distributed is initialized, the EP group must match the config.
+    """Plan-time check: the backend options (and, with CUDA graphs, a fixed capacity: both
+    graph-safe modes need ``max_tokens_per_rank``); when torch.distributed is initialized, the EP
+    group must match the config.
 
     Planning without an initialized group (the CLI planning for a target) is allowed; building
     the dispatcher then requires it.
     """
+    try:
+        normal_buffers(config, spec.name)
+    except ValueError as exc:
+        code = Code.UNSUPPORTED_SHAPE if config.max_tokens_per_rank is None else Code.UNSUPPORTED_FEATURE
+        return [unavailable(code, str(exc), "set max_tokens_per_rank, or fix backend_options for torch_a2a")]
     if not (dist.is_available() and dist.is_initialized()):
         return []
     try:
@@ -347,8 +387,29 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
         meta[:t, :ns] = scale.view(torch.int32)
     meta[:t, ns:ns + k] = ids
     meta[:t, ns + k:ns + 2 * k] = weights.float().view(torch.int32)
-    meta[t, :ns + 2 * k] = -1  # padding row: ids -1, never read as data
+    meta[t, :ns] = 0  # padding row: scales 0 (its data dequantizes to zeros), no expert, weights 0
+    meta[t, ns:ns + k] = -1
+    meta[t, ns + k:ns + 2 * k] = 0
     return data, scale, meta
+
+
+def _normal_wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      wire: WireDtype) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Exact normal mode's per-token wire rows: (wire data ``[T, H]``, scales or None, side block
+    ``int32 [T, M]``) built in one ``cat``: no padding row (only real tokens are sent) and zeros
+    for the in-band counts (this mode checks on the host)."""
+    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
+
+    if wire is WireDtype.FP8:
+        data, scale = quantize_fp8_per_token_group(x)
+    elif wire is WireDtype.INT8:
+        data, scale = quantize_int8_per_token(x)
+    else:
+        data, scale = x, None
+    parts = [] if scale is None else [scale.view(torch.int32)]
+    no_counts = torch.zeros((), dtype=torch.int32, device=ids.device).expand(ids.shape[0], 2)
+    parts += [ids.to(torch.int32), weights.to(torch.float32).view(torch.int32), no_counts]
+    return data, scale, torch.cat(parts, dim=1)
 
 
 def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[torch.Tensor], torch.Tensor,
@@ -363,11 +424,22 @@ def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[
 def _normal_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
                      num_local: int) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Received side block of normal mode -> (scales or None, local ids (-1: expert elsewhere),
-    weights (0 for experts elsewhere))."""
+    weights (0 for experts elsewhere)). A padding row (ids -1) comes out as a token with no expert here."""
     scale, ids, weights, _, _ = _split_meta(meta, n_scale, top_k)
     mine = ids.div(num_local, rounding_mode="floor") == rank
     local = torch.where(mine, ids - rank * num_local, -1)
     return scale, local, torch.where(mine, weights, 0.0)
+
+
+def _worst_case_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
+    """Received side block of worst-case normal mode -> ``_normal_received``'s three, the
+    senders' bad-id and token counts (the in-band checks), and the (row, local expert) pairs per
+    local expert (int32 ``[E_local]``), all computed on the device."""
+    scale, local, weights = _normal_received(meta, n_scale, top_k, rank, num_local)
+    _, _, _, bad, tokens = _split_meta(meta, n_scale, top_k)
+    key = torch.where(local >= 0, local, num_local).long().reshape(-1)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=meta.device).scatter_add_(0, key, torch.ones_like(key))
+    return scale, local, weights, bad, tokens, counts[:num_local].to(torch.int32)
 
 
 def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
@@ -425,6 +497,13 @@ class _NormalHandle:
 
 
 @dataclass(frozen=True)
+class _WorstCaseHandle:
+    slot: torch.Tensor  # int64 [T, W]: slot of (token, rank) in the send buffer, W*C where not sent
+    num_tokens: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _MaskedHandle:
     slot: torch.Tensor  # int64 [T, W]: slot of (token, rank) in the send buffer, W*C where not sent
     src: torch.Tensor  # int64 [W*C]: source token of each sent slot, T for unused slots (sender side)
@@ -471,6 +550,8 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
+        # normal mode with worst-case buffers: graph-safe (decision 53)
+        self.worst_case = not self.masked and normal_buffers(cfg, ctx.spec.name) == "worst_case"
         # int32 side block of each row: [scales | K global ids | K weights | bad-id count | token count]
         self.n_scale = _scale_words(self.wire, self.hidden)
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
@@ -497,6 +578,8 @@ class TorchA2ADispatcher(Dispatcher):
         self._validate(hidden_states, topk)
         if self.masked:
             return self._dispatch_masked(hidden_states, topk)
+        if self.worst_case:
+            return self._dispatch_worst_case(hidden_states, topk)
         return self._dispatch_normal(hidden_states, topk)
 
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
@@ -516,8 +599,11 @@ class TorchA2ADispatcher(Dispatcher):
         src = _sources(row, w * t, None)
         recv_msg = torch.empty_like(msg)
         dist.all_to_all_single(recv_msg, msg, group=self.group)
-        counts = recv_msg[:, 2:].sum(0).to(torch.int32)
-        q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t, None)
+        counts = recv_msg[:, 2:].sum(0, dtype=torch.int32)
+        # compiled only where it fuses a quantization: a compiled call costs more host time than
+        # the one cat of the BF16 side block (decision 53)
+        wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
+        q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
         # the one host sync of normal mode: everything the host needs, in one read
         host = torch.cat([msg[:, 1], recv_msg.reshape(-1)]).tolist()
         send_counts, recv_msg_host = host[:w], [host[w + r * (2 + el):w + (r + 1) * (2 + el)] for r in range(w)]
@@ -536,13 +622,19 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_data, _gather_rows(data, src[:n_send]), recv_counts, send_counts, self.group)
         _a2a(recv_meta, meta.index_select(0, src[:n_send]), recv_counts, send_counts, self.group)
 
-        scale, lids, weights = _fast(_normal_received, dev)(recv_meta, self.n_scale, self.top_k, self.rank, el)
+        scale, lids, weights = _normal_received(recv_meta, self.n_scale, self.top_k, self.rank, el)
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _combine_normal(self, ci: EPNormalCombine) -> torch.Tensor:
-        h: _NormalHandle = ci.handle
+        h = ci.handle
+        if isinstance(h, _WorstCaseHandle):
+            cw = self.capacity * self.world
+            if ci.hidden.shape != (cw, self.hidden):
+                raise ValueError(f"EPNormalCombine.hidden must be [{cw}, {self.hidden}] (worst-case buffers: "
+                                 f"max_tokens_per_rank x EP size rows), got {tuple(ci.hidden.shape)}")
+            return self._return_rows(ci.hidden, None, None, cw, h.slot, h.dtype)
         if not isinstance(h, _NormalHandle):
             raise ValueError("EPNormalCombine.handle must be the handle of this dispatcher's dispatch")
         y = ci.hidden
@@ -564,8 +656,13 @@ class TorchA2ADispatcher(Dispatcher):
 
     # ----------------------------------------------------------------- masked mode
 
-    def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
-        dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
+    def _exchange_fixed(self, x: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor, int]:
+        """The fixed-capacity exchange of masked and worst-case normal mode: every rank sends
+        ``C`` row slots (wire data, side block) to every rank in equal-split all-to-alls, a token
+        once per destination rank, unused slots padding. Returns (received data ``uint8 [W*C, B]``,
+        received side blocks ``int32 [W*C, M]``, ``slot [T, W]``, ``src [W*C]``, tokens sent)."""
+        dev, w, el, c = x.device, self.world, self.num_local, self.capacity
         t_in, cw, ids_in = x.shape[0], c * w, topk.ids
         overflow = t_in > c
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
@@ -582,6 +679,24 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+        return recv_data, recv_meta, slot, src, t
+
+    def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
+        """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
+        rank-major, each source's tokens first in its ``C`` rows, then padding rows (local ids
+        all -1, weights 0, FP8/INT8 scales 0). Nothing is read on the host: graph-safe."""
+        recv_data, recv_meta, slot, _, _ = self._exchange_fixed(x, topk)
+        received = _fast(_worst_case_received, x.device, static=True)(recv_meta, self.n_scale, self.top_k, self.rank,
+                                                                      self.num_local)
+        scale, lids, weights, rbad, rtokens, counts = received
+        self._check_senders(rtokens, rbad)
+        hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
+        return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
+
+    def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
+        dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
+        cw = c * w
+        recv_data, recv_meta, slot, src, t = self._exchange_fixed(x, topk)
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
         self._check_senders(rtokens, rbad)

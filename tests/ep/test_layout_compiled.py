@@ -89,10 +89,18 @@ def _check_tokens(t, device, hidden, x_dtype, wire, world, gen) -> None:
     assert _same_quantized(want[:2], got[:2], wire) and _equal(want[2], got[2]), \
         f"_wire_rows T={t} H={hidden} {wire} {x_dtype}"
 
+    nargs = (x, ids, weights, wire)
+    want_n, got_n = a2a._normal_wire_rows(*nargs), a2a._compiled(a2a._normal_wire_rows)(*nargs)
+    assert _same_quantized(want_n[:2], got_n[:2], wire) and _equal(want_n[2], got_n[2]), \
+        f"_normal_wire_rows T={t} H={hidden} {wire} {x_dtype}"
+
     # the side block as a receiver sees it: rows of several senders, padding rows included
     meta = want[2][torch.randint(0, t + 1, (world * CAPACITY,), generator=gen).to(device)]
     assert _equal(a2a._normal_received(meta, n_scale, TOP_K, 1, NUM_LOCAL),
                   a2a._compiled(a2a._normal_received)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), f"_normal_received T={t}"
+    assert _equal(a2a._worst_case_received(meta, n_scale, TOP_K, 1, NUM_LOCAL),
+                  a2a._compiled(a2a._worst_case_received, False)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), \
+        f"_worst_case_received T={t} {wire}"
     received = a2a._masked_received(meta, n_scale, TOP_K, 1, NUM_LOCAL)
     assert _equal(received, a2a._compiled(a2a._masked_received, False)(meta, n_scale, TOP_K, 1, NUM_LOCAL)), \
         f"_masked_received T={t} {wire}"
