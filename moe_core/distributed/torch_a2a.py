@@ -7,7 +7,7 @@ as local expert ``e % E_local``. Two modes, chosen by the plan's format:
 least one of its experts (not once per expert), with its top-k ids made local (-1 and weight 0
 for experts elsewhere). Received rows are grouped by source rank (ascending) and keep the
 source's token order. Combine sends the weighted rows back and sums them per token. Two ways
-to size the buffers (``backend_options["torch_a2a"]["normal_buffers"]``, decision 53):
+to size the buffers (``backend_options["torch_a2a"]["normal_buffers"]``, decision 55):
 
 - ``"exact"`` (the default without CUDA graphs): the per-rank counts are exchanged with one small
   all-to-all and read on the host in one ``tolist`` (the one host sync per dispatch, so not
@@ -550,7 +550,7 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
-        # normal mode with worst-case buffers: graph-safe (decision 53)
+        # normal mode with worst-case buffers: graph-safe (decision 55)
         self.worst_case = not self.masked and normal_buffers(cfg, ctx.spec.name) == "worst_case"
         # int32 side block of each row: [scales | K global ids | K weights | bad-id count | token count]
         self.n_scale = _scale_words(self.wire, self.hidden)
@@ -601,7 +601,7 @@ class TorchA2ADispatcher(Dispatcher):
         dist.all_to_all_single(recv_msg, msg, group=self.group)
         counts = recv_msg[:, 2:].sum(0, dtype=torch.int32)
         # compiled only where it fuses a quantization: a compiled call costs more host time than
-        # the one cat of the BF16 side block (decision 53)
+        # the one cat of the BF16 side block (decision 55)
         wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
         q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
         # the one host sync of normal mode: everything the host needs, in one read

@@ -93,7 +93,7 @@ def test_graph_mode_parallelism_and_capacity_reasons():
 
 
 def test_graph_safe_on_request_torch_a2a_normal_mode():
-    """torch_a2a's normal mode is graph-safe only under cuda_graph (worst-case buffers, decision 53):
+    """torch_a2a's normal mode is graph-safe only under cuda_graph (worst-case buffers, decision 55):
     planned there when asked for, ranked after the always graph-safe masked mode, never claimed
     graph-safe without the request, and refused without a capacity or with a bad option."""
     safe = spec("safe", mc.Role.EXPERTS, formats=(mc.Format.EP_NORMAL, mc.Format.EP_MASKED), priority=9,

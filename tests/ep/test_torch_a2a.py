@@ -101,7 +101,7 @@ def test_overflow_on_one_rank_raises_everywhere(world):
 
 def test_host_syncs_and_kernel_counts():
     """Normal dispatch with exact buffers reads the host exactly once; with worst-case buffers
-    (graph-safe, decision 53) never, masked mode never, combine never; the kernel and collective
+    (graph-safe, decision 55) never, masked mode never, combine never; the kernel and collective
     counts do not grow with the world size (no loops over ranks or experts)."""
     counts = {}
     for world in (2, 4):

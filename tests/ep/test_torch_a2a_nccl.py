@@ -83,7 +83,7 @@ def test_bad_id_on_one_rank_fails_every_rank_nccl():
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_graph_safe_modes_nccl(world):
-    """Masked mode and normal mode with worst-case buffers (decision 53): no host sync, and
+    """Masked mode and normal mode with worst-case buffers (decision 55): no host sync, and
     dispatch + stand-in experts + combine captured in a CUDA graph replays on new inputs."""
     modes = set()
     for where, name, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):

@@ -43,7 +43,7 @@ E, K, H, I = 16, 4, 256, 128  # noqa: E741 (I: the intermediate size, as in the 
 CAPACITY = 40
 WIRES = ("bf16", "fp8", "int8")
 MODES = (Format.EP_NORMAL, Format.EP_MASKED)
-# name -> (format, normal-mode buffers): exact counts (host read) or worst-case (graph-safe, decision 53)
+# name -> (format, normal-mode buffers): exact counts (host read) or worst-case (graph-safe, decision 55)
 VARIANTS = {"ep_normal": (Format.EP_NORMAL, "exact"), "ep_normal_worst_case": (Format.EP_NORMAL, "worst_case"),
             "ep_masked": (Format.EP_MASKED, None)}
 
