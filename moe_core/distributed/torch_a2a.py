@@ -236,7 +236,7 @@ def _compiled(fn, dynamic: Optional[bool] = None):
     module's send-side layout at 4096 tokens, seen on H200) - ``fn`` runs eagerly from that
     call on, with one warning: same results, more launches. A compile failure happens before
     anything runs, and every function here is pure or rewrites the same values, so re-running is safe."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=_eager_division())
     eager = False
 
     @functools.wraps(fn)
@@ -256,6 +256,24 @@ def _compiled(fn, dynamic: Optional[bool] = None):
 
 
 @functools.cache
+def _eager_division() -> dict[str, bool]:
+    """Inductor's switch for IEEE-rounded fp32 division in its Triton code, under this torch's name
+    for it (``emulate_divison_rounding`` in torch 2.10, ``eager_numerics.division_rounding`` in 2.13).
+    Triton's plain ``/`` is approximate (``div.full.f32``): the compiled wire quantization's
+    ``x / scale`` then put a value near a rounding boundary one INT8/FP8 code away from the core
+    quantizer's (eager IEEE division), on a few elements a call (decision 56). Inductor already
+    divides by a constant (``amax / 127``) as eager CUDA does, times the reciprocal. Without the
+    switch nothing is compiled (``_fast``)."""
+    import torch._inductor.config as inductor_config  # only processes that compile pay for it
+
+    names = inductor_config.get_config_copy()
+    for name in ("eager_numerics.division_rounding", "emulate_divison_rounding"):
+        if name in names:
+            return {name: True}
+    return {}
+
+
+@functools.cache
 def _compile_failures() -> tuple[type, ...]:
     import torch._dynamo.exc
     import torch._inductor.exc  # imported here: only processes that compile pay for it
@@ -266,7 +284,7 @@ def _compile_failures() -> tuple[type, ...]:
 
 
 def _fused_layout(device: torch.device) -> bool:
-    return device.type == "cuda"
+    return device.type == "cuda" and bool(_eager_division())
 
 
 def _fast(fn, device: torch.device, static: bool = False):
