@@ -364,7 +364,7 @@ def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch
     messages ``int64 [2, W, 3 + E_local]``: ``[0]`` is what this rank sends (row r for rank r: [ids
     below -1, ids from E up, rows for r, (token, expert) pairs per expert of r]), ``[1]`` receives the
     peers' (one buffer, so that the host reads both in one ``tolist``)."""
-    t, e = ids.shape[0], world * num_local
+    e = world * num_local
     hit, row = _send_rows(ids, world, num_local, None)
     # one histogram of the ids: bin 0 below -1, 1 for -1, 2..E+1 the experts, E+2 from E up
     key = torch.add(ids.clamp(-2, e), 2, out=torch.empty(ids.shape, dtype=torch.int64, device=ids.device))
