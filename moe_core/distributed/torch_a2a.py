@@ -236,7 +236,8 @@ def _compiled(fn, dynamic: Optional[bool] = None):
     module's send-side layout at 4096 tokens, seen on H200) - ``fn`` runs eagerly from that
     call on, with one warning: same results, more launches. A compile failure happens before
     anything runs, and every function here is pure or rewrites the same values, so re-running is safe."""
-    switch = _eager_division_switch()
+    # (traced by a user's outer compile, this inlines into that graph, which has its own options)
+    switch = "" if torch.compiler.is_compiling() else _eager_division_switch()
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, options={switch: True} if switch else {})
     eager = False
 
@@ -257,7 +258,6 @@ def _compiled(fn, dynamic: Optional[bool] = None):
 
 
 @functools.cache
-@torch.compiler.assume_constant_result  # a user's outer compile may trace through _compiled: read, not traced
 def _eager_division_switch() -> str:
     """Inductor's switch for IEEE-rounded fp32 division in its Triton code, under this torch's name
     for it (``emulate_divison_rounding`` in torch 2.10, ``eager_numerics.division_rounding`` in 2.13;
@@ -283,7 +283,8 @@ def _compile_failures() -> tuple[type, ...]:
 
 
 def _fused_layout(device: torch.device) -> bool:
-    return device.type == "cuda" and bool(_eager_division_switch())
+    # (a user's outer compile tracing through here decides its own division: the switch is not traceable)
+    return device.type == "cuda" and (torch.compiler.is_compiling() or bool(_eager_division_switch()))
 
 
 def _fast(fn, device: torch.device, static: bool = False):
