@@ -126,6 +126,10 @@ class BackendSpec:
     - ``wire_dtypes``: dtypes the dispatcher can carry / the experts accept, preferred first.
     - ``graph_safe_formats``: formats in which the backend never syncs with the host, so it can
       be captured in a CUDA graph.
+    - ``graph_safe_on_request``: formats in which the backend runs a capturable variant only when
+      the layer asks for CUDA graphs (``MoEConfig.cuda_graph``); without the request it may sync
+      (``torch_a2a``'s normal mode reads exact counts on the host unless asked). The planner
+      treats them as graph-safe under ``cuda_graph`` and ranks them after ``graph_safe_formats``.
     - ``devices``: device kinds it runs on: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"npu"``.
     - ``impl``: ``"module:Class"``; the class is instantiated with a ``BackendContext`` at plan
       time (see ``moe_core.runtime``).
@@ -160,6 +164,7 @@ class BackendSpec:
     quant_schemes: frozenset[QuantScheme] = frozenset({QuantScheme.UNQUANTIZED})
     activations: frozenset[Activation] = frozenset({Activation.SILU})
     graph_safe_formats: frozenset[Format] = frozenset()
+    graph_safe_on_request: frozenset[Format] = frozenset()
     ep: EPSupport = EPSupport.NONE
     priority: int = 0
     priority_reason: str = ""
@@ -182,7 +187,8 @@ class BackendSpec:
         object.__setattr__(self, "role", _enum(self.name, "role", Role, self.role))
         for name, kind, wrap in (("formats", Format, tuple), ("wire_dtypes", WireDtype, tuple),
                                  ("quant_schemes", QuantScheme, frozenset), ("activations", Activation, frozenset),
-                                 ("graph_safe_formats", Format, frozenset), ("devices", str, frozenset)):
+                                 ("graph_safe_formats", Format, frozenset),
+                                 ("graph_safe_on_request", Format, frozenset), ("devices", str, frozenset)):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, set, frozenset)):
                 raise TypeError(f"BackendSpec {self.name!r}: {name} must be a tuple/frozenset of {kind.__name__}, "

@@ -170,12 +170,13 @@ def _backend_row(manager: PluginManager, spec: BackendSpec, distribution: str) -
             "formats": [str(f) for f in spec.formats], "wire_dtypes": [str(d) for d in spec.wire_dtypes],
             "activations": sorted(map(str, spec.activations)), "priority": spec.priority, "ep": str(spec.ep),
             "graph_safe_formats": sorted(map(str, spec.graph_safe_formats)),
+            "graph_safe_on_request": sorted(map(str, spec.graph_safe_on_request)),
             "quantizes_internally": spec.quantizes_internally, "packages": list(spec.packages),
             "description": spec.description}
 
 
 CAPABILITY_KEYS = ("qualified_name", "distribution", "devices", "quant_schemes", "formats", "wire_dtypes",
-                   "activations", "priority", "ep", "graph_safe_formats", "quantizes_internally", "packages",
+                   "activations", "priority", "ep", "graph_safe_formats", "graph_safe_on_request", "quantizes_internally", "packages",
                    "description")
 
 

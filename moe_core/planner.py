@@ -96,7 +96,7 @@ class Plan:
     @property
     def graph_safe(self) -> bool:
         specs = [self.experts] + ([self.dispatcher] if self.dispatcher else [])
-        return all(self.format in s.graph_safe_formats for s in specs)
+        return all(_graph_safe(s, self.format, self.config) for s in specs)
 
     @property
     def dispatcher_name(self) -> str:
@@ -227,6 +227,11 @@ def _spec_reasons(spec: BackendSpec, config: MoEConfig, manager: PluginManager, 
     return reasons
 
 
+def _graph_safe(spec: BackendSpec, fmt: Format, config: MoEConfig) -> bool:
+    """Whether ``spec`` in ``fmt`` never syncs with the host for this config."""
+    return fmt in spec.graph_safe_formats or (config.cuda_graph and fmt in spec.graph_safe_on_request)
+
+
 def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) -> tuple[Optional[Format], list[Reason]]:
     if d is None:
         formats = [Format.FUSED]
@@ -246,7 +251,9 @@ def _choose_format(d: Optional[BackendSpec], e: BackendSpec, config: MoEConfig) 
         formats = [Format(config.dispatch_format)]
     if config.cuda_graph:
         specs = [s for s in (d, e) if s is not None]
-        safe = [f for f in formats if all(f in s.graph_safe_formats for s in specs)]
+        safe = [f for f in formats if all(_graph_safe(s, f, config) for s in specs)]
+        # formats that are graph-safe only on request rank after those that always are
+        safe.sort(key=lambda f: not all(f in s.graph_safe_formats for s in specs))
         if not safe:
             return None, [Reason(Code.NOT_GRAPH_SAFE, "no graph-safe format for "
                                  + " x ".join(s.qualified_name for s in specs) + " (" + "/".join(map(str, formats)) + ")",

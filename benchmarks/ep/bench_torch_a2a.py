@@ -3,13 +3,16 @@
     PYTHONPATH=. python benchmarks/ep/bench_torch_a2a.py --world 2 --out results/
 
 DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random routing (distinct
-experts per token), 128 and 4096 tokens per rank, both modes, bf16 and fp8 wire. One GPU per rank.
-Masked mode is timed twice: eager, and as it is meant to run, captured in CUDA graphs (one graph
-for dispatch, one for combine, each replayed). A case that fails is recorded with its error and
-the run goes on.
+experts per token), 128 and 4096 tokens per rank, bf16 and fp8 wire. One GPU per rank. Modes
+(``--modes``): ``normal`` (exact buffers, eager: one host read per dispatch), ``normal-graph``
+(worst-case buffers, captured in CUDA graphs), ``masked`` (eager) and ``masked-graph`` (captured;
+one graph for dispatch, one for combine, each replayed). A case that fails is recorded with its
+error and the run goes on. ``--json PATH`` writes one row per (case, stage) as
+``{"tokens_per_rank", "mode", "exec", "wire", "stage", "us", "gbps", "raw_gbps", "ratio", ...}``
+with ``"device"`` at the top level, rewritten after every case (a run cut short keeps what it measured).
 
 Bandwidth = bytes this rank actually hands to the collectives of the stage (all destinations,
-its own chunk included) / time of the whole stage (quantization, layout, host sync, slab
+its own chunk included; the fixed-capacity modes send every slot, padding included) / time of the whole stage (quantization, layout, host sync, slab
 expansion or reduction included). The raw figure is ``all_to_all_single`` of byte buffers with
 exactly the same split sizes, measured in the same run; ``ratio`` = stage bandwidth / raw
 bandwidth = raw time / stage time. Times are medians over iterations of the slowest rank.
@@ -75,11 +78,13 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
     return statistics.median(_timed(lambda: dist.all_to_all_single(out, inp, *splits), iters, warmup))
 
 
-def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph: bool, args) -> dict:
+def bench_case(rank: int, world: int, tokens: int, mode: str, wire: str, args) -> dict:
+    fmt, buffers, graph = MODES[mode]
     e, k, h = args.experts, args.top_k, args.hidden
     el = e // world
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
-                    max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire)
+                    max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire,
+                    backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {})
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
     d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -89,10 +94,24 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
     weights = torch.softmax(torch.randn(tokens, k, device=DEVICE, generator=gen), dim=1)
     topk = TopK(weights, ids)
     # wire row: data + int32 side block [scales | K ids | K weights | bad-id count | token count]
-    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + 2)
+    # (exact normal mode: without the two counts)
+    in_band = 0 if fmt is Format.EP_NORMAL and buffers != "worst_case" else 2
+    row_bytes = h * (2 if wire == "bf16" else 1) + 4 * (_scale_words(wire, h) + 2 * k + in_band)
     hb = h * 2  # combine moves bf16
 
-    if fmt is Format.EP_NORMAL:
+    if buffers == "worst_case":
+        y = torch.empty(tokens * world, h, device=DEVICE, dtype=torch.bfloat16).normal_()
+        if graph:
+            dispatch_fn, combine_fn, out = _graphs(d, x, topk, lambda o: EPNormalCombine(y, o.handle))
+        else:
+            out = d.dispatch(x, topk)
+            ci = EPNormalCombine(y, out.handle)
+            dispatch_fn = lambda: d.dispatch(x, topk)  # noqa: E731
+            combine_fn = lambda: d.combine(ci)  # noqa: E731
+        _sync()
+        d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
+        valid_rows = int((out.handle.slot > 0).sum())
+    elif fmt is Format.EP_NORMAL:
         out = d.dispatch(x, topk)
         _sync()
         dispatch_fn = lambda: d.dispatch(x, topk)  # noqa: E731
@@ -105,7 +124,7 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
     else:
         y = torch.empty(el, tokens * world, h, device=DEVICE, dtype=torch.bfloat16).normal_()
         if graph:
-            dispatch_fn, combine_fn, out = _graphs(d, x, topk, y)
+            dispatch_fn, combine_fn, out = _graphs(d, x, topk, lambda o: EPMaskedCombine(y, o.topk, o.handle))
         else:
             out = d.dispatch(x, topk)
             ci = EPMaskedCombine(y, out.topk, out.handle)
@@ -113,7 +132,7 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
             combine_fn = lambda: d.combine(ci)  # noqa: E731
         _sync()
         d_send_rows = d_recv_rows = c_send_rows = c_recv_rows = [tokens] * world
-        valid_rows = int((out.handle.slot < tokens * world).sum())
+        valid_rows = int((out.handle.slot > 0).sum())
     ms_dispatch = statistics.median(_timed(dispatch_fn, args.iters, args.warmup))
     ms_combine = statistics.median(_timed(combine_fn, args.iters, args.warmup))
     raw_dispatch = _raw(d_send_rows, d_recv_rows, row_bytes, args.iters, args.warmup)
@@ -129,7 +148,7 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
                 combine_fn()
             _sync()
         if rank == 0:
-            print(f"--- profile {tokens} tok/rank {fmt} {wire} graph={graph} ({args.profile_iters} dispatch+combine)",
+            print(f"--- profile {tokens} tok/rank {mode} {wire} ({args.profile_iters} dispatch+combine)",
                   flush=True)
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=25), flush=True)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
@@ -140,7 +159,7 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
         return nbytes / (ms * 1e-3) / 1e9
 
     return {
-        "tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager", "wire": wire,
+        "tokens_per_rank": tokens, "mode": mode, "exec": "graph" if graph else "eager", "wire": wire,
         "world": world, "rows_sent_valid": valid_rows, "rows_sent_total": sum(d_send_rows),
         "dispatch_bytes": d_bytes, "dispatch_ms": ms_dispatch, "dispatch_GBps": gbps(d_bytes, ms_dispatch),
         "raw_dispatch_ms": raw_dispatch, "raw_dispatch_GBps": gbps(d_bytes, raw_dispatch),
@@ -151,22 +170,23 @@ def bench_case(rank: int, world: int, tokens: int, fmt: Format, wire: str, graph
     }
 
 
-def _graphs(d, x, topk, y):
-    """Capture masked dispatch and combine in two CUDA graphs (static inputs: x, topk, y; the
-    combine graph reads the dispatch graph's outputs); return their replays and that output."""
+def _graphs(d, x, topk, combine_input):
+    """Capture a graph-safe mode's dispatch and combine in two CUDA graphs (static inputs: x,
+    topk and the experts' output inside ``combine_input(dispatched)``; the combine graph reads the
+    dispatch graph's outputs); return their replays and that output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up outside capture (allocator, NCCL)
+    with torch.cuda.stream(side):  # warm up outside capture (allocator, NCCL, compiled kernels)
         for _ in range(2):
             w = d.dispatch(x, topk)
-            d.combine(EPMaskedCombine(y, w.topk, w.handle))
+            d.combine(combine_input(w))
         del w
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g_dispatch, g_combine = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_dispatch):
         out = d.dispatch(x, topk)
-    ci = EPMaskedCombine(y, out.topk, out.handle)
+    ci = combine_input(out)
     with torch.cuda.graph(g_combine):
         d.combine(ci)
     torch.cuda.synchronize()
@@ -197,16 +217,15 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
                                 device_id=torch.device("cuda", rank))
     rows = []
-    modes = {"normal": (Format.EP_NORMAL, False), "masked": (Format.EP_MASKED, False),
-             "masked-graph": (Format.EP_MASKED, True)}
-    execs = [modes[m] for m in args.modes if not (args.cpu and m == "masked-graph")]
+    modes = [m for m in args.modes if not (args.cpu and MODES[m][2])]
+    device = f"{world}x {torch.cuda.get_device_name(0)}" if DEVICE == "cuda" else f"{world}x cpu (gloo)"
     for tokens in args.tokens:
-        for fmt, graph in execs:
+        for mode in modes:
             for wire in args.wires:
-                case = {"tokens_per_rank": tokens, "mode": str(fmt), "exec": "graph" if graph else "eager",
+                case = {"tokens_per_rank": tokens, "mode": mode, "exec": "graph" if MODES[mode][2] else "eager",
                         "wire": wire, "world": world}
                 try:
-                    r = bench_case(rank, world, tokens, fmt, wire, graph, args)
+                    r = bench_case(rank, world, tokens, mode, wire, args)
                     failed = 0
                 except Exception:  # record it and go on (every rank runs the same cases)
                     r = dict(case, error=traceback.format_exc()[-2000:])
@@ -220,10 +239,45 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
                 rows.append(r)
                 if rank == 0:
                     print(json.dumps(r), flush=True)
+                    if args.json:
+                        write_stage_rows(args.json, device, rows, args)
     if rank == 0:
         queue.put(rows)
     dist.barrier()
     dist.destroy_process_group()
+
+
+MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs)
+    "normal": (Format.EP_NORMAL, "exact", False), "normal-graph": (Format.EP_NORMAL, "worst_case", True),
+    "normal-worst-case": (Format.EP_NORMAL, "worst_case", False),
+    "masked": (Format.EP_MASKED, None, False), "masked-graph": (Format.EP_MASKED, None, True)}
+
+
+def stage_rows(rows: list[dict]) -> list[dict]:
+    """One row per (case, stage): times in us, bandwidths in GB/s, ratio = stage / raw bandwidth."""
+    out = []
+    for r in rows:
+        head = {key: r[key] for key in ("tokens_per_rank", "mode", "exec", "wire")}
+        if "error" in r:
+            out.append(dict(head, stage="both", error=r["error"].strip().splitlines()[-1][:300]))
+            continue
+        for stage in ("dispatch", "combine"):
+            out.append(dict(head, stage=stage, us=round(r[f"{stage}_ms"] * 1e3, 1),
+                            gbps=round(r[f"{stage}_GBps"], 2), raw_gbps=round(r[f"raw_{stage}_GBps"], 2),
+                            ratio=round(r[f"{stage}_ratio"], 4), raw_us=round(r[f"raw_{stage}_ms"] * 1e3, 1),
+                            bytes=r[f"{stage}_bytes"], world=r["world"]))
+    return out
+
+
+def write_stage_rows(path: str, device: str, rows: list[dict], args) -> None:
+    meta = {"device": device, "torch": torch.__version__, "command": " ".join(sys.argv), "hidden": args.hidden,
+            "top_k": args.top_k, "experts": args.experts, "iters": args.iters, "note": "us: median of the slowest rank; raw: all_to_all_single of the same bytes "
+                                    "with the same splits, eager, same run"}
+    if DEVICE == "cuda":
+        meta["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(meta, rows=stage_rows(rows)), f, indent=1)
 
 
 def table(rows: list[dict]) -> str:
@@ -257,9 +311,10 @@ def main() -> None:
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile --profile-iters calls and print rank 0's kernel and host tables")
     p.add_argument("--profile-iters", type=int, default=5)
-    p.add_argument("--modes", nargs="+", default=["normal", "masked", "masked-graph"],
-                   choices=["normal", "masked", "masked-graph"],
-                   help="which of normal (eager), masked (eager), masked-graph to run")
+    p.add_argument("--modes", nargs="+", default=["normal", "normal-graph", "masked-graph"], choices=list(MODES),
+                   help="normal (exact buffers, eager), normal-graph (worst-case buffers, CUDA graphs), "
+                        "normal-worst-case (eager), masked (eager), masked-graph")
+    p.add_argument("--json", default=None, help="write the per-stage rows here (e.g. results/torch_a2a-h100x2.json)")
     args = p.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,10 +6,18 @@ as local expert ``e % E_local``. Two modes, chosen by the plan's format:
 **EP_NORMAL** (DeepEP normal-mode semantics). Each token is sent once to every rank that holds at
 least one of its experts (not once per expert), with its top-k ids made local (-1 and weight 0
 for experts elsewhere). Received rows are grouped by source rank (ascending) and keep the
-source's token order. Variable sizes: the per-rank counts are exchanged with a small all-to-all
-and read on the host in one ``tolist`` (the one host sync per dispatch, so this mode is not
-graph-safe). The same read brings the per-local-expert counts (``expert_counts_host``) and a
-collective check of the ids. Combine sends the weighted rows back and sums them per token.
+source's token order. Combine sends the weighted rows back and sums them per token. Two ways
+to size the buffers (``backend_options["torch_a2a"]["normal_buffers"]``, decision 56):
+
+- ``"exact"`` (the default without CUDA graphs): the per-rank counts are exchanged with one small
+  all-to-all and read on the host in one ``tolist`` (the one host sync per dispatch, so not
+  graph-safe); the same read brings the per-local-expert counts (``expert_counts_host``) and a
+  collective check of the ids. Exactly the received rows, no padding. Combine reuses the splits.
+- ``"worst_case"`` (the default with ``cuda_graph=True``; DeepEP's ``num_worst_tokens``): every
+  rank sends ``C = max_tokens_per_rank`` row slots to every rank in equal-split all-to-alls,
+  as masked mode does; the received ``[W*C, H]`` rows hold each source's tokens first in its
+  ``C`` rows, then padding rows (local ids all -1, weights 0, scales 0). The counts stay on the
+  device (``expert_counts_host`` is None) and the checks travel in-band as in masked mode: graph-safe.
 
 **EP_MASKED** (DeepEP low-latency semantics). Fixed capacity ``C = max_tokens_per_rank``: every
 rank sends exactly ``C`` row slots to every rank (a token once per destination rank, unused
@@ -37,8 +45,8 @@ them in its one host read.
 Wire dtypes: BF16 (the activations' own dtype), FP8 (e4m3, per-token 128-channel group scales)
 and INT8 (per-token scale), quantized once per token before the rows are gathered per
 destination. Each row travels as two parts: the wire data, and an int32 side block
-``[scales | K global ids | K weights (fp32 bits) | sender's bad-id count | sender's token count]``;
-receivers make the ids local. Every collective moves bytes, so any dtype works on any backend (gloo has no float8);
+``[scales | K global ids | K weights (fp32 bits) | sender's bad-id count | sender's token count]``
+(exact normal mode leaves out the two counts: it checks on the host); receivers make the ids local. Every collective moves bytes, so any dtype works on any backend (gloo has no float8);
 row copies use the widest integer word that divides the row (both sides of a copy use the same
 word, since both are chosen from the same row size). Combine moves the experts' output dtype.
 
@@ -99,12 +107,44 @@ def probe() -> Reason:
         return unavailable(Code.LOAD_ERROR, f"torch.distributed check failed: {exc!r}")
 
 
+NORMAL_BUFFERS = ("exact", "worst_case")
+
+
+def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
+    """How normal mode sizes its receive buffers: ``"exact"`` (the counts are read on the host
+    once per dispatch; not graph-safe) or ``"worst_case"`` (``max_tokens_per_rank`` row slots per
+    rank and peer, counts on the device: graph-safe). ``backend_options[name]["normal_buffers"]``
+    chooses; the default is ``"worst_case"`` when the layer asks for CUDA graphs, else ``"exact"``.
+    Raises ``ValueError`` naming the option for a choice that cannot work."""
+    options = dict(config.options(name))
+    choice = options.pop("normal_buffers", "worst_case" if config.cuda_graph else "exact")
+    if options:
+        raise ValueError(f"backend_options[{name!r}] has unknown keys {sorted(options)}; "
+                         "torch_a2a takes only 'normal_buffers'")
+    if choice not in NORMAL_BUFFERS:
+        raise ValueError(f"backend_options[{name!r}]['normal_buffers'] must be one of {NORMAL_BUFFERS}, got {choice!r}")
+    if choice == "exact" and config.cuda_graph:
+        raise ValueError(f"backend_options[{name!r}]['normal_buffers']='exact' reads the counts on the host, which "
+                         "a CUDA graph cannot capture (cuda_graph=True); use 'worst_case'")
+    if choice == "worst_case" and config.max_tokens_per_rank is None:
+        raise ValueError("torch_a2a's graph-safe normal mode ('worst_case' buffers) sends max_tokens_per_rank row "
+                         "slots to every rank; max_tokens_per_rank is None: set it")
+    return choice
+
+
 def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
-    """Plan-time check: when torch.distributed is initialized, the EP group must match the config.
+    """Plan-time check: the backend options (and, with CUDA graphs, a fixed capacity: both
+    graph-safe modes need ``max_tokens_per_rank``); when torch.distributed is initialized, the EP
+    group must match the config.
 
     Planning without an initialized group (the CLI planning for a target) is allowed; building
     the dispatcher then requires it.
     """
+    try:
+        normal_buffers(config, spec.name)
+    except ValueError as exc:
+        code = Code.UNSUPPORTED_SHAPE if config.max_tokens_per_rank is None else Code.UNSUPPORTED_FEATURE
+        return [unavailable(code, str(exc), "set max_tokens_per_rank, or fix backend_options for torch_a2a")]
     if not (dist.is_available() and dist.is_initialized()):
         return []
     try:
@@ -196,7 +236,9 @@ def _compiled(fn, dynamic: Optional[bool] = None):
     module's send-side layout at 4096 tokens, seen on H200) - ``fn`` runs eagerly from that
     call on, with one warning: same results, more launches. A compile failure happens before
     anything runs, and every function here is pure or rewrites the same values, so re-running is safe."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    # (traced by a user's outer compile, this inlines into that graph, which has its own options)
+    switch = "" if torch.compiler.is_compiling() else _eager_division_switch()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, options={switch: True} if switch else {})
     eager = False
 
     @functools.wraps(fn)
@@ -216,6 +258,21 @@ def _compiled(fn, dynamic: Optional[bool] = None):
 
 
 @functools.cache
+def _eager_division_switch() -> str:
+    """Inductor's switch for IEEE-rounded fp32 division in its Triton code, under this torch's name
+    for it (``emulate_divison_rounding`` in torch 2.10, ``eager_numerics.division_rounding`` in 2.13;
+    "" if it has none). Triton's plain ``/`` is approximate (``div.full.f32``): the compiled wire
+    quantization's ``x / scale`` then put a value near a rounding boundary one INT8/FP8 code away
+    from the core quantizer's (eager IEEE division), on a few elements a call (decision 57).
+    Inductor already divides by a constant (``amax / 127``) as eager CUDA does, times the
+    reciprocal. Without the switch nothing is compiled (``_fused_layout``)."""
+    import torch._inductor.config as inductor_config  # only processes that compile pay for it
+
+    names = inductor_config.get_config_copy()
+    return next((n for n in ("eager_numerics.division_rounding", "emulate_divison_rounding") if n in names), "")
+
+
+@functools.cache
 def _compile_failures() -> tuple[type, ...]:
     import torch._dynamo.exc
     import torch._inductor.exc  # imported here: only processes that compile pay for it
@@ -226,7 +283,8 @@ def _compile_failures() -> tuple[type, ...]:
 
 
 def _fused_layout(device: torch.device) -> bool:
-    return device.type == "cuda"
+    # (a user's outer compile tracing through here decides its own division: the switch is not traceable)
+    return device.type == "cuda" and (torch.compiler.is_compiling() or bool(_eager_division_switch()))
 
 
 def _fast(fn, device: torch.device, static: bool = False):
@@ -254,8 +312,9 @@ def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[tor
     ``static``: the shapes are fixed per layer (see ``_fast``)."""
     if _fused_layout(table.device):
         return _fast(_reduce_pairs_loop, table.device, static)(table, index, weights)
-    if weights is None:  # few terms (one per rank): gather then sum
-        return table.index_select(0, index.reshape(-1)).view(*index.shape, table.shape[1]).sum(1)
+    if weights is None:  # few terms (one per rank): gather then sum (index: the transpose of a contiguous [W, T])
+        n, k = index.shape
+        return table.index_select(0, index.T.reshape(-1)).view(k, n, table.shape[1]).sum(0)
     return torch.nn.functional.embedding_bag(index, table, per_sample_weights=weights.to(table.dtype), mode="sum")
 
 
@@ -268,48 +327,52 @@ def reduce_pairs(table: torch.Tensor, index: torch.Tensor, weights: Optional[tor
 # "list indices must be integers or slices, not NoneType"; at 128 and 1000 tokens it compiled; H200).
 
 
-def _send_rows(ids: torch.Tensor, world: int, num_local: int, capacity: Optional[int],
-               unused: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _send_rows(ids: torch.Tensor, world: int, num_local: int,
+               capacity: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each (token, rank) pair goes in a destination-major send buffer.
 
     A token goes to rank ``r`` when one of its ids is an expert of ``r`` (ids outside ``[0, E)``
-    go nowhere). Returns ``count`` (int64 ``[W]``: tokens per rank) and ``row`` (int64
-    ``[T, W]``: the pair's row, ``unused`` where the token does not go to ``r``). Rows are
-    packed by rank, or with ``capacity`` every rank owns ``capacity`` rows.
+    go nowhere). Returns ``hit`` (bool ``[W, T]``: the token goes to rank r) and ``row`` (int64
+    ``[T, W]``, the transpose of a contiguous ``[W, T]``): the pair's row counted from 1, 0 where
+    the token does not go to ``r`` (so the unused pairs need no offset: each buffer indexed by
+    ``row`` has its spare row first). Rows are packed by rank, or with ``capacity`` every rank owns
+    ``capacity`` rows.
     """
-    ranks = torch.arange(world, device=ids.device, dtype=ids.dtype)
-    hit = (ids.div(num_local, rounding_mode="floor").unsqueeze(2) == ranks).any(1)
-    # inclusive rank of the token among those sent to r. Scanned along the contiguous dim of a
-    # [W, T] copy: an outer-dim scan over T runs serially per column (0.37 ms per dispatch at
-    # 4096 tokens/rank on H200, profiled)
-    pos = hit.T.contiguous().cumsum(1).T
-    count = pos[-1] if ids.shape[0] else hit.sum(0)
-    base = ranks * capacity if capacity is not None else count.cumsum(0) - count
-    row = torch.where(hit, pos + (base - 1), unused)
-    return count, row
+    t = ids.shape[0]
+    ranks = torch.arange(world, device=ids.device, dtype=ids.dtype).view(world, 1, 1)
+    # built [W, T] and scanned along its contiguous dim (an outer-dim scan over T runs serially per
+    # column: 0.37 ms per dispatch at 4096 tokens/rank on H200, profiled)
+    hit = (ids.div(num_local, rounding_mode="floor").unsqueeze(0) == ranks).any(2)
+    if capacity is None:  # packed: one scan of the flattened [W, T] counts the rows of lower ranks too
+        row = torch.where(hit, hit.view(-1).cumsum(0).view(world, t), 0)
+    else:  # rank r's rows are r * capacity + 1 ...
+        first = torch.arange(0, world * capacity, capacity, device=ids.device).view(world, 1)
+        row = torch.where(hit, hit.cumsum(1) + first, 0)
+    return hit, row.T
 
 
 def _sources(row: torch.Tensor, size: int, fill: Optional[int]) -> torch.Tensor:
-    """Inverse of ``row``: int64 ``[size + 1]``, the source token of each send-buffer row
-    (``fill`` where no token lands; the last entry collects the unused pairs)."""
-    t, w = row.shape
+    """Inverse of ``row`` (``_send_rows``): int64 ``[size + 1]``, entry ``i`` >= 1 the source token of
+    send-buffer row ``i - 1`` (``fill`` where no token lands); entry 0 collects the unused pairs."""
+    t = row.shape[0]
     src = (torch.full((size + 1,), fill, dtype=torch.int64, device=row.device) if fill is not None
            else torch.empty(size + 1, dtype=torch.int64, device=row.device))
-    tokens = torch.arange(t * w, device=row.device).div_(w, rounding_mode="floor")
-    return src.scatter_(0, row.reshape(-1), tokens)
+    return src.index_put_((row.T,), torch.arange(t, device=row.device))
 
 
 def _normal_layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Normal dispatch, before the host read: ``row [T, W]`` (see ``_send_rows``) and the counts
-    message ``[W, 2 + E_local]``, row r for rank r: [ids outside [-1, E) here, rows for r,
-    (token, expert) pairs per expert of r]."""
-    t, e = ids.shape[0], world * num_local
-    count, row = _send_rows(ids, world, num_local, None, world * t)
+    messages ``int64 [2, W, 3 + E_local]``: ``[0]`` is what this rank sends (row r for rank r: [ids
+    below -1, ids from E up, rows for r, (token, expert) pairs per expert of r]), ``[1]`` receives the
+    peers' (one buffer, so that the host reads both in one ``tolist``)."""
+    e = world * num_local
+    hit, row = _send_rows(ids, world, num_local, None)
     # one histogram of the ids: bin 0 below -1, 1 for -1, 2..E+1 the experts, E+2 from E up
-    key = ids.long().clamp(-2, e).add(2).reshape(-1)
-    bins = torch.zeros(e + 3, dtype=torch.int64, device=ids.device).scatter_add(0, key, torch.ones_like(key))
-    bad = bins[0] + bins[e + 2]
-    msg = torch.cat([bad.view(1, 1).expand(world, 1), count.view(world, 1), bins[2:e + 2].view(world, num_local)], dim=1)
+    key = torch.add(ids.clamp(-2, e), 2, out=torch.empty(ids.shape, dtype=torch.int64, device=ids.device))
+    bins = torch.zeros(e + 3, dtype=torch.int64, device=ids.device).scatter_add_(0, key.view(-1), torch.ones_like(key.view(-1)))
+    msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
+    torch.cat([bins[0:1].expand(world, 1), bins[e + 2:].expand(world, 1), hit.sum(1, keepdim=True),
+               bins[2:e + 2].view(world, num_local)], dim=1, out=msg[0])
     return row, msg
 
 
@@ -319,7 +382,7 @@ def _masked_layout(ids: torch.Tensor, world: int, num_local: int, capacity: int,
     and the count of ids outside ``[-1, E)`` (int32 scalar). An overflowing rank sends no tokens
     (and still counts its ids)."""
     bad = ((ids < -1) | (ids >= num_experts)).sum(dtype=torch.int32)
-    _, slot = _send_rows(ids[:0] if overflow else ids, world, num_local, capacity, world * capacity)
+    _, slot = _send_rows(ids[:0] if overflow else ids, world, num_local, capacity)
     return slot, bad
 
 
@@ -347,27 +410,77 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
         meta[:t, :ns] = scale.view(torch.int32)
     meta[:t, ns:ns + k] = ids
     meta[:t, ns + k:ns + 2 * k] = weights.float().view(torch.int32)
-    meta[t, :ns + 2 * k] = -1  # padding row: ids -1, never read as data
+    meta[t, :ns] = 0  # padding row: scales 0 (its data dequantizes to zeros), no expert, weights 0
+    meta[t, ns:ns + k] = -1
+    meta[t, ns + k:ns + 2 * k] = 0
     return data, scale, meta
 
 
+def _normal_wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      wire: WireDtype) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """Exact normal mode's per-token wire rows: (wire data ``[T, H]``, scales or None, side block
+    ``int32 [T, n_scale + 2K]``) built in one ``cat``: no padding row (only real tokens are sent) and
+    no in-band counts (this mode checks on the host)."""
+    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
+
+    if wire is WireDtype.FP8:
+        data, scale = quantize_fp8_per_token_group(x)
+    elif wire is WireDtype.INT8:
+        data, scale = quantize_int8_per_token(x)
+    else:
+        data, scale = x, None
+    parts = [] if scale is None else [scale.view(torch.int32)]
+    parts += [ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)]
+    return data, scale, torch.cat(parts, dim=1)
+
+
 def _split_meta(meta: torch.Tensor, n_scale: int, top_k: int) -> tuple[Optional[torch.Tensor], torch.Tensor,
-                                                                      torch.Tensor, torch.Tensor, torch.Tensor]:
+                                                                      torch.Tensor]:
     """Received side block -> (scales or None (contiguous, as the experts read them), global ids
-    int32, weights fp32, sender's bad-id count, sender's token count)."""
+    int32, weights fp32). The fixed-capacity modes' last two words: ``_in_band_counts``."""
     ns, k = n_scale, top_k
     scale = meta[:, :ns].view(torch.float32).contiguous() if ns else None
-    return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32), meta[:, -2], meta[:, -1]
+    return scale, meta[:, ns:ns + k], meta[:, ns + k:ns + 2 * k].view(torch.float32)
 
 
-def _normal_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
-                     num_local: int) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Received side block of normal mode -> (scales or None, local ids (-1: expert elsewhere),
-    weights (0 for experts elsewhere))."""
-    scale, ids, weights, _, _ = _split_meta(meta, n_scale, top_k)
+def _in_band_counts(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The senders' bad-id and token counts that every row of the fixed-capacity modes carries."""
+    return meta[:, -2], meta[:, -1]
+
+
+def _local_ids(ids: torch.Tensor, weights: torch.Tensor, rank: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ids -> (local ids (-1: expert elsewhere, or no expert), weights (0 for those))."""
     mine = ids.div(num_local, rounding_mode="floor") == rank
-    local = torch.where(mine, ids - rank * num_local, -1)
-    return scale, local, torch.where(mine, weights, 0.0)
+    return torch.where(mine, ids - rank * num_local, -1), torch.where(mine, weights, 0.0)
+
+
+def _normal_received(meta: torch.Tensor, n_scale: int, top_k: int,
+                     local_of: torch.Tensor) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Received side block of exact normal mode -> (scales or None, local ids, weights: see ``_local_ids``).
+    ``local_of`` (int32 ``[E + 1]``, ``_local_table``) maps the ids, checked on the host before: one gather."""
+    scale, ids, weights = _split_meta(meta, n_scale, top_k)
+    local = local_of[ids]
+    return scale, local, torch.where(local >= 0, weights, 0.0)
+
+
+def _local_table(rank: int, num_local: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """int32 ``[E + 1]``: global expert -> its local id on ``rank``, -1 elsewhere; the last entry (id -1) -1."""
+    table = torch.full((num_experts + 1,), -1, dtype=torch.int32, device=device)
+    table[rank * num_local:(rank + 1) * num_local] = torch.arange(num_local, dtype=torch.int32, device=device)
+    return table
+
+
+def _worst_case_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
+    """Received side block of worst-case normal mode -> (scales or None, local ids, weights), the
+    senders' bad-id and token counts (the in-band checks), and the (row, local expert) pairs per
+    local expert (int32 ``[E_local]``), all computed on the device. A padding row (ids -1) comes out
+    as a token with no expert here."""
+    scale, ids, weights = _split_meta(meta, n_scale, top_k)
+    local, weights = _local_ids(ids, weights, rank, num_local)
+    bad, tokens = _in_band_counts(meta)
+    key = torch.where(local >= 0, local, num_local).long().reshape(-1)
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=meta.device).scatter_add_(0, key, torch.ones_like(key))
+    return scale, local, weights, bad, tokens, counts[:num_local].to(torch.int32)
 
 
 def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, num_local: int):
@@ -379,7 +492,8 @@ def _masked_received(meta: torch.Tensor, n_scale: int, top_k: int, rank: int, nu
     ``write_index`` (the row each pair writes, see below))."""
     el = num_local
     cw = meta.shape[0]
-    scale, ids, weights, bad, tokens = _split_meta(meta, n_scale, top_k)
+    scale, ids, weights = _split_meta(meta, n_scale, top_k)
+    bad, tokens = _in_band_counts(meta)
     mine = ids.div(el, rounding_mode="floor") == rank
     key = torch.where(mine, ids - rank * el, el).long()  # [CW, K]; el: not here
     # [el + 1, CW], scanned along its contiguous dim (the [CW, el + 1] outer-dim scan took 1.9 ms
@@ -417,7 +531,7 @@ def _scale_words(dtype: WireDtype, hidden: int) -> int:
 
 @dataclass(frozen=True)
 class _NormalHandle:
-    row: torch.Tensor  # int64 [T, W]: row of (token, rank) in the send buffer, >= n_send where not sent
+    row: torch.Tensor  # int64 [T, W]: 1 + row of (token, rank) in the send buffer, 0 where not sent
     send_counts: list[int]  # rows sent to each rank
     recv_counts: list[int]  # rows received from each rank
     num_tokens: int
@@ -425,8 +539,15 @@ class _NormalHandle:
 
 
 @dataclass(frozen=True)
+class _WorstCaseHandle:
+    slot: torch.Tensor  # int64 [T, W]: 1 + slot of (token, rank) in the send buffer, 0 where not sent
+    num_tokens: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class _MaskedHandle:
-    slot: torch.Tensor  # int64 [T, W]: slot of (token, rank) in the send buffer, W*C where not sent
+    slot: torch.Tensor  # int64 [T, W]: 1 + slot of (token, rank) in the send buffer, 0 where not sent
     src: torch.Tensor  # int64 [W*C]: source token of each sent slot, T for unused slots (sender side)
     slab_index: torch.Tensor  # int64 [W*C, K]: slab row of each received (slot, k) pair, E_local*W*C if none
     valid: torch.Tensor  # bool [W*C, K]: (slot, k) pair is an expert of this rank
@@ -471,9 +592,13 @@ class TorchA2ADispatcher(Dispatcher):
         self.capacity = cfg.max_tokens_per_rank
         if self.masked and self.capacity is None:
             raise ValueError("torch_a2a masked mode needs config.max_tokens_per_rank (the fixed capacity)")
+        # normal mode with worst-case buffers: graph-safe (decision 56)
+        self.worst_case = not self.masked and normal_buffers(cfg, ctx.spec.name) == "worst_case"
         # int32 side block of each row: [scales | K global ids | K weights | bad-id count | token count]
+        # (the counts are the fixed-capacity exchange's in-band checks; exact normal mode has none)
         self.n_scale = _scale_words(self.wire, self.hidden)
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
+        self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
 
     # ----------------------------------------------------------------- common
 
@@ -497,6 +622,8 @@ class TorchA2ADispatcher(Dispatcher):
         self._validate(hidden_states, topk)
         if self.masked:
             return self._dispatch_masked(hidden_states, topk)
+        if self.worst_case:
+            return self._dispatch_worst_case(hidden_states, topk)
         return self._dispatch_normal(hidden_states, topk)
 
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
@@ -514,16 +641,18 @@ class TorchA2ADispatcher(Dispatcher):
         dev, t, w, el, e = x.device, x.shape[0], self.world, self.num_local, self.num_experts
         row, msg = _normal_layout(topk.ids, w, el)
         src = _sources(row, w * t, None)
-        recv_msg = torch.empty_like(msg)
-        dist.all_to_all_single(recv_msg, msg, group=self.group)
-        counts = recv_msg[:, 2:].sum(0).to(torch.int32)
-        q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t, None)
+        dist.all_to_all_single(msg[1], msg[0], group=self.group)
+        counts = msg[1, :, 3:].sum(0, dtype=torch.int32)
+        # compiled only where it fuses a quantization: a compiled call costs more host time than
+        # the one cat of the BF16 side block (decision 56)
+        wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
+        q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
         # the one host sync of normal mode: everything the host needs, in one read
-        host = torch.cat([msg[:, 1], recv_msg.reshape(-1)]).tolist()
-        send_counts, recv_msg_host = host[:w], [host[w + r * (2 + el):w + (r + 1) * (2 + el)] for r in range(w)]
-        bad_by_rank = [m[0] for m in recv_msg_host]
-        recv_counts = [m[1] for m in recv_msg_host]
-        counts_host = tuple(sum(m[2 + j] for m in recv_msg_host) for j in range(el))
+        sent_msg, recv_msg = msg.tolist()
+        send_counts = [m[2] for m in sent_msg]
+        recv_counts = [m[2] for m in recv_msg]
+        bad_by_rank = [m[0] + m[1] for m in recv_msg]
+        counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(el))
         if any(bad_by_rank):  # every rank learns it from the same message, so all raise together
             ranks = [r for r, b in enumerate(bad_by_rank) if b]
             raise ValueError(f"topk.ids out of range [-1, {e}) on EP rank(s) {ranks} "
@@ -532,47 +661,60 @@ class TorchA2ADispatcher(Dispatcher):
         n_send, n_recv = sum(send_counts), sum(recv_counts)
         data = _bytes(q)
         recv_data = torch.empty(n_recv, data.shape[1], dtype=torch.uint8, device=dev)
-        recv_meta = torch.empty(n_recv, self.meta_words, dtype=torch.int32, device=dev)
-        _a2a(recv_data, _gather_rows(data, src[:n_send]), recv_counts, send_counts, self.group)
-        _a2a(recv_meta, meta.index_select(0, src[:n_send]), recv_counts, send_counts, self.group)
+        recv_meta = torch.empty(n_recv, meta.shape[1], dtype=torch.int32, device=dev)
+        src = src[1:n_send + 1]
+        _a2a(recv_data, _gather_rows(data, src), recv_counts, send_counts, self.group)
+        _a2a(recv_meta, meta.index_select(0, src), recv_counts, send_counts, self.group)
 
-        scale, lids, weights = _fast(_normal_received, dev)(recv_meta, self.n_scale, self.top_k, self.rank, el)
+        if self._local_of is None or self._local_of.device != dev:
+            self._local_of = _local_table(self.rank, el, e, dev)
+        scale, lids, weights = _normal_received(recv_meta, self.n_scale, self.top_k, self._local_of)
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _combine_normal(self, ci: EPNormalCombine) -> torch.Tensor:
-        h: _NormalHandle = ci.handle
+        h = ci.handle
+        if isinstance(h, _WorstCaseHandle):
+            cw = self.capacity * self.world
+            if ci.hidden.shape != (cw, self.hidden):
+                raise ValueError(f"EPNormalCombine.hidden must be [{cw}, {self.hidden}] (worst-case buffers: "
+                                 f"max_tokens_per_rank x EP size rows), got {tuple(ci.hidden.shape)}")
+            return self._return_rows(ci.hidden, None, None, cw, h.slot, h.dtype)
         if not isinstance(h, _NormalHandle):
             raise ValueError("EPNormalCombine.handle must be the handle of this dispatcher's dispatch")
         y = ci.hidden
         if y.dim() != 2 or y.shape != (sum(h.recv_counts), self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{sum(h.recv_counts)}, {self.hidden}], "
                              f"got {tuple(y.shape)}")
-        n_send = sum(h.send_counts)
-        return self._return_rows(y, h.send_counts, h.recv_counts, n_send, h.row.clamp(max=n_send), h.dtype)
+        return self._return_rows(y, h.send_counts, h.recv_counts, sum(h.send_counts), h.row, h.dtype)
 
     def _return_rows(self, y: torch.Tensor, back_counts, y_counts, n_back: int, row: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
-        """Send ``y`` back to the ranks its rows came from; sum each token's rows (``row [T, W]``
-        into the returned buffer, ``n_back`` = a zero row for ranks the token was not sent to).
-        The sum accumulates in fp32."""
+        """Send ``y`` back to the ranks its rows came from (``n_back`` rows return, after a zero row);
+        sum each token's rows (``row [T, W]`` from ``_send_rows``: 0, the zero row, where the token was
+        not sent to a rank). The sum accumulates in fp32."""
         back = torch.empty(n_back + 1, self.hidden, dtype=y.dtype, device=y.device)
-        back[n_back].zero_()
-        _a2a(back[:n_back], y, back_counts, y_counts, self.group)
+        back[0].zero_()
+        _a2a(back[1:], y, back_counts, y_counts, self.group)
         return reduce_pairs(back, row, None).to(dtype)
 
     # ----------------------------------------------------------------- masked mode
 
-    def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
-        dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
+    def _exchange_fixed(self, x: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor, int]:
+        """The fixed-capacity exchange of masked and worst-case normal mode: every rank sends
+        ``C`` row slots (wire data, side block) to every rank in equal-split all-to-alls, a token
+        once per destination rank, unused slots padding. Returns (received data ``uint8 [W*C, B]``,
+        received side blocks ``int32 [W*C, M]``, ``slot [T, W]``, ``src [W*C]``, tokens sent)."""
+        dev, w, el, c = x.device, self.world, self.num_local, self.capacity
         t_in, cw, ids_in = x.shape[0], c * w, topk.ids
         overflow = t_in > c
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
-        src = _sources(slot, cw, t)[:cw]
+        src = _sources(slot, cw, t)[1:]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
         data = _bytes(q)
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
@@ -582,6 +724,24 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+        return recv_data, recv_meta, slot, src, t
+
+    def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
+        """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
+        rank-major, each source's tokens first in its ``C`` rows, then padding rows (local ids
+        all -1, weights 0, FP8/INT8 scales 0). Nothing is read on the host: graph-safe."""
+        recv_data, recv_meta, slot, _, _ = self._exchange_fixed(x, topk)
+        received = _fast(_worst_case_received, x.device, static=True)(recv_meta, self.n_scale, self.top_k, self.rank,
+                                                                      self.num_local)
+        scale, lids, weights, rbad, rtokens, counts = received
+        self._check_senders(rtokens, rbad)
+        hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
+        return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
+
+    def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
+        dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
+        cw = c * w
+        recv_data, recv_meta, slot, src, t = self._exchange_fixed(x, topk)
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
         self._check_senders(rtokens, rbad)

@@ -26,8 +26,10 @@ class ReferencePlugin(BackendPlugin):
                 name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed.torch_a2a:TorchA2ADispatcher",
                 formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=ALL_DEVICES,  # RCCL on ROCm
                 wire_dtypes=(WireDtype.BF16, WireDtype.FP8, WireDtype.INT8),
-                graph_safe_formats=frozenset({Format.EP_MASKED}), ep=EPSupport.REQUIRED, priority=10,
-                description="expert parallelism over torch.distributed all-to-all (gloo, NCCL, HCCL)",
+                graph_safe_formats=frozenset({Format.EP_MASKED}), graph_safe_on_request=frozenset({Format.EP_NORMAL}),
+                ep=EPSupport.REQUIRED, priority=10, check="moe_core.distributed.torch_a2a:check",
+                description="expert parallelism over torch.distributed all-to-all (gloo, NCCL, HCCL); normal mode "
+                            "with worst-case buffers under cuda_graph",
             ),
             BackendSpec(
                 name="reference", role=Role.EXPERTS, impl="moe_core.reference.experts:ReferenceExperts",

@@ -8,6 +8,7 @@ import pytest
 
 import moe_core as mc
 from moe_core import hookimpl
+from moe_core.distributed.torch_a2a import normal_buffers
 from moe_core.plugins import PluginManager
 
 BASE = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128)
@@ -89,6 +90,36 @@ def test_graph_mode_parallelism_and_capacity_reasons():
     masked = mc.plan(mc.MoEConfig(**BASE, ep_size=2, max_tokens_per_rank=64, cuda_graph=True),
                      manager=manager_with(FakePlugin([safe])))
     assert masked.format is mc.Format.EP_MASKED and masked.graph_safe
+
+
+def test_graph_safe_on_request_torch_a2a_normal_mode():
+    """torch_a2a's normal mode is graph-safe only under cuda_graph (worst-case buffers, decision 56):
+    planned there when asked for, ranked after the always graph-safe masked mode, never claimed
+    graph-safe without the request, and refused without a capacity or with a bad option."""
+    safe = spec("safe", mc.Role.EXPERTS, formats=(mc.Format.EP_NORMAL, mc.Format.EP_MASKED), priority=9,
+                graph_safe_formats=frozenset({mc.Format.EP_NORMAL, mc.Format.EP_MASKED}), ep="any")
+    manager = manager_with(FakePlugin([safe]))
+    ep = dict(BASE, ep_size=2, experts="safe", max_tokens_per_rank=64)
+    masked = mc.plan(mc.MoEConfig(**ep, cuda_graph=True), manager=manager)
+    assert masked.format is mc.Format.EP_MASKED and masked.graph_safe
+    normal = mc.plan(mc.MoEConfig(**ep, cuda_graph=True, dispatch_format="ep_normal"), manager=manager)
+    assert normal.format is mc.Format.EP_NORMAL and normal.graph_safe and normal_buffers(normal.config) == "worst_case"
+    eager = mc.plan(mc.MoEConfig(**ep), manager=manager)
+    assert eager.format is mc.Format.EP_NORMAL and not eager.graph_safe and normal_buffers(eager.config) == "exact"
+    opted = mc.MoEConfig(**ep, backend_options={"torch_a2a": {"normal_buffers": "worst_case"}})
+    assert normal_buffers(mc.plan(opted, manager=manager).config) == "worst_case"
+    bad = {"no capacity": mc.MoEConfig(**dict(ep, max_tokens_per_rank=None), cuda_graph=True),
+           "bad option": mc.MoEConfig(**ep, backend_options={"torch_a2a": {"normal_buffers": "huge"}}),
+           "exact under graphs": mc.MoEConfig(**ep, cuda_graph=True,
+                                              backend_options={"torch_a2a": {"normal_buffers": "exact"}}),
+           "unknown key": mc.MoEConfig(**ep, backend_options={"torch_a2a": {"buffers": "exact"}})}
+    expect = {"no capacity": "max_tokens_per_rank is None", "bad option": "got 'huge'",
+              "exact under graphs": "cuda_graph=True", "unknown key": "unknown keys ['buffers']"}
+    for name, cfg in bad.items():
+        with pytest.raises(mc.PlanError) as err:
+            mc.plan(cfg, manager=manager)
+        messages = [r.message for rej in err.value.rejected if rej.dispatcher.endswith("torch_a2a") for r in rej.reasons]
+        assert any(expect[name] in m for m in messages), (name, messages)
 
 
 def test_no_common_dtype():

@@ -1,6 +1,6 @@
 """``torch_a2a`` on NCCL, one GPU per rank (skipped without 2 CUDA devices).
 
-The gloo scenarios again on GPUs, plus the graph-safety claim of masked mode: no host sync
+The gloo scenarios again on GPUs, plus the graph-safety claim of masked mode and of worst-case normal mode: no host sync
 (``torch.cuda.set_sync_debug_mode("error")``) and CUDA-graph capture + replay. Also runnable
 without pytest: ``PYTHONPATH=. python tests/ep/test_torch_a2a_nccl.py``.
 """
@@ -82,17 +82,22 @@ def test_bad_id_on_one_rank_fails_every_rank_nccl():
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_masked_graph_safe_nccl(world):
-    for where, _, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
-        assert case["host_sync"] is None, f"{where}: masked mode synced with the host: {case['host_sync']}"
+def test_graph_safe_modes_nccl(world):
+    """Masked mode and normal mode with worst-case buffers (decision 56): no host sync, and
+    dispatch + stand-in experts + combine captured in a CUDA graph replays on new inputs."""
+    modes = set()
+    for where, name, case in _cases(run_ranks("graph", world, TIMEOUT, backend="nccl")):
+        modes.add(name.split("/")[0])
+        assert case["host_sync"] is None, f"{where}: synced with the host: {case['host_sync']}"
         assert case["no_sync_err"] == 0.0, f"{where}: {case}"
         assert case["expected_norm"] > 0 and case["replay_err"] <= 1e-6, f"{where}: CUDA graph replay differs: {case}"
+    assert modes == {"ep_masked", "ep_normal_worst_case"}, modes
 
 
 if __name__ == "__main__":
     failed = 0
     for fn, args in [(test_layer_nccl, WORLDS), (test_dispatch_layout_nccl, WORLDS), (test_errors_nccl, [None]),
-                     (test_masked_graph_safe_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS),
+                     (test_graph_safe_modes_nccl, WORLDS), (test_overflow_on_one_rank_nccl, WORLDS),
                      (test_bad_id_on_one_rank_fails_every_rank_nccl, [None])]:
         for a in args:
             name = f"{fn.__name__}[{a}]" if a is not None else fn.__name__

@@ -43,6 +43,9 @@ E, K, H, I = 16, 4, 256, 128  # noqa: E741 (I: the intermediate size, as in the 
 CAPACITY = 40
 WIRES = ("bf16", "fp8", "int8")
 MODES = (Format.EP_NORMAL, Format.EP_MASKED)
+# name -> (format, normal-mode buffers): exact counts (host read) or worst-case (graph-safe, decision 56)
+VARIANTS = {"ep_normal": (Format.EP_NORMAL, "exact"), "ep_normal_worst_case": (Format.EP_NORMAL, "worst_case"),
+            "ep_masked": (Format.EP_MASKED, None)}
 
 
 def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Tensor, TopK]]:
@@ -67,8 +70,9 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
     }
 
 
-def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16) -> MoEConfig:
-    return MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None) -> MoEConfig:
+    return MoEConfig(backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {},
+                     num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
                      ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
                      experts="reference", dispatch_dtype=wire, device="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -102,14 +106,16 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
             cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, dispatcher="standard",
                             experts="reference", dispatch_dtype=w, device="cpu")
             ref_layers[w] = build_layer(cfg, Format.STANDARD, weights, torch.device("cpu"))
-        for fmt in MODES:
-            layer = build_layer(ep_config(world, rank, wire), fmt, weights, device)
+        for mode, (fmt, buffers) in VARIANTS.items():
+            if buffers == "worst_case" and wire == "int8":
+                continue
+            layer = build_layer(ep_config(world, rank, wire, buffers=buffers), fmt, weights, device)
             assert layer.plan.dispatcher.name == "torch_a2a" and layer.plan.dispatch_dtype is WireDtype(wire)
             for name, (x, topk) in cases.items():
                 out = layer(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))).cpu()
                 ref = ref_layers[wire](x, topk)
                 ref16 = ref_layers["bf16"](x, topk)
-                results[f"{fmt}/{wire}/{name}"] = {
+                results[f"{mode}/{wire}/{name}"] = {
                     "tokens": x.shape[0], "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
                     "err": rel_error(out, ref), "err_vs_bf16": rel_error(out, ref16),
                     "finite": bool(torch.isfinite(out.float()).all()),
@@ -117,8 +123,8 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire)
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -135,11 +141,11 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
     # every rank knows every rank's tokens (same generators), to check what it should receive
     all_cases = [routing_cases(world, r, seed) for r in range(world)]
     results = {}
-    for fmt in MODES:
+    for mode, (fmt, buffers) in VARIANTS.items():
         for wire in WIRES:
-            d = _make_dispatcher(world, rank, fmt, wire)
+            d = _make_dispatcher(world, rank, fmt, wire, buffers)
             for name, (x, topk) in all_cases[rank].items():
-                key = f"{fmt}/{wire}/{name}"
+                key = f"{mode}/{wire}/{name}"
                 dev_topk = TopK(topk.weights.to(device), topk.ids.to(device))
                 out_d = d.dispatch(x.to(device), dev_topk)
                 checks = {}
@@ -147,7 +153,8 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                 if fmt is Format.EP_NORMAL:
                     assert isinstance(out_d, EPNormalDispatch)
                     # expected rows: for each source rank in order, its tokens that use an expert here
-                    exp_rows, exp_ids, exp_w = [], [], []
+                    # (worst-case buffers: in that source's CAPACITY rows, then padding rows)
+                    exp_rows, exp_ids, exp_w, sent = [], [], [], []
                     for src in range(world):
                         xs, ts = all_cases[src][name]
                         ids = ts.ids.long()
@@ -156,14 +163,25 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                         exp_rows.append(_wire_roundtrip(xs, wire, device)[sel].float())
                         exp_ids.append(torch.where(mine, ids - first, -1)[sel])
                         exp_w.append(torch.where(mine, ts.weights, 0.0)[sel])
+                        sent.append(int(sel.sum()))
                     exp_rows, exp_ids, exp_w = torch.cat(exp_rows), torch.cat(exp_ids), torch.cat(exp_w)
                     counts = torch.bincount(exp_ids[exp_ids >= 0], minlength=el)
-                    checks["rows"] = deq.shape[0] == exp_rows.shape[0]
-                    checks["ids"] = torch.equal(out_d.topk.ids.cpu().long(), exp_ids)
-                    checks["weights"] = torch.equal(out_d.topk.weights.cpu(), exp_w)
+                    got_ids, got_w = out_d.topk.ids.cpu().long(), out_d.topk.weights.cpu()
+                    valid = torch.ones(deq.shape[0], dtype=torch.bool)
+                    if buffers == "worst_case":
+                        checks["rows"] = deq.shape[0] == world * CAPACITY
+                        valid = (torch.arange(CAPACITY).unsqueeze(0) < torch.tensor(sent).unsqueeze(1)).reshape(-1)
+                        valid = valid if checks["rows"] else torch.zeros(deq.shape[0], dtype=torch.bool)
+                        checks["padding"] = bool((got_ids[~valid] == -1).all() and (got_w[~valid] == 0).all())
+                        checks["padding_finite"] = bool(torch.isfinite(deq[~valid]).all())
+                        checks["counts_host"] = out_d.expert_counts_host is None  # nothing read on the host
+                    else:
+                        checks["rows"] = deq.shape[0] == exp_rows.shape[0]
+                        checks["counts_host"] = list(out_d.expert_counts_host) == counts.tolist()
+                    checks["ids"] = torch.equal(got_ids[valid], exp_ids)
+                    checks["weights"] = torch.equal(got_w[valid], exp_w)
                     checks["counts"] = torch.equal(out_d.expert_counts.cpu().long(), counts)
-                    checks["counts_host"] = list(out_d.expert_counts_host) == counts.tolist()
-                    data_err = rel_error(deq, exp_rows) if checks["rows"] else float("inf")
+                    data_err = rel_error(deq[valid], exp_rows) if checks["ids"] else float("inf")
                     # stand-in experts: weighted sum over local experts, float64
                     lid = out_d.topk.ids.cpu().long()
                     y = torch.zeros(deq.shape[0], H, dtype=torch.float64)
@@ -171,6 +189,7 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                         ok = lid[:, j] >= 0
                         y += torch.where(ok.unsqueeze(1), _expert_fn(deq, lid[:, j] + first)
                                          * out_d.topk.weights.cpu()[:, j:j + 1].double(), 0.0)
+                    y[~valid] = float("nan")  # padding rows' outputs must never be read back
                     out = d.combine(EPNormalCombine(y.to(torch.bfloat16).to(device), out_d.handle)).cpu()
                 else:
                     assert isinstance(out_d, EPMaskedDispatch)
@@ -237,6 +256,13 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
         results["overflow"] = {"raised": False}
     except ValueError as exc:
         results["overflow"] = {"raised": True, "message": str(exc)}
+    # the same with worst-case normal buffers (the same fixed-capacity exchange)
+    dw = _make_dispatcher(world, rank, Format.EP_NORMAL, "fp8", "worst_case")
+    try:
+        dw.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
+        results["overflow_worst_case"] = {"raised": False}
+    except ValueError as exc:
+        results["overflow_worst_case"] = {"raised": True, "message": str(exc)}
     # ids out of range in normal mode, on rank 0 only: every rank raises, nobody hangs
     d = _make_dispatcher(world, rank, Format.EP_NORMAL, "bf16")
     x, topk = make_hidden(5, H, torch.bfloat16, gen), make_topk(5, K, E, gen)
@@ -258,6 +284,11 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
             results["bad_ids_masked"] = {"raised": False}
         except ValueError as exc:
             results["bad_ids_masked"] = {"raised": True, "message": str(exc)}
+        try:  # worst-case normal buffers check in-band too
+            dw.dispatch(x.to(device), TopK(topk.weights.to(device), ids.to(device)))
+            results["bad_ids_worst_case"] = {"raised": False}
+        except ValueError as exc:
+            results["bad_ids_worst_case"] = {"raised": True, "message": str(exc)}
     # the group is still usable afterwards
     out_d = d.dispatch(x.to(device), TopK(topk.weights.to(device), topk.ids.to(device)))
     results["after_error"] = {"rows": int(out_d.hidden.shape[0])}
@@ -272,18 +303,22 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
 
 
 def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> dict:
-    """CUDA only: masked mode never syncs with the host, and is captured and replayed in a CUDA graph."""
+    """CUDA only: masked mode and worst-case normal mode never sync with the host, and are
+    captured and replayed in a CUDA graph."""
     results = {}
     gen = torch.Generator().manual_seed(seed + rank)
-    for wire in WIRES:
-        d = _make_dispatcher(world, rank, Format.EP_MASKED, wire)
-        x = make_hidden(CAPACITY - 3, H, torch.bfloat16, gen).to(device)
-        tk = make_topk(CAPACITY - 3, K, E, gen, neg_fraction=0.2)
+    for (mode, (fmt, buffers)), wire in [(v, w) for v in VARIANTS.items() if v[0] != "ep_normal" for w in WIRES]:
+        d = _make_dispatcher(world, rank, fmt, wire, buffers)
+        x = make_hidden(CAPACITY - 3 - rank, H, torch.bfloat16, gen).to(device)
+        tk = make_topk(CAPACITY - 3 - rank, K, E, gen, neg_fraction=0.2)
         topk = TopK(tk.weights.to(device), tk.ids.to(device))
 
-        def step(d=d, x=x, topk=topk):  # bound now: called within this iteration only
+        def step(d=d, x=x, topk=topk, fmt=fmt):  # bound now: called within this iteration only
             out_d = d.dispatch(x, topk)
-            y = (out_d.hidden.dequantize(torch.float32) * 2).to(torch.bfloat16)  # graph-safe stand-in experts
+            if fmt is Format.EP_NORMAL:  # graph-safe stand-in experts: the weighted sum of 2x the row
+                y = out_d.hidden.dequantize(torch.float32) * (2 * out_d.topk.weights.sum(1, keepdim=True))
+                return d.combine(EPNormalCombine(y.to(torch.bfloat16), out_d.handle))
+            y = (out_d.hidden.dequantize(torch.float32) * 2).to(torch.bfloat16)
             return d.combine(EPMaskedCombine(y, out_d.topk, out_d.handle))
 
         eager = step()
@@ -309,7 +344,7 @@ def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> di
         graph.replay()
         torch.cuda.synchronize()
         ref = step()
-        results[f"ep_masked/{wire}/graph"] = {
+        results[f"{mode}/{wire}/graph"] = {
             "host_sync": synced, "no_sync_err": rel_error(no_sync.cpu(), eager.cpu()) if no_sync is not None else None,
             "replay_err": rel_error(captured.cpu(), ref.cpu()), "expected_norm": float(ref.float().norm()),
         }
@@ -347,9 +382,9 @@ def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict
     results = {}
     x, topk = routing_cases(world, rank, seed)["uniform"]
     x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
-    for fmt in MODES:
+    for mode, (fmt, buffers) in VARIANTS.items():
         for wire in WIRES:
-            d = _make_dispatcher(world, rank, fmt, wire)
+            d = _make_dispatcher(world, rank, fmt, wire, buffers)
             for _ in range(2):  # the second round is counted (lazy initialisation out of the way)
                 with OpCounter() as cd:
                     out = d.dispatch(x, topk)
@@ -359,7 +394,7 @@ def scenario_ops(world: int, rank: int, device: torch.device, seed: int) -> dict
                     ci = EPMaskedCombine(out.hidden.dequantize(torch.bfloat16), out.topk, out.handle)
                 with OpCounter() as cc:
                     d.combine(ci)
-            results[f"{fmt}/{wire}"] = {"dispatch": cd.summary(), "combine": cc.summary()}
+            results[f"{mode}/{wire}"] = {"dispatch": cd.summary(), "combine": cc.summary()}
     return results
 
 
