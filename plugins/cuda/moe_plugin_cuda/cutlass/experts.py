@@ -124,10 +124,11 @@ def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, fp8_block: bool,
               table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int],
               config_dir: Optional[str], grouped_gemm: Optional[str],
-              descriptors: Optional[dict] = None, layouts=None) -> torch.Tensor:
+              descriptors: Optional[dict] = None, layouts=None, programs=None) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
-    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``, ``layouts``:
-    the Triton path's caches of weight TMA descriptors and workspace layouts (``triton_ops.fused_experts``)."""
+    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``, ``layouts``,
+    ``programs``: the Triton path's caches of weight TMA descriptors, workspace layouts and recorded calls
+    (``triton_ops.fused_experts``)."""
     from moe_plugin_cuda.cutlass import ops as cutlass_ops
     from moe_plugin_cuda.triton import ops as triton_ops
 
@@ -143,7 +144,7 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     fp8_block=fp8_block, activation="silu", routed_scaling_factor=routed_scaling_factor,
                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block,
-                                    descriptors=descriptors, layouts=layouts)
+                                    descriptors=descriptors, layouts=layouts, programs=programs)
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, *, fp8_block: bool, table_dtype: str,
@@ -232,6 +233,9 @@ class CutlassExperts(Experts):
         self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
         self._descriptors: dict = {}  # the Triton path's weight TMA descriptors, emptied by process_weights
         self._layouts = Layouts()  # the Triton path's workspace layouts per T
+        from moe_plugin_cuda.triton.replay import Programs  # imports triton
+
+        self._programs = Programs()  # the Triton path's recorded calls (triton.replay), emptied by process_weights
         if self.decision.grouped_gemm == "deepgemm":
             from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
@@ -250,6 +254,7 @@ class CutlassExperts(Experts):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
         self._descriptors.clear()
+        self._programs.clear()
         # build or load now, not inside the first forward (or a graph capture)
         cutlass_lib.library()
         if deepgemm_lib.missing() is None:
@@ -277,7 +282,8 @@ class CutlassExperts(Experts):
             if torch.compiler.is_compiling():
                 out = _fused_op(*args, **kwargs)
             else:
-                out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts)
+                out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts,
+                                programs=self._programs)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

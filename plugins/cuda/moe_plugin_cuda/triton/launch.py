@@ -41,7 +41,10 @@ _compiled: dict[tuple, tuple[JITFunction, Any]] = {}  # key (kernel by id) -> (t
 # per kernel (by id, JITFunction's own hash is slow): (the kernel, (parameter names, how many come before the
 # first constexpr), or None: always through kernel[grid])
 _params: dict[int, tuple[Any, tuple[tuple[str, ...], int] | None]] = {}
-stats = {"direct": 0, "triton": 0}  # launches by path (what the tests read)
+stats = {"direct": 0, "triton": 0, "replayed": 0}  # launches by path (what the tests read; replayed: replay.py)
+# while a ``recording()`` is open: each launch as (its CompiledKernel, or None where the call could not be replayed
+# directly, grid, every parameter's value in order); see ``replay.py``
+_recording: list | None = None
 
 
 _PLAIN = frozenset((int, float, bool, type(None)))  # keyed by value (their types are in the key too)
@@ -115,6 +118,8 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if sig is None or not enabled or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
         stats["triton"] += 1
         kernel[grid](*args, **kwargs)
+        if _recording is not None:
+            _recording.append((None, grid, args))
         return
     names = sig[0]
     rt = triton.knobs.runtime
@@ -135,18 +140,51 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
         if hasattr(compiled, "result"):  # (an asynchronous compile's future)
             compiled = compiled.result()
         # only a complete call can be replayed: every parameter given, a launcher to call
-        if (all(n in kwargs for n in names[len(args):]) and hasattr(compiled, "packed_metadata")
-                and hasattr(compiled, "run")):
+        complete = (all(n in kwargs for n in names[len(args):]) and hasattr(compiled, "packed_metadata")
+                    and hasattr(compiled, "run"))
+        if complete:
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
             _compiled[key] = kernel, compiled
+        if _recording is not None:
+            _recording.append((compiled if complete else None, grid,
+                               (*args, *[kwargs[n] for n in names[len(args):]]) if complete else args))
         return
     compiled = entry[1]
     stats["direct"] += 1
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
+    params = (*args, *[kwargs[n] for n in names[len(args):]])
+    if _recording is not None:
+        _recording.append((compiled, grid, params))
     compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *[kwargs[n] for n in names[len(args):]])
+                 None, None, None, *params)
+
+
+def direct_state() -> tuple | None:
+    """What a replayed launch depends on beyond its kernel and arguments (the current device, Triton's debug
+    and instrumentation knobs), or None where launches must go through ``kernel[grid]`` now (``enabled`` off,
+    the interpreter, a launch hook such as a profiler's)."""
+    rt = triton.knobs.runtime
+    if not enabled or rt.interpret or not _hooks_idle():
+        return None
+    return (triton.runtime.driver.active.get_current_device(), rt.debug,
+            getattr(triton.knobs.compilation, "instrumentation_mode", None))
+
+
+class recording:
+    """``with recording() as launches:`` the launches made inside, as ``_recording`` describes them."""
+
+    def __enter__(self) -> list:
+        global _recording
+        if _recording is not None:
+            raise RuntimeError("launch.recording() does not nest")
+        _recording = []
+        return _recording
+
+    def __exit__(self, *exc: Any) -> None:
+        global _recording
+        _recording = None
 
 
 def clear() -> None:
