@@ -271,7 +271,9 @@ class CutlassExperts(Experts):
 
     def apply(self, layer: "MoELayer", dispatched):
         d = self.decision
-        w = expert_weights(layer, d.fp8_block)
+        compiling = torch.compiler.is_compiling()
+        # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
+        w = expert_weights(layer, d.fp8_block, detach=compiling)
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
             args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids)
@@ -279,7 +281,7 @@ class CutlassExperts(Experts):
             kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
                           out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
                           grouped_gemm=d.grouped_gemm)
-            if torch.compiler.is_compiling():
+            if compiling:
                 out = _fused_op(*args, **kwargs)
             else:
                 out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts,
@@ -289,7 +291,7 @@ class CutlassExperts(Experts):
             return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             data, scale = self._activations(dispatched.hidden)
-            run = _masked_op if torch.compiler.is_compiling() else run_masked
+            run = _masked_op if compiling else run_masked
             out = run(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
                       fp8_block=d.fp8_block, table_dtype=d.table_dtype,
                       routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.out_dtype,

@@ -176,10 +176,12 @@ class TritonExperts(Experts):
                                         cfg=cfg, w13_interleaved=d.w13_interleaved)
 
     def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
-        w = expert_weights(layer, self.decision.fp8_block)
+        compiling = torch.compiler.is_compiling()
+        # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
+        w = expert_weights(layer, self.decision.fp8_block, detach=compiling)
         data, scale = self._activations(qa)
         args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids)
-        if torch.compiler.is_compiling():
+        if compiling:
             return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.decision.compute_dtype)
         return self.run_fused(*args)
 

@@ -94,12 +94,16 @@ def _hooks_idle() -> bool:
     return True
 
 
+def _interpreting() -> bool:
+    return triton.knobs.runtime.interpret
+
+
 def _signature(kernel: JITFunction) -> tuple[tuple[str, ...], int] | None:
     entry = _params.get(id(kernel))
     if entry is not None and entry[0] is kernel:
         return entry[1]
     sig = None
-    if isinstance(kernel, JITFunction) and not triton.knobs.runtime.interpret:
+    if isinstance(kernel, JITFunction) and not _interpreting():
         params = kernel.params
         first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
         sig = tuple(p.name for p in params), first_constexpr
@@ -166,7 +170,7 @@ def direct_state() -> tuple | None:
     and instrumentation knobs), or None where launches must go through ``kernel[grid]`` now (``enabled`` off,
     the interpreter, a launch hook such as a profiler's)."""
     rt = triton.knobs.runtime
-    if not enabled or rt.interpret or not _hooks_idle():
+    if not enabled or _interpreting() or not _hooks_idle():
         return None
     return (triton.runtime.driver.active.get_current_device(), rt.debug,
             getattr(triton.knobs.compilation, "instrumentation_mode", None))

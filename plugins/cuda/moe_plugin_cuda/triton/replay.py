@@ -137,28 +137,16 @@ class recording:
             self._launches.__exit__(*exc)
 
 
-class Programs:
-    """``Program``s by key, at most ``max_entries`` (emptied when full); the owner empties it when its weights
-    change (``clear``)."""
+class Programs(dict):
+    """``Program``s by key (a dict: ``get`` is the hot path's one lookup), at most ``max_entries`` (emptied when
+    full); the owner empties it when its weights change (``clear``). A key kept with None was recorded and cannot
+    be replayed: its calls run as usual."""
 
     def __init__(self, max_entries: int = 256) -> None:
+        super().__init__()
         self.max_entries = max_entries
-        self._programs: dict[Hashable, Optional[Program]] = {}
-
-    def get(self, key: Hashable) -> Optional[Program]:
-        return self._programs.get(key)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._programs
 
     def put(self, key: Hashable, program: Optional[Program]) -> None:
-        """Keep ``program`` as ``key``'s (None: the key's calls cannot be replayed; they run as usual)."""
-        if len(self._programs) >= self.max_entries:
-            self._programs.clear()
-        self._programs[key] = program
-
-    def clear(self) -> None:
-        self._programs.clear()
-
-    def __len__(self) -> int:
-        return len(self._programs)
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[key] = program
