@@ -23,6 +23,7 @@ through ``kernel[grid]``.
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, Callable
 
 import torch
@@ -42,9 +43,10 @@ _compiled: dict[tuple, tuple[JITFunction, Any]] = {}  # key (kernel by id) -> (t
 # first constexpr), or None: always through kernel[grid])
 _params: dict[int, tuple[Any, tuple[tuple[str, ...], int] | None]] = {}
 stats = {"direct": 0, "triton": 0, "replayed": 0}  # launches by path (what the tests read; replayed: replay.py)
-# while a ``recording()`` is open: each launch as (its CompiledKernel, or None where the call could not be replayed
-# directly, grid, every parameter's value in order); see ``replay.py``
-_recording: list | None = None
+# per thread, while a ``recording()`` is open: each launch as (its CompiledKernel, or None where the call could not
+# be replayed directly, grid, every parameter's value in order); see ``replay.py``
+_local = threading.local()
+_local.recording = None
 
 
 _PLAIN = frozenset((int, float, bool, type(None)))  # keyed by value (their types are in the key too)
@@ -122,8 +124,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if sig is None or not enabled or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
         stats["triton"] += 1
         kernel[grid](*args, **kwargs)
-        if _recording is not None:
-            _recording.append((None, grid, args))
+        recording = getattr(_local, "recording", None)
+        if recording is not None:
+            recording.append((None, grid, args))
         return
     names = sig[0]
     rt = triton.knobs.runtime
@@ -150,8 +153,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
             _compiled[key] = kernel, compiled
-        if _recording is not None:
-            _recording.append((compiled if complete else None, grid,
+        recording = getattr(_local, "recording", None)
+        if recording is not None:
+            recording.append((compiled if complete else None, grid,
                                (*args, *[kwargs[n] for n in names[len(args):]]) if complete else args))
         return
     compiled = entry[1]
@@ -159,8 +163,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     params = (*args, *[kwargs[n] for n in names[len(args):]])
-    if _recording is not None:
-        _recording.append((compiled, grid, params))
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.append((compiled, grid, params))
     compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
                  None, None, None, *params)
 
@@ -177,22 +182,13 @@ def direct_state() -> tuple | None:
 
 
 class recording:
-    """``with recording() as launches:`` the launches made inside, as ``_recording`` describes them."""
+    """``with recording() as launches:`` this thread's launches made inside, as ``_local.recording`` describes them."""
 
     def __enter__(self) -> list:
-        global _recording
-        if _recording is not None:
+        if getattr(_local, "recording", None) is not None:
             raise RuntimeError("launch.recording() does not nest")
-        _recording = []
-        return _recording
+        _local.recording = []
+        return _local.recording
 
     def __exit__(self, *exc: Any) -> None:
-        global _recording
-        _recording = None
-
-
-def clear() -> None:
-    """Forget every kept kernel (the next launch of each goes through ``kernel[grid]`` again)."""
-    _compiled.clear()
-    _params.clear()
-    _pickers.clear()
+        _local.recording = None

@@ -344,7 +344,9 @@ def fused_experts(
     the caller's cache of their offsets. ``programs``: the caller's cache of recorded calls (``replay``): a call
     whose key was recorded issues the same launches again with its own pointers.
     """
-    state = launch_mod.direct_state() if programs is not None and hidden.shape[0] else None
+    # (replayable: a one-program alignment, no temporaries; larger calls never pay for a key or a recording)
+    state = (launch_mod.direct_state() if programs is not None and replay.enabled
+             and 0 < hidden.shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
     if state is None:
         return _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block,
                               activation, routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors,

@@ -35,6 +35,7 @@ try:
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = ()  # type: ignore[assignment,misc]
 
+enabled = True  # False: no call recorded or replayed (the baseline to measure against: host_time.py --no-replay)
 _ALLOCATIONS = frozenset(("aten::empty", "aten::empty_strided"))
 
 
