@@ -25,8 +25,9 @@ E, K, H, INTER = 8, 2, 256, 128
 
 
 def _weights(fp8: bool, device):
-    from moe_core.plugin_api import quant
     from moe_plugin_cuda.weights import interleave_gate_up
+
+    from moe_core.plugin_api import quant
 
     w13 = torch.randn(E, 2 * INTER, H, device=device) / H ** 0.5
     w2 = torch.randn(E, H, INTER, device=device) / INTER ** 0.5
@@ -138,13 +139,14 @@ def test_what_changes_the_key_or_cannot_be_replayed(device):
 
 def _decode_layer(quant, device, monkeypatch, experts="cutlass"):
     """A qwen3-30b-a3b-shaped MoELayer planned for the H100 (its tuned tables), weights unfilled (never read here)."""
+    from moe_plugin_cuda import probes
+    from moe_plugin_cuda.cutlass import experts as cutlass_experts
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
+
     from moe_core import MoELayer
     from moe_core.backends import available
     from moe_core.config import preset
     from moe_core.planner import plan
-    from moe_plugin_cuda import probes
-    from moe_plugin_cuda.cutlass import experts as cutlass_experts
-    from moe_plugin_cuda.cutlass import lib as cutlass_lib
 
     monkeypatch.setattr(probes, "probe_cutlass", lambda: available("emulated"))
     monkeypatch.setattr(probes, "probe_triton", lambda: available("emulated"))
@@ -165,9 +167,8 @@ class _Counts:
     Python functions."""
 
     def __init__(self, fn) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         from moe_plugin_cuda.triton import launch
+        from torch.utils._python_dispatch import TorchDispatchMode
 
         ops: list = []
 
@@ -212,6 +213,7 @@ def test_decode_forward_host_work(quant, monkeypatch):
     """qwen3-30b-a3b at T = 1 with the cutlass experts and the H100's tables: after the first forward, each one is
     two allocations (workspace, output) and its launches replayed, nothing else."""
     import triton_launch_emulation
+
     from moe_core.contracts import TopK
 
     log = triton_launch_emulation.install(monkeypatch, execute=False)

@@ -192,3 +192,10 @@ class recording:
 
     def __exit__(self, *exc: Any) -> None:
         _local.recording = None
+
+
+def clear() -> None:
+    """Forget every kept kernel (the next launch of each goes through ``kernel[grid]`` again)."""
+    _compiled.clear()
+    _params.clear()
+    _pickers.clear()

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from triton.runtime import driver as triton_driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_plugin_cuda.triton import kernels, replay
 from moe_plugin_cuda.triton import launch as launch_mod
@@ -344,13 +343,13 @@ def fused_experts(
     the caller's cache of their offsets. ``programs``: the caller's cache of recorded calls (``replay``): a call
     whose key was recorded issues the same launches again with its own pointers.
     """
+    args = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
+            routed_scaling_factor, out_dtype, cfg, w13_interleaved)
     # (replayable: a one-program alignment, no temporaries; larger calls never pay for a key or a recording)
     state = (launch_mod.direct_state() if programs is not None and replay.enabled
              and 0 < hidden.shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
     if state is None:
-        return _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block,
-                              activation, routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors,
-                              layouts)[0]
+        return _fused_experts(*args, out, descriptors, layouts)[0]
     # everything the pipeline reads from its arguments but their data (docs/decisions.md, "A decode forward
     # replays its launches"); the pointers in the order of the program's tensors (the workspace's last)
     tensors = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, out)
@@ -367,26 +366,20 @@ def fused_experts(
             out = torch.empty(out_shape, dtype=out_dtype, device=device)
             ptrs[8] = out.data_ptr()
         ptrs[9] = buf.data_ptr()
-        if not (ptrs[8] | ptrs[9]) & 15:  # as recorded (the caching allocator's blocks are 512-byte aligned)
-            program.run(ptrs, triton_driver.active.get_current_stream(state[0]))
-            launch_mod.stats["replayed"] += len(program.steps)
-            return out
-        return _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block,
-                              activation, routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors,
-                              layouts)[0]
+        if (ptrs[8] | ptrs[9]) & 15:  # not as recorded (the caching allocator's blocks are 512-byte aligned)
+            return _fused_experts(*args, out, descriptors, layouts)[0]
+        program.run(ptrs, triton_driver.active.get_current_stream(state[0]))
+        launch_mod.stats["replayed"] += len(program.steps)
+        return out
     if key in programs:  # recorded, not replayable
-        return _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block,
-                              activation, routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors,
-                              layouts)[0]
+        return _fused_experts(*args, out, descriptors, layouts)[0]
     with replay.recording() as (recorded, views):
-        result, scratch = _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
-                                         fp8_block, activation, routed_scaling_factor, out_dtype, cfg, w13_interleaved,
-                                         out, descriptors, layouts)
+        result, scratch = _fused_experts(*args, out, descriptors, layouts)
     spans = [replay.span(t) for t in tensors[:8]] + [replay.span(result), scratch]
     program = None
     if not views.computed and (spans[8][0] | spans[9][0]) & 15 == 0:
-        program = replay.build(recorded, spans, fixed=(2, 3, 4, 5), info=(spans[9][1] - spans[9][0], result.shape,
-                                                                            result.device), keep=cfg)
+        program = replay.build(recorded, spans, fixed=(2, 3, 4, 5),
+                               info=(spans[9][1] - spans[9][0], result.shape, result.device), keep=cfg)
     programs.put(key, program)
     return result
 
