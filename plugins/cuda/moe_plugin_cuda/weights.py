@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 
-@dataclass(frozen=True)
-class ExpertWeights:
+class ExpertWeights(NamedTuple):  # (a tuple: built on every forward, a frozen dataclass costs several times more)
     w13: torch.Tensor  # [E, 2I, H], gate rows first (the triton backend interleaves them: see below)
     w2: torch.Tensor  # [E, H, I]
     w13_scale: Optional[torch.Tensor] = None  # fp8_block: [E, ceil(2I/128), ceil(H/128)]
