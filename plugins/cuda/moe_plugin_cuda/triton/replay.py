@@ -22,6 +22,7 @@ object, the options and ``launch.direct_state()``.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
@@ -66,21 +67,25 @@ def span(t: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
 
 class Program:
     """The launches of one recorded call: ``run(pointers, stream)`` issues them again, the call's tensors at
-    ``pointers`` (the order of ``build``'s spans). ``info``: what the caller kept with it (e.g. what to allocate)."""
+    ``pointers`` (the order of ``build``'s spans). ``info``: what the caller kept with it (e.g. what to allocate).
 
-    __slots__ = ("steps", "info", "keep")
+    Per call the addresses (tensor, byte offset) the launches take are computed once, into one list after which
+    the constant parameters follow; each launch picks its parameters out of it with a C-level ``itemgetter``."""
 
-    def __init__(self, steps: list, info: Any, keep: Any) -> None:
-        self.steps = steps  # (launcher, grid x, y, z, function, metadata, parameters, [(index, tensor, offset)])
+    __slots__ = ("addresses", "constants", "steps", "info", "keep")
+
+    def __init__(self, addresses: list, constants: list, steps: list, info: Any, keep: Any) -> None:
+        self.addresses = addresses  # (which tensor, byte offset) of each distinct address a launch takes
+        self.constants = constants  # the other parameters' values
+        self.steps = steps  # (launcher, grid x, y, z, function, metadata, its parameters' itemgetter)
         self.info = info
         self.keep = keep  # what the key names by identity (kept alive, so that its id is not reused)
 
     def run(self, pointers: Sequence[int], stream: int) -> None:
-        for run, g0, g1, g2, function, metadata, params, slots in self.steps:
-            params = params.copy()  # (a list: the next call may run in another thread)
-            for i, which, offset in slots:
-                params[i] = pointers[which] + offset
-            run(g0, g1, g2, stream, function, metadata, None, None, None, *params)
+        values = [pointers[which] + offset for which, offset in self.addresses]
+        values += self.constants
+        for run, g0, g1, g2, function, metadata, params in self.steps:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *params(values))
 
 
 def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Sequence[int], info: Any = None,
@@ -96,28 +101,37 @@ def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Seq
 
     if not recorded:  # (a T > 0 call launches; none recorded: they went around ``launch``)
         return None
-    steps = []
-    for compiled, grid, params in recorded:
+    addresses: dict[tuple[int, int], int] = {}  # (which, offset) -> its index in Program.run's values
+    constants: list = []
+    picks = []  # per launch: each parameter's (is an address, index)
+    for compiled, _, params in recorded:
         if compiled is None:
             return None
-        params = list(params)
-        slots = []
-        for i, a in enumerate(params):
+        pick = []
+        for a in params:
             if isinstance(a, torch.Tensor):
                 ptr = a.data_ptr()
                 which = owner(ptr)
                 if which is None:
                     return None
-                slots.append((i, which, ptr - spans[which][0]))
-                params[i] = None
-            elif TensorDescriptor and isinstance(a, TensorDescriptor):
+                pick.append((True, addresses.setdefault((which, ptr - spans[which][0]), len(addresses))))
+                continue
+            if TensorDescriptor and isinstance(a, TensorDescriptor):
                 if owner(a.base.data_ptr()) not in fixed:
                     return None
             elif not isinstance(a, (int, float, bool, type(None), str, triton.language.dtype)):
                 return None
+            pick.append((False, len(constants)))
+            constants.append(a)
+        picks.append(pick)
+    steps = []
+    for (compiled, grid, _), pick in zip(recorded, picks, strict=True):
+        indices = [i if address else len(addresses) + i for address, i in pick]
+        params = operator.itemgetter(*indices) if len(indices) > 1 else (lambda values, i=indices: tuple(
+            values[j] for j in i))
         steps.append((compiled.run, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                      compiled.function, compiled.packed_metadata, params, slots))
-    return Program(steps, info, keep)
+                      compiled.function, compiled.packed_metadata, params))
+    return Program(list(addresses), constants, steps, info, keep)
 
 
 class recording:
