@@ -347,8 +347,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rows.append(r)
                     print(f"| {name} | {q} | {backend} | {T} | {r['host_us']:.1f} | {r['prof_cpu_us']:.1f} | "
                           f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} | "
-                          f"{r['replayed_launches'] + r['direct_launches']:g}/"
-                          f"{r['replayed_launches'] + r['direct_launches'] + r['triton_launches']:g} |", flush=True)
+                          f"{r.get('replayed_launches', 0) + r['direct_launches']:g}/"  # (BASE: no replays)
+                          f"{r.get('replayed_launches', 0) + r['direct_launches'] + r['triton_launches']:g} |",
+                          flush=True)
                     for s in r.get("sections", []):
                         print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
                               flush=True)
