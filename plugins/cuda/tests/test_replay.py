@@ -149,6 +149,32 @@ def test_what_changes_the_key_or_cannot_be_replayed(device):
     assert len(programs) == 5 and programs[next(reversed(programs))] is None
 
 
+@pytest.mark.skipif(cuda, reason="emulated launchers")
+def test_a_launcher_refusing_integer_pointers_turns_replay_off(device, monkeypatch):
+    """A launcher that takes tensors only (a TypeError before it launches): that key runs as usual from then on,
+    correct."""
+    import triton_launch_emulation
+    from moe_plugin_cuda.triton import launch, ops
+    from moe_plugin_cuda.triton.replay import Programs
+
+    emulated = triton_launch_emulation.Emulated.run
+
+    def tensors_only(self, *args):
+        if any(type(args[9 + i]) is int for i in self.pointers):
+            raise TypeError("pointer argument must be a tensor")
+        return emulated(self, *args)
+
+    monkeypatch.setattr(triton_launch_emulation.Emulated, "run", tensors_only)
+    weights, programs, cfg = _weights(False, device, DTYPE), Programs(), _cfg(0)
+    for _ in range(3):
+        hidden, w, ids = _inputs(3, device, dtype=DTYPE)
+        before = launch.stats["replayed"]
+        got = _run(ops, hidden, w, ids, weights, False, cfg, programs, {}, None)
+        assert torch.equal(got, _run(ops, hidden, w, ids, weights, False, cfg, None, {}, None))
+        assert launch.stats["replayed"] == before
+    assert list(programs.values()) == [None]
+
+
 # ------------------------------------------------------------------ one decode forward of a layer, exact counts
 
 
