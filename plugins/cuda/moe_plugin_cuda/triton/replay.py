@@ -157,7 +157,7 @@ class Programs(dict):
     full); the owner empties it when its weights change (``clear``). A key kept with None was recorded and cannot
     be replayed: its calls run as usual."""
 
-    def __init__(self, max_entries: int = 256) -> None:
+    def __init__(self, max_entries: int = 4096) -> None:  # (every T up to 1024 slots, a few alignments: no churn)
         super().__init__()
         self.max_entries = max_entries
 
