@@ -14,8 +14,10 @@ turns it on). Columns, per forward:
   launches     device kernels the call ran (the profiler's device events; memsets and copies included)
   gpu_us       the sum of those kernels' device times (calls back to back, so the GPU keeps its clocks)
   syncs        host-device synchronizations (``torch.cuda.set_sync_debug_mode``'s warnings)
-  direct       of the Triton launches per forward (host_us's calls), those ``moe_plugin_cuda.triton.launch``
-               made straight through the compiled kernel's launcher (the rest went through ``kernel[grid]``)
+  direct       of the Triton launches per forward (host_us's calls), those replayed (``moe_plugin_cuda.triton.replay``:
+               the forward's launches recorded once per shape, issued again with new pointers) or made by
+               ``moe_plugin_cuda.triton.launch`` straight through the compiled kernel's launcher (the rest went through
+               ``kernel[grid]``)
 
 ``--sections``: the calls again with ``perf_counter`` timers around the pipeline's pieces (the layer's
 stages, the backends' launchers, each Triton kernel's launch by kernel name (``launch NAME``: through
@@ -228,6 +230,9 @@ def instrument(layer: MoELayer, sections: Sections) -> None:
             sections.patch(triton_ops, fn, f"triton_ops.{fn}")
         sections.patch_launcher(triton_ops)
         sections.patch_triton_launches()
+        from moe_plugin_cuda.triton import replay
+
+        sections.patch(replay.Program, "run", "replay.Program.run")
     try:
         from moe_plugin_cuda.cutlass import experts as cutlass_experts
         from moe_plugin_cuda.cutlass import ops as cutlass_ops
@@ -257,7 +262,7 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
     try:
         from moe_plugin_cuda.triton.launch import stats as launch_stats
     except ImportError:
-        launch_stats = {"direct": 0, "triton": 0}
+        launch_stats = {"direct": 0, "triton": 0, "replayed": 0}
     with torch.no_grad():
         warm_up(call, dev)
         before = dict(launch_stats)
@@ -300,6 +305,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--check-ids", action="store_true", help="the layer's expert-id check on (its default in eager)")
     p.add_argument("--triton-launch", action="store_true",
                    help="every Triton launch through kernel[grid], none direct (the launcher's baseline)")
+    p.add_argument("--no-replay", action="store_true",
+                   help="no forward's launches recorded and replayed (each one through the direct launcher: the "
+                        "replay's baseline)")
     p.add_argument("--json", default=None)
     p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
     args = p.parse_args(argv)
@@ -311,6 +319,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from moe_plugin_cuda.triton import launch
 
         launch.enabled = False
+    if args.no_replay:
+        from moe_plugin_cuda.triton import replay
+
+        replay.enabled = False
     rows = []
     print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs | direct |\n"
           "|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -335,7 +347,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rows.append(r)
                     print(f"| {name} | {q} | {backend} | {T} | {r['host_us']:.1f} | {r['prof_cpu_us']:.1f} | "
                           f"{r['launches']:g} | {r['gpu_us']:.1f} | {r['syncs']} | "
-                          f"{r['direct_launches']:g}/{r['direct_launches'] + r['triton_launches']:g} |", flush=True)
+                          f"{r.get('replayed_launches', 0) + r['direct_launches']:g}/"  # (BASE: no replays)
+                          f"{r.get('replayed_launches', 0) + r['direct_launches'] + r['triton_launches']:g} |",
+                          flush=True)
                     for s in r.get("sections", []):
                         print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
                               flush=True)
@@ -344,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     torch.cuda.empty_cache()
     if args.json:
         meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:],
-                "check_ids": args.check_ids, "direct_launch": not args.triton_launch}
+                "check_ids": args.check_ids, "direct_launch": not args.triton_launch, "replay": not args.no_replay}
         try:
             import triton
 

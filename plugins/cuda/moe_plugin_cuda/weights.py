@@ -3,32 +3,32 @@
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 
-@dataclass(frozen=True)
-class ExpertWeights:
+class ExpertWeights(NamedTuple):  # (a tuple: built on every forward, a frozen dataclass costs several times more)
     w13: torch.Tensor  # [E, 2I, H], gate rows first (the triton backend interleaves them: see below)
     w2: torch.Tensor  # [E, H, I]
     w13_scale: Optional[torch.Tensor] = None  # fp8_block: [E, ceil(2I/128), ceil(H/128)]
     w2_scale: Optional[torch.Tensor] = None  # fp8_block: [E, ceil(H/128), ceil(I/128)]
 
 
-def _get(layer: Any, name: str) -> Optional[torch.Tensor]:
+def _get(layer: Any, name: str, detach: bool = True) -> Optional[torch.Tensor]:
     t = getattr(layer, name, None)
-    return t.data if isinstance(t, torch.nn.Parameter) else t
+    return t.data if detach and isinstance(t, torch.nn.Parameter) else t
 
 
-def expert_weights(layer: Any, scaled: bool) -> ExpertWeights:
-    w13, w2 = _get(layer, "w13"), _get(layer, "w2")
+def expert_weights(layer: Any, scaled: bool, detach: bool = True) -> ExpertWeights:
+    """The layer's expert weights; ``detach``: Parameters as plain tensors (``.data``, a torch op each: what torch
+    ops and custom ops need when a weight requires grad; a Triton launch reads only the pointer)."""
+    w13, w2 = _get(layer, "w13", detach), _get(layer, "w2", detach)
     if w13 is None or w2 is None:
         raise ValueError("the layer has no expert weights (w13, w2): load_weights() first")
     if not scaled:
         return ExpertWeights(w13, w2)
-    s13, s2 = _get(layer, "w13_scale"), _get(layer, "w2_scale")
+    s13, s2 = _get(layer, "w13_scale", detach), _get(layer, "w2_scale", detach)
     if s13 is None or s2 is None:
         raise ValueError("fp8_block weights need w13_scale and w2_scale on the layer")
     return ExpertWeights(w13, w2, s13, s2)

@@ -37,12 +37,14 @@ def test_process_weights_interleaves_once():
     layer = torch.nn.Module()
     layer.w13 = torch.nn.Parameter(ckpt.clone(), requires_grad=False)
     layer.w2 = torch.nn.Parameter(torch.randn(E, H, inter), requires_grad=False)
-    # process_weights only uses these; the weight-descriptor cache is emptied (the weights may have moved)
-    backend = types.SimpleNamespace(w13_layout=InterleavedW13(), _descriptors={"stale": object()})
+    # process_weights only uses these; the weight-descriptor cache and the recorded calls are emptied (the weights
+    # may have moved)
+    backend = types.SimpleNamespace(w13_layout=InterleavedW13(), _descriptors={"stale": object()},
+                                    _programs={"stale": None})
     process = TritonExperts.process_weights
     want = interleave_gate_up(ckpt)
     process(backend, layer)
-    assert torch.equal(layer.w13, want) and backend._descriptors == {}
+    assert torch.equal(layer.w13, want) and backend._descriptors == {} and backend._programs == {}
     process(backend, layer)
     assert torch.equal(layer.w13, want)
     layer.w13 = torch.nn.Parameter(layer.w13.data, requires_grad=False)  # re-wrapped

@@ -124,26 +124,36 @@ def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, fp8_block: bool,
               table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int],
               config_dir: Optional[str], grouped_gemm: Optional[str],
-              descriptors: Optional[dict] = None, layouts=None) -> torch.Tensor:
+              descriptors: Optional[dict] = None, layouts=None, programs=None, paths: Optional[dict] = None
+              ) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
-    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``, ``layouts``:
-    the Triton path's caches of weight TMA descriptors and workspace layouts (``triton_ops.fused_experts``)."""
-    from moe_plugin_cuda.cutlass import ops as cutlass_ops
-    from moe_plugin_cuda.triton import ops as triton_ops
-
-    T, top_k, E = hidden.shape[0], topk_ids.shape[1], w13.shape[0]
-    path, cfg, variants = choose_path(max(T, 1), E, top_k, w2.shape[2], w2.shape[1],
-                                      _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm,
-                                      table_dtype)
+    (not ``fp8_block``): w13 is gate/up interleaved, as the triton backend keeps it. ``descriptors``, ``layouts``,
+    ``programs``: the Triton path's caches of weight TMA descriptors, workspace layouts and recorded calls
+    (``triton_ops.fused_experts``); ``paths``: ``choose_path``'s answers by T for these weights and options (a
+    dict the caller owns and empties when they change)."""
+    T = hidden.shape[0]
+    choice = paths.get(T) if paths is not None else None
+    if choice is None:
+        choice = choose_path(max(T, 1), w13.shape[0], topk_ids.shape[1], w2.shape[2], w2.shape[1],
+                             _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm, table_dtype)
+        if paths is not None:
+            if len(paths) >= 256:  # (decode runs a few T; a prefill of ever new T only recomputes)
+                paths.clear()
+            paths[T] = choice
+    path, cfg, variants = choice
     if path != "triton":
+        from moe_plugin_cuda.cutlass import ops as cutlass_ops
+
         return cutlass_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                          fp8_block=fp8_block, routed_scaling_factor=routed_scaling_factor,
                                          out_dtype=out_dtype, gemm=cutlass_ops.grouped_gemm(path, fp8_block),
                                          variants=variants, w13_interleaved=not fp8_block)
+    from moe_plugin_cuda.triton import ops as triton_ops
+
     return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     fp8_block=fp8_block, activation="silu", routed_scaling_factor=routed_scaling_factor,
                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block,
-                                    descriptors=descriptors, layouts=layouts)
+                                    descriptors=descriptors, layouts=layouts, programs=programs)
 
 
 def run_masked(hidden, scale, masked_m, w13, w2, w13_scale, w2_scale, *, fp8_block: bool, table_dtype: str,
@@ -232,6 +242,10 @@ class CutlassExperts(Experts):
         self.w13_layout = InterleavedW13()  # bf16: layer.w13 is gate/up interleaved once process_weights ran
         self._descriptors: dict = {}  # the Triton path's weight TMA descriptors, emptied by process_weights
         self._layouts = Layouts()  # the Triton path's workspace layouts per T
+        from moe_plugin_cuda.triton.replay import Programs  # imports triton
+
+        self._programs = Programs()  # the Triton path's recorded calls (triton.replay), emptied by process_weights
+        self._paths: dict = {}  # choose_path's answers by T (run_fused), emptied by process_weights
         if self.decision.grouped_gemm == "deepgemm":
             from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
@@ -250,6 +264,8 @@ class CutlassExperts(Experts):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
         self._descriptors.clear()
+        self._programs.clear()
+        self._paths.clear()
         # build or load now, not inside the first forward (or a graph capture)
         cutlass_lib.library()
         if deepgemm_lib.missing() is None:
@@ -266,7 +282,9 @@ class CutlassExperts(Experts):
 
     def apply(self, layer: "MoELayer", dispatched):
         d = self.decision
-        w = expert_weights(layer, d.fp8_block)
+        compiling = torch.compiler.is_compiling()
+        # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
+        w = expert_weights(layer, d.fp8_block, detach=compiling)
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
             args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids)
@@ -274,16 +292,17 @@ class CutlassExperts(Experts):
             kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
                           out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
                           grouped_gemm=d.grouped_gemm)
-            if torch.compiler.is_compiling():
+            if compiling:
                 out = _fused_op(*args, **kwargs)
             else:
-                out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts)
+                out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts,
+                                programs=self._programs, paths=self._paths)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             data, scale = self._activations(dispatched.hidden)
-            run = _masked_op if torch.compiler.is_compiling() else run_masked
+            run = _masked_op if compiling else run_masked
             out = run(data, scale, dispatched.masked_m, w.w13, w.w2, w.w13_scale, w.w2_scale,
                       fp8_block=d.fp8_block, table_dtype=d.table_dtype,
                       routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.out_dtype,

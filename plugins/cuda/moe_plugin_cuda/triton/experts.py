@@ -97,6 +97,7 @@ class TritonExperts(Experts):
         from moe_plugin_cuda.triton import ops as triton_ops  # imports triton
 
         self._ops = triton_ops
+        self._programs = triton_ops.Programs()  # recorded calls (triton.replay), emptied when process_weights runs
         self.decision = TritonDecision.from_config(self.config)
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
@@ -142,6 +143,7 @@ class TritonExperts(Experts):
             interleave_gate_up_(layer.w13)
             self.w13_layout.mark(layer.w13)
         self._descriptors.clear()
+        self._programs.clear()
 
     # ------------------------------------------------------------------ apply
     def _activations(self, qa: QuantizedActivations, flat: bool = True):
@@ -160,7 +162,7 @@ class TritonExperts(Experts):
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
             activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
             cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
-            descriptors=self._descriptors, layouts=self._layouts)
+            descriptors=self._descriptors, layouts=self._layouts, programs=self._programs)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
         """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""
@@ -174,10 +176,12 @@ class TritonExperts(Experts):
                                         cfg=cfg, w13_interleaved=d.w13_interleaved)
 
     def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
-        w = expert_weights(layer, self.decision.fp8_block)
+        compiling = torch.compiler.is_compiling()
+        # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
+        w = expert_weights(layer, self.decision.fp8_block, detach=compiling)
         data, scale = self._activations(qa)
         args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids)
-        if torch.compiler.is_compiling():
+        if compiling:
             return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.decision.compute_dtype)
         return self.run_fused(*args)
 

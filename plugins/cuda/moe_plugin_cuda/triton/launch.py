@@ -23,6 +23,7 @@ through ``kernel[grid]``.
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Any, Callable
 
 import torch
@@ -41,7 +42,11 @@ _compiled: dict[tuple, tuple[JITFunction, Any]] = {}  # key (kernel by id) -> (t
 # per kernel (by id, JITFunction's own hash is slow): (the kernel, (parameter names, how many come before the
 # first constexpr), or None: always through kernel[grid])
 _params: dict[int, tuple[Any, tuple[tuple[str, ...], int] | None]] = {}
-stats = {"direct": 0, "triton": 0}  # launches by path (what the tests read)
+stats = {"direct": 0, "triton": 0, "replayed": 0}  # launches by path (what the tests read; replayed: replay.py)
+# per thread, while a ``recording()`` is open: each launch as (its CompiledKernel, or None where the call could not
+# be replayed directly, grid, every parameter's value in order); see ``replay.py``
+_local = threading.local()
+_local.recording = None
 
 
 _PLAIN = frozenset((int, float, bool, type(None)))  # keyed by value (their types are in the key too)
@@ -91,12 +96,16 @@ def _hooks_idle() -> bool:
     return True
 
 
+def _interpreting() -> bool:
+    return triton.knobs.runtime.interpret
+
+
 def _signature(kernel: JITFunction) -> tuple[tuple[str, ...], int] | None:
     entry = _params.get(id(kernel))
     if entry is not None and entry[0] is kernel:
         return entry[1]
     sig = None
-    if isinstance(kernel, JITFunction) and not triton.knobs.runtime.interpret:
+    if isinstance(kernel, JITFunction) and not _interpreting():
         params = kernel.params
         first_constexpr = next((i for i, p in enumerate(params) if p.is_constexpr), len(params))
         sig = tuple(p.name for p in params), first_constexpr
@@ -115,6 +124,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
     if sig is None or not enabled or len(args) > sig[1] or kernel.pre_run_hooks or not _hooks_idle():
         stats["triton"] += 1
         kernel[grid](*args, **kwargs)
+        recording = getattr(_local, "recording", None)
+        if recording is not None:
+            recording.append((None, grid, args))
         return
     names = sig[0]
     rt = triton.knobs.runtime
@@ -135,18 +147,51 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: Any, **kwargs: Any
         if hasattr(compiled, "result"):  # (an asynchronous compile's future)
             compiled = compiled.result()
         # only a complete call can be replayed: every parameter given, a launcher to call
-        if (all(n in kwargs for n in names[len(args):]) and hasattr(compiled, "packed_metadata")
-                and hasattr(compiled, "run")):
+        complete = (all(n in kwargs for n in names[len(args):]) and hasattr(compiled, "packed_metadata")
+                    and hasattr(compiled, "run"))
+        if complete:
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
             _compiled[key] = kernel, compiled
+        recording = getattr(_local, "recording", None)
+        if recording is not None:
+            recording.append((compiled if complete else None, grid,
+                               (*args, *[kwargs[n] for n in names[len(args):]]) if complete else args))
         return
     compiled = entry[1]
     stats["direct"] += 1
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
+    params = (*args, *[kwargs[n] for n in names[len(args):]])
+    recording = getattr(_local, "recording", None)
+    if recording is not None:
+        recording.append((compiled, grid, params))
     compiled.run(grid[0], g1, g2, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args, *[kwargs[n] for n in names[len(args):]])
+                 None, None, None, *params)
+
+
+def direct_state() -> tuple | None:
+    """What a replayed launch depends on beyond its kernel and arguments (the current device, Triton's debug
+    and instrumentation knobs), or None where launches must go through ``kernel[grid]`` now (``enabled`` off,
+    the interpreter, a launch hook such as a profiler's)."""
+    rt = triton.knobs.runtime
+    if not enabled or _interpreting() or not _hooks_idle():
+        return None
+    return (triton.runtime.driver.active.get_current_device(), rt.debug,
+            getattr(triton.knobs.compilation, "instrumentation_mode", None))
+
+
+class recording:
+    """``with recording() as launches:`` this thread's launches made inside, as ``_local.recording`` describes them."""
+
+    def __enter__(self) -> list:
+        if getattr(_local, "recording", None) is not None:
+            raise RuntimeError("launch.recording() does not nest")
+        _local.recording = []
+        return _local.recording
+
+    def __exit__(self, *exc: Any) -> None:
+        _local.recording = None
 
 
 def clear() -> None:

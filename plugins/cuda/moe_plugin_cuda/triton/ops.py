@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from triton.runtime import driver as triton_driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_plugin_cuda.triton import kernels
+from moe_plugin_cuda.triton import kernels, replay
+from moe_plugin_cuda.triton import launch as launch_mod
 from moe_plugin_cuda.triton.launch import launch
+from moe_plugin_cuda.triton.replay import Programs
 from moe_plugin_cuda.workspace import Layouts, layout
 
 FP8 = torch.float8_e4m3fn
@@ -326,7 +329,7 @@ def fused_experts(
     w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
     out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool = False, out: Optional[torch.Tensor] = None,
-    descriptors: Optional[dict] = None, layouts: Optional[Layouts] = None,
+    descriptors: Optional[dict] = None, layouts: Optional[Layouts] = None, programs: Optional[Programs] = None,
 ) -> torch.Tensor:
     """Weighted MoE over token lists (STANDARD / EP_NORMAL): ``[T, H] -> [T, H]``.
 
@@ -337,15 +340,65 @@ def fused_experts(
     the checkpoint's [gate | up]. ``topk_ids`` are local ids, -1 skipped. ``descriptors``: a cache of the
     weights' TMA descriptors the caller owns (``_b_descriptor``). The scratch tensors (alignment,
     quantized tokens, h, the per-slot outputs) are views of one allocation (``workspace``); ``layouts``:
-    the caller's cache of their offsets.
+    the caller's cache of their offsets. ``programs``: the caller's cache of recorded calls (``replay``): a call
+    whose key was recorded issues the same launches again with its own pointers.
     """
+    args = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
+            routed_scaling_factor, out_dtype, cfg, w13_interleaved)
+    # (replayable: a one-program alignment, no temporaries; larger calls never pay for a key or a recording)
+    state = (launch_mod.direct_state() if programs is not None and replay.enabled
+             and 0 < hidden.shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
+    if state is None:
+        return _fused_experts(*args, out, descriptors, layouts)[0]
+    # everything the pipeline reads from its arguments but their data (docs/decisions.md, "A decode forward
+    # replays its launches"); the pointers in the order of the program's tensors (the workspace's last)
+    tensors = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, out)
+    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
+    ptrs.append(0)
+    key = (state, id(cfg), fp8_block, activation, routed_scaling_factor, out_dtype, w13_interleaved, hidden.device,
+           *[None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors],
+           ptrs[0] & 15, ptrs[1] & 15, ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6] & 15, ptrs[7] & 15, ptrs[8] & 15)
+    program = programs.get(key)
+    if program is not None:
+        nbytes, out_shape, device = program.info
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if out is None:
+            out = torch.empty(out_shape, dtype=out_dtype, device=device)
+            ptrs[8] = out.data_ptr()
+        ptrs[9] = buf.data_ptr()
+        if (ptrs[8] | ptrs[9]) & 15:  # not as recorded (the caching allocator's blocks are 512-byte aligned)
+            return _fused_experts(*args, out, descriptors, layouts)[0]
+        try:
+            program.run(ptrs, triton_driver.active.get_current_stream(state[0]))
+        except TypeError:  # a launcher that takes no integer pointer (the check before its launch): never again
+            programs.put(key, None)
+            return _fused_experts(*args, out, descriptors, layouts)[0]
+        launch_mod.stats["replayed"] += len(program.steps)
+        return out
+    if key in programs:  # recorded, not replayable
+        return _fused_experts(*args, out, descriptors, layouts)[0]
+    with replay.recording() as (recorded, views):
+        result, scratch = _fused_experts(*args, out, descriptors, layouts)
+    spans = [replay.span(t) for t in tensors[:8]] + [replay.span(result), scratch]
+    program = None
+    if not views.computed and (spans[8][0] | spans[9][0]) & 15 == 0:
+        program = replay.build(recorded, spans, fixed=(2, 3, 4, 5),
+                               info=(spans[9][1] - spans[9][0], result.shape, result.device), keep=cfg)
+    programs.put(key, program)
+    return result
+
+
+def _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
+                   routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors, layouts
+                   ) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
+    """``fused_experts``'s pipeline: (the output, the workspace's byte range or None)."""
     T, H = hidden.shape
     E = w13.shape[0]
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
-        return out
+        return out, None
     # GEMM1 gathers token rows: A_TMA (contiguous A rows) is only GEMM2's here (a slab has them in both)
     cfg1, cfg2 = {**cfg["gemm1"], "A_TMA": 0}, cfg["gemm2"]
     bm, tails = cfg1["BLOCK_M"], bool(cfg1.get("TAIL_TILES", 0))
@@ -370,7 +423,9 @@ def fused_experts(
                 *([(torch.int32, (expert_lanes(E),))] if small else []),
                 *([(FP8, (T, H)), (torch.float32, (T, cdiv(H, 128)))] if quant_in else []),
                 *gemm1_parts(max_len if row_order else numel, inter, fp8_block, fused_quant, out_dtype)]
-    sorted_ids, expert_ids, post_pad, y, *rest = layout(layouts, key, parts).carve(hidden.device)
+    lay = layout(layouts, key, parts)
+    sorted_ids, expert_ids, post_pad, y, *rest = lay.carve(hidden.device)
+    base = sorted_ids.untyped_storage().data_ptr()
     tile_starts = rest.pop(0) if tails else None
     cursor = rest.pop(0) if small else None
     quant = None
@@ -392,7 +447,7 @@ def fused_experts(
     block_h = min(1024, pow2(H))
     launch(kernels._moe_reduce_kernel, (T, cdiv(H, block_h)), y, ids, out, H, float(routed_scaling_factor), E,
            ids, ids, TOP_K=top_k, BLOCK_H=block_h, MAPPED=False)
-    return out
+    return out, (base, base + lay.nbytes)
 
 
 def masked_experts(

@@ -1,0 +1,167 @@
+"""A pipeline call's launches kept and issued again with the next call's pointers (docs/decisions.md, "A decode
+forward replays its launches").
+
+A decode forward's host time was the Python around its four to six launches, not the launches: per launch the
+arguments rebuilt (strides, grid, constexprs, the direct launcher's key), per call the configs, the workspace
+layout and its views. Everything but the data pointers is a function of the call's shapes, strides, dtypes,
+pointer alignments and configs (the pipelines read no device value on the host), so the first call of each such
+key runs the pipeline as usual under ``launch.recording()``, and a ``Program`` keeps what it launched: per launch
+the compiled kernel's launcher, grid and parameters, each tensor parameter as (which of the call's tensors, byte
+offset into it). Later calls with the same key allocate the workspace and the output (one ``torch.empty`` each)
+and call the launchers with integer pointers (Triton's launchers take an int for a pointer parameter, and skip
+the pointer attribute query they make for a tensor).
+
+A call is kept only where replaying it is exactly the call: every launch went straight through a compiled
+launcher; every tensor parameter lies in exactly one of the call's tensors (a temporary made inside the call,
+e.g. a cast or a copy, is in none: not kept); the only torch operations the call made were allocations and views
+(nothing computed outside the launches); descriptor parameters are over the weights (fixed for the key). The key
+holds whatever the pipeline read from its inputs: shapes, strides, dtypes, devices, the data pointers modulo 16
+(what Triton specializes on; the weights' whole pointers, which their cached TMA descriptors hold), the config
+object, the options and ``launch.direct_state()``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Hashable, Optional, Sequence
+
+import torch
+import triton
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moe_plugin_cuda.triton import launch
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = ()  # type: ignore[assignment,misc]
+
+enabled = True  # False: no call recorded or replayed (the baseline to measure against: host_time.py --no-replay)
+_ALLOCATIONS = frozenset(("aten::empty", "aten::empty_strided"))
+
+
+class _OnlyViews(TorchDispatchMode):
+    """Notes whether any torch operation other than an allocation or a view ran (it would compute something a
+    replay would not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.computed: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func._schema.name in _ALLOCATIONS or func._schema.name == "aten::detach"):
+            self.computed.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def span(t: Optional[torch.Tensor]) -> Optional[tuple[int, int]]:
+    """[start, end) bytes a tensor's elements cover (a zero-size one: its start only); None for None."""
+    if t is None:
+        return None
+    p = t.data_ptr()
+    if t.numel() == 0:
+        return p, p + 1
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return p, p + (last + 1) * t.element_size()
+
+
+class Program:
+    """The launches of one recorded call: ``run(pointers, stream)`` issues them again, the call's tensors at
+    ``pointers`` (the order of ``build``'s spans). ``info``: what the caller kept with it (e.g. what to allocate).
+
+    Per call the addresses (tensor, byte offset) the launches take are computed once, into one list after which
+    the constant parameters follow; each launch picks its parameters out of it with a C-level ``itemgetter``."""
+
+    __slots__ = ("addresses", "constants", "steps", "info", "keep")
+
+    def __init__(self, addresses: list, constants: list, steps: list, info: Any, keep: Any) -> None:
+        self.addresses = addresses  # (which tensor, byte offset) of each distinct address a launch takes
+        self.constants = constants  # the other parameters' values
+        self.steps = steps  # (launcher, grid x, y, z, function, metadata, its parameters' itemgetter)
+        self.info = info
+        self.keep = keep  # what the key names by identity (kept alive, so that its id is not reused)
+
+    def run(self, pointers: Sequence[int], stream: int) -> None:
+        values = [pointers[which] + offset for which, offset in self.addresses]
+        values += self.constants
+        for run, g0, g1, g2, function, metadata, params in self.steps:
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *params(values))
+
+
+def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Sequence[int], info: Any = None,
+          keep: Any = None) -> Optional[Program]:
+    """A ``Program`` from ``launch.recording()``'s launches, or None where replaying would not be the call.
+    ``spans``: the byte ranges of the call's tensors (``span``; None: absent), in the order ``Program.run`` will get
+    their pointers; ``fixed``: the positions of those whose pointers the key holds whole (descriptors may be over
+    them)."""
+
+    def owner(ptr: int) -> Optional[int]:
+        hits = [i for i, s in enumerate(spans) if s is not None and s[0] <= ptr < s[1]]
+        return hits[0] if len(hits) == 1 else None
+
+    if not recorded:  # (a T > 0 call launches; none recorded: they went around ``launch``)
+        return None
+    addresses: dict[tuple[int, int], int] = {}  # (which, offset) -> its index in Program.run's values
+    constants: list = []
+    picks = []  # per launch: each parameter's (is an address, index)
+    for compiled, _, params in recorded:
+        if compiled is None:
+            return None
+        pick = []
+        for a in params:
+            if isinstance(a, torch.Tensor):
+                ptr = a.data_ptr()
+                which = owner(ptr)
+                if which is None:
+                    return None
+                pick.append((True, addresses.setdefault((which, ptr - spans[which][0]), len(addresses))))
+                continue
+            if TensorDescriptor and isinstance(a, TensorDescriptor):
+                if owner(a.base.data_ptr()) not in fixed:
+                    return None
+            elif not isinstance(a, (int, float, bool, type(None), str, triton.language.dtype)):
+                return None
+            pick.append((False, len(constants)))
+            constants.append(a)
+        picks.append(pick)
+    steps = []
+    for (compiled, grid, _), pick in zip(recorded, picks, strict=True):
+        indices = [i if address else len(addresses) + i for address, i in pick]
+        params = operator.itemgetter(*indices) if len(indices) > 1 else (lambda values, i=indices: tuple(
+            values[j] for j in i))
+        steps.append((compiled.run, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                      compiled.function, compiled.packed_metadata, params))
+    return Program(list(addresses), constants, steps, info, keep)
+
+
+class recording:
+    """``with recording() as (launches, views):`` ``launch.recording()``'s launches, and ``views.computed``: the torch
+    operations other than allocations and views that ran inside (a call that made any cannot be replayed)."""
+
+    def __enter__(self) -> tuple[list, _OnlyViews]:
+        self._launches = launch.recording()
+        self._views = _OnlyViews()
+        recorded = self._launches.__enter__()
+        self._views.__enter__()
+        return recorded, self._views
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._views.__exit__(*exc)
+        finally:
+            self._launches.__exit__(*exc)
+
+
+class Programs(dict):
+    """``Program``s by key (a dict: ``get`` is the hot path's one lookup), at most ``max_entries`` (emptied when
+    full); the owner empties it when its weights change (``clear``). A key kept with None was recorded and cannot
+    be replayed: its calls run as usual."""
+
+    def __init__(self, max_entries: int = 4096) -> None:  # (every T up to 1024 slots, a few alignments: no churn)
+        super().__init__()
+        self.max_entries = max_entries
+
+    def put(self, key: Hashable, program: Optional[Program]) -> None:
+        if len(self) >= self.max_entries:
+            self.clear()
+        self[key] = program
