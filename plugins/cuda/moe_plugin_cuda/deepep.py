@@ -36,8 +36,8 @@ for the largest need declared when the layers were built (see ``BufferRegistry``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -167,16 +167,16 @@ class Pending(Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class _NormalHandle:
-    deepep: tuple = field(repr=False)  # DeepEP's dispatch handle (intranode or internode layout)
+# The dispatch handles are named tuples, immutable like the contract's dataclasses and made in
+# about half a frozen dataclass's time (one is made per dispatch, after DeepEP's launch).
+class _NormalHandle(NamedTuple):
+    deepep: tuple  # DeepEP's dispatch handle (intranode or internode layout)
     num_recv: int
     dtype: torch.dtype  # the caller's activation dtype (output of combine)
 
 
-@dataclass(frozen=True)
-class _LowLatencyHandle:
-    deepep: tuple = field(repr=False)  # (src_info, layout_range, num_max, H, E)
+class _LowLatencyHandle(NamedTuple):
+    deepep: tuple  # (src_info, layout_range, num_max, H, E)
     topk_idx: torch.Tensor  # int64 [T, K]: the ids dispatched (low_latency_combine needs the same ones)
     dtype: torch.dtype
 
