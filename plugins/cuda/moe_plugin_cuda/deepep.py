@@ -183,9 +183,17 @@ class _LowLatencyHandle(NamedTuple):
 
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """DeepEP's UE8M0 scales (int32 ``[..., H/512]``, 4 exponent bytes per int, low byte first) as fp32
-    ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field."""
-    exp = packed.contiguous().view(torch.uint8)[..., :groups]
-    return (exp.to(torch.int32) << 23).view(torch.float32)
+    ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field.
+    DeepEP's column-major scales take two kernels (the bytes gathered into int32, shifted in place),
+    any other layout three (a contiguous copy first)."""
+    lead, n = packed.shape[:-1], packed.shape[-1]
+    if packed.dim() >= 2 and packed.numel() and groups == 4 * n and packed.transpose(-1, -2).is_contiguous():
+        # the storage is row-major [..., H/512, C] ints: its bytes [..., H/512, C, 4] -> [..., C, H/512, 4]
+        data = packed.transpose(-1, -2).view(torch.uint8).unflatten(-1, (packed.shape[-2], 4)).transpose(-3, -2)
+        exp = torch.empty(data.shape, dtype=torch.int32, device=packed.device).copy_(data)
+    else:
+        exp = packed.contiguous().view(torch.uint8)[..., :groups].to(torch.int32)
+    return exp.bitwise_left_shift_(23).view(torch.float32).reshape(*lead, groups)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
