@@ -234,13 +234,14 @@ class QuantizedActivations:
     global_scale: Optional[torch.Tensor] = None
     ue8m0: bool = False
 
-    def __post_init__(self) -> None:
-        needs_scale = self.dtype is not WireDtype.BF16
-        if needs_scale and self.scale is None:
-            raise ValueError(f"{self.dtype} activations need a scale tensor")
-        if not needs_scale and self.scale is not None:
-            raise ValueError("bf16 activations carry no scale")
-        if self.dtype is WireDtype.NVFP4 and self.global_scale is None:
+    def __post_init__(self) -> None:  # made once per dispatch: each field read once
+        dtype, scale = self.dtype, self.scale
+        if dtype is WireDtype.BF16:
+            if scale is not None:
+                raise ValueError("bf16 activations carry no scale")
+        elif scale is None:
+            raise ValueError(f"{dtype} activations need a scale tensor")
+        elif dtype is WireDtype.NVFP4 and self.global_scale is None:
             raise ValueError("nvfp4 activations need a global_scale")
 
     @property

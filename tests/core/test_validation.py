@@ -101,3 +101,17 @@ def test_bad_weight_containers_name_the_weight(value, exc, match):
     layer = mc.MoELayer(CFG)
     with pytest.raises(exc, match=match):
         layer.load_weights(w13=value(w13), w2=w2)
+
+
+def test_quantized_activations_refuse_a_missing_or_extra_scale():
+    from moe_core.contracts import QuantizedActivations, WireDtype
+
+    x, s = torch.randn(3, 256), torch.rand(3, 2)
+    QuantizedActivations(x), QuantizedActivations(x, WireDtype.FP8, s)  # accepted
+    with pytest.raises(ValueError, match="bf16 activations carry no scale"):
+        QuantizedActivations(x, WireDtype.BF16, s)
+    for wire in (WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4):
+        with pytest.raises(ValueError, match=f"{wire} activations need a scale tensor"):
+            QuantizedActivations(x, wire)
+    with pytest.raises(ValueError, match="nvfp4 activations need a global_scale"):
+        QuantizedActivations(x, WireDtype.NVFP4, s)
