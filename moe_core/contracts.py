@@ -100,6 +100,10 @@ class WireDtype(_StrEnum):
     NVFP4 = "nvfp4"  # e2m1 packed 2 per byte + e4m3 scale per 16 elements + fp32 global scale
 
 
+# read as globals by per-call code: on Python 3.11 looking an enum member up on its class costs ~20x that
+_BF16, _NVFP4 = WireDtype.BF16, WireDtype.NVFP4
+
+
 class QuantScheme(_StrEnum):
     """How the expert weights are stored (and, for W8A8 schemes, how activations are quantized).
 
@@ -214,7 +218,7 @@ class TopK:
 # --------------------------------------------------------------------------- activations
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class QuantizedActivations:
     """A tensor of activations that may be quantized, travelling with its scales.
 
@@ -234,14 +238,19 @@ class QuantizedActivations:
     global_scale: Optional[torch.Tensor] = None
     ue8m0: bool = False
 
-    def __post_init__(self) -> None:
-        needs_scale = self.dtype is not WireDtype.BF16
-        if needs_scale and self.scale is None:
-            raise ValueError(f"{self.dtype} activations need a scale tensor")
-        if not needs_scale and self.scale is not None:
-            raise ValueError("bf16 activations carry no scale")
-        if self.dtype is WireDtype.NVFP4 and self.global_scale is None:
+    def __init__(self, data: torch.Tensor, dtype: WireDtype = WireDtype.BF16, scale: Optional[torch.Tensor] = None,
+                 global_scale: Optional[torch.Tensor] = None, ue8m0: bool = False) -> None:
+        # the fields above, written once into __dict__: one is made per dispatch, and the frozen
+        # dataclass's generated __init__ (object.__setattr__ per field) cost twice as much
+        # (docs/decisions.md "deepep's low-latency calls")
+        if dtype is _BF16:
+            if scale is not None:
+                raise ValueError("bf16 activations carry no scale")
+        elif scale is None:
+            raise ValueError(f"{dtype} activations need a scale tensor")
+        elif dtype is _NVFP4 and global_scale is None:
             raise ValueError("nvfp4 activations need a global_scale")
+        self.__dict__.update(data=data, dtype=dtype, scale=scale, global_scale=global_scale, ue8m0=ue8m0)
 
     @property
     def shape(self) -> torch.Size:

@@ -10,7 +10,9 @@ shape as there (hidden 7168, top-8 of 256; 128 tokens in low latency, normal mod
 ``--normal-tokens`` 256 by default, as a CPU's own op time would hide the host path). Besides the host time
 (us: the least of 5 medians of ``--iters`` / 5 calls each), it lists the torch ops that run outside DeepEP's calls (under
 ``TorchDispatchMode``; views and metadata excluded): on a GPU each is a kernel launch (~5 us of host
-time, a few us of GPU time), which a sync-per-call timing counts in full. ``--profile`` prints
+time, a few us of GPU time), which a sync-per-call timing counts in full, and the Python bytecodes each call
+runs (in all and before its first DeepEP call; a count, so unlike the times it does not move with the
+machine's load). ``--profile`` prints
 cProfile's top functions of the moe-core calls. Numbers are this CPU's, not a GPU host's: compare
 the two columns and the op lists, not the absolute values.
 """
@@ -102,6 +104,33 @@ def host_us(fn: Callable[[], Any], iters: int) -> tuple[float, float]:
     return min(b[0] for b in blocks), min(b[1] for b in blocks)
 
 
+def bytecodes(fn: Callable[[], Any]) -> tuple[int, int]:
+    """(Python bytecodes the call ran, of which before its first DeepEP call), DeepEP's stand-in
+    (``Replay``) not counted: the host path's work counted exactly, unlike times on a loaded CPU (a C
+    call such as ``x.shape`` counts as one, so it is a proxy, not a time)."""
+    skip = {Replay.__getattr__.__code__, Replay.__init__.__code__}
+    counts = [0, 0]
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            if frame.f_code in skip or frame.f_code.co_name == "replay":
+                return None
+            frame.f_trace_opcodes = True
+        elif event == "opcode":
+            counts[0] += 1
+            if FIRST_CALL[0] is None:
+                counts[1] += 1
+        return trace
+
+    FIRST_CALL[0] = None
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return counts[0], counts[1]
+
+
 def ops_of(fn: Callable[[], Any]) -> dict[str, int]:
     with CountOps() as mode:
         fn()
@@ -147,15 +176,18 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     say(f"normal mode {args.normal_tokens} tokens, low latency 128; least of 5 medians of {args.iters // 5} calls; "
         f"TopK from {'int64' if args.int64_ids else 'int32'} ids", flush=True)
     say("| mode | wire | stage | host us: moe-core / direct | of which before DeepEP's first call | "
-        "torch ops outside DeepEP: moe-core / direct |\n|---|---|---|---|---|---|")
+        "Python bytecodes: moe-core / direct (before DeepEP's first call) | "
+        "torch ops outside DeepEP: moe-core / direct |\n|---|---|---|---|---|---|---|")
     for mode, tokens in (("normal", args.normal_tokens), ("low_latency", 128)):
         for wire in ("bf16", "fp8"):
             for stage, (mc, direct) in case(mode, wire, tokens, args).items():
                 (m_us, m_pre), (d_us, d_pre) = host_us(mc, args.iters), host_us(direct, args.iters)
+                (m_bc, m_bc_pre), (d_bc, d_bc_pre) = bytecodes(mc), bytecodes(direct)
                 m_ops, d_ops = ops_of(mc), ops_of(direct)
                 extra = collections.Counter(m_ops) - collections.Counter(d_ops)
                 fmt = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(extra.items())) or "none"
                 say(f"| {mode} | {wire} | {stage} | {m_us:.1f} / {d_us:.1f} | {m_pre:.1f} / {d_pre:.1f} | "
+                    f"{m_bc} / {d_bc} ({m_bc_pre} / {d_bc_pre}) | "
                       f"{sum(m_ops.values())} / {sum(d_ops.values())} (extra: {fmt}) |", flush=True)
                 if args.profile and rank == 0:
                     prof = cProfile.Profile()

@@ -101,3 +101,35 @@ def test_bad_weight_containers_name_the_weight(value, exc, match):
     layer = mc.MoELayer(CFG)
     with pytest.raises(exc, match=match):
         layer.load_weights(w13=value(w13), w2=w2)
+
+
+def test_quantized_activations_refuse_a_missing_or_extra_scale():
+    from moe_core.contracts import QuantizedActivations, WireDtype
+
+    x, s = torch.randn(3, 256), torch.rand(3, 2)
+    QuantizedActivations(x), QuantizedActivations(x, WireDtype.FP8, s)  # accepted
+    with pytest.raises(ValueError, match="bf16 activations carry no scale"):
+        QuantizedActivations(x, WireDtype.BF16, s)
+    for wire in (WireDtype.FP8, WireDtype.INT8, WireDtype.NVFP4):
+        with pytest.raises(ValueError, match=f"{wire} activations need a scale tensor"):
+            QuantizedActivations(x, wire)
+    with pytest.raises(ValueError, match="nvfp4 activations need a global_scale"):
+        QuantizedActivations(x, WireDtype.NVFP4, s)
+
+
+def test_quantized_activations_is_a_frozen_dataclass_of_its_fields():
+    import dataclasses
+
+    from moe_core.contracts import QuantizedActivations, WireDtype
+
+    x, s = torch.randn(3, 256), torch.rand(3, 2)
+    q = QuantizedActivations(x, WireDtype.FP8, s, ue8m0=True)
+    assert [f.name for f in dataclasses.fields(q)] == ["data", "dtype", "scale", "global_scale", "ue8m0"]
+    assert (q.data, q.dtype, q.scale, q.global_scale, q.ue8m0) == (x, WireDtype.FP8, s, None, True)
+    assert QuantizedActivations(x) == QuantizedActivations(data=x, dtype=WireDtype.BF16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        q.scale = None
+    r = dataclasses.replace(q, ue8m0=False)
+    assert r.ue8m0 is False and r.scale is s and q.ue8m0 is True
+    with pytest.raises(ValueError, match="fp8 activations need a scale tensor"):
+        dataclasses.replace(q, scale=None)

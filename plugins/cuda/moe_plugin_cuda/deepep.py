@@ -36,8 +36,8 @@ for the largest need declared when the layers were built (see ``BufferRegistry``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -167,25 +167,33 @@ class Pending(Generic[T]):
         return self._result  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class _NormalHandle:
-    deepep: tuple = field(repr=False)  # DeepEP's dispatch handle (intranode or internode layout)
+# The dispatch handles are named tuples, immutable like the contract's dataclasses and made in
+# about half a frozen dataclass's time (one is made per dispatch, after DeepEP's launch).
+class _NormalHandle(NamedTuple):
+    deepep: tuple  # DeepEP's dispatch handle (intranode or internode layout)
     num_recv: int
     dtype: torch.dtype  # the caller's activation dtype (output of combine)
 
 
-@dataclass(frozen=True)
-class _LowLatencyHandle:
-    deepep: tuple = field(repr=False)  # (src_info, layout_range, num_max, H, E)
+class _LowLatencyHandle(NamedTuple):
+    deepep: tuple  # (src_info, layout_range, num_max, H, E)
     topk_idx: torch.Tensor  # int64 [T, K]: the ids dispatched (low_latency_combine needs the same ones)
     dtype: torch.dtype
 
 
 def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     """DeepEP's UE8M0 scales (int32 ``[..., H/512]``, 4 exponent bytes per int, low byte first) as fp32
-    ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field."""
-    exp = packed.contiguous().view(torch.uint8)[..., :groups]
-    return (exp.to(torch.int32) << 23).view(torch.float32)
+    ``[..., H/128]`` powers of two: ``2^(byte - 127)``, i.e. the byte in the fp32 exponent field.
+    DeepEP's column-major scales take two kernels (the bytes gathered into int32, shifted in place),
+    any other layout three (a contiguous copy first)."""
+    lead, n = packed.shape[:-1], packed.shape[-1]
+    if packed.dim() >= 2 and packed.numel() and groups == 4 * n and packed.transpose(-1, -2).is_contiguous():
+        # the storage is row-major [..., H/512, C] ints: its bytes [..., H/512, C, 4] -> [..., C, H/512, 4]
+        data = packed.transpose(-1, -2).view(torch.uint8).unflatten(-1, (packed.shape[-2], 4)).transpose(-3, -2)
+        exp = torch.empty(data.shape, dtype=torch.int32, device=packed.device).copy_(data)
+    else:
+        exp = packed.contiguous().view(torch.uint8)[..., :groups].to(torch.int32)
+    return exp.bitwise_left_shift_(23).view(torch.float32).reshape(*lead, groups)
 
 
 def _bf16(x: torch.Tensor) -> torch.Tensor:
@@ -232,7 +240,8 @@ class DeepEPDispatcher(Dispatcher):
         self._deep_ep = deep_ep
         self.num_experts, self.hidden, self.top_k = cfg.num_experts, cfg.hidden_size, cfg.top_k
         self.max_tokens = cfg.max_tokens_per_rank
-        self.fp8 = ctx.dispatch_dtype is WireDtype.FP8
+        self.wire = ctx.dispatch_dtype  # (an attribute read: an enum member's lookup costs ~20x on Python 3.11)
+        self.fp8 = self.wire is WireDtype.FP8
         self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
         self.num_max = deepep_num_max(cfg) if self.low_latency else 0
         self.slab_shape = (cfg.num_experts // world, world * self.num_max, cfg.hidden_size)  # low-latency combine input
@@ -259,20 +268,33 @@ class DeepEPDispatcher(Dispatcher):
     # ----------------------------------------------------------------- public stage calls
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
-        return self._dispatch(hidden_states, topk, None, False).wait()
+        if self.low_latency:  # straight through: no Pending, no closure (see _launch_low_latency_dispatch)
+            launched, _ = self._launch_low_latency_dispatch(hidden_states, topk, None, False)
+            return self._masked_dispatch(*launched)
+        return self._dispatch_normal(hidden_states, topk, None, False).wait()
 
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
-        return self._combine(combine_input, None, False).wait()
+        if self.low_latency:
+            out, dtype, _ = self._launch_low_latency_combine(combine_input, False)
+            return out if out.dtype is dtype else out.to(dtype)
+        return self._combine_normal(combine_input, None, False).wait()
 
     def dispatch_async(self, hidden_states: torch.Tensor, topk: TopK,
                        previous_event: Any = None) -> Pending[DispatchOutput]:
         """Start a dispatch; ``.wait()`` on the result before the experts read it. ``previous_event``
         (a ``deep_ep.EventOverlap``, e.g. ``Buffer.capture()``) orders normal-mode kernels after it."""
-        return self._dispatch(hidden_states, topk, previous_event, True)
+        if self.low_latency:
+            # the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
+            launched, hook = self._launch_low_latency_dispatch(hidden_states, topk, previous_event, True)
+            return Pending(lambda: self._masked_dispatch(*launched), None, self._counted(hook))
+        return self._dispatch_normal(hidden_states, topk, previous_event, True)
 
     def combine_async(self, combine_input: CombineInput, previous_event: Any = None) -> Pending[torch.Tensor]:
         """Start a combine; ``.wait()`` returns the ``[T, H]`` output."""
-        return self._combine(combine_input, previous_event, True)
+        if self.low_latency:
+            out, dtype, hook = self._launch_low_latency_combine(combine_input, True)
+            return Pending(lambda: out if out.dtype is dtype else out.to(dtype), None, self._counted(hook))
+        return self._combine_normal(combine_input, previous_event, True)
 
     # ----------------------------------------------------------------- implementation
 
@@ -288,34 +310,25 @@ class DeepEPDispatcher(Dispatcher):
             raise ValueError(f"low-latency dispatch: {shape[0]} tokens exceed max_tokens_per_rank="
                              f"{self.max_tokens} (the fixed capacity); raise it or split the batch")
 
-    def _dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any, async_: bool) -> Pending[DispatchOutput]:
-        self._validate(x, topk)
-        idx = topk.ids_int64(cast=False)  # deep_ep.topk_idx_t: the router's int64 ids when TopK kept them
-        if idx is None:
-            if previous_event is not None:
-                # DeepEP's comm stream would wait for the caller's event instead of this stream, and the
-                # id cast below writes on this stream after it: order this stream after the event and
-                # let DeepEP wait for this stream (no previous_event) instead
-                previous_event.current_stream_wait()
-                previous_event = None
-            idx = topk.ids.to(torch.int64)
-        if self.low_latency:
-            return self._dispatch_low_latency(x, topk, idx, async_)
-        return self._dispatch_normal(x, topk, idx, previous_event, async_)
-
-    def _combine(self, ci: CombineInput, previous_event: Any, async_: bool) -> Pending[torch.Tensor]:
-        if self.low_latency:
-            if not isinstance(ci, EPMaskedCombine) or not isinstance(ci.handle, _LowLatencyHandle):
-                raise TypeError("deepep (ep_masked) combines an EPMaskedCombine carrying its dispatch handle")
-            return self._combine_low_latency(ci, async_)
-        if not isinstance(ci, EPNormalCombine) or not isinstance(ci.handle, _NormalHandle):
-            raise TypeError("deepep (ep_normal) combines an EPNormalCombine carrying its dispatch handle")
-        return self._combine_normal(ci, previous_event, async_)
+    @staticmethod
+    def _cast_ids(topk: TopK, previous_event: Any) -> tuple[torch.Tensor, Any]:
+        """``topk.ids`` as DeepEP's ``topk_idx`` (int64) when ``TopK`` did not keep the router's int64
+        ids (``ids_int64(cast=False)`` is None), and the ``previous_event`` DeepEP is to wait for now."""
+        if previous_event is not None:
+            # DeepEP's comm stream would wait for the caller's event instead of this stream, and the
+            # id cast below writes on this stream after it: order this stream after the event and
+            # let DeepEP wait for this stream (no previous_event) instead
+            previous_event.current_stream_wait()
+        return topk.ids.to(torch.int64), None
 
     # normal kernels
 
-    def _dispatch_normal(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor, previous_event: Any,
+    def _dispatch_normal(self, x: torch.Tensor, topk: TopK, previous_event: Any,
                          async_: bool) -> Pending[EPNormalDispatch]:
+        self._validate(x, topk)
+        idx = topk.ids_int64(cast=False)  # deep_ep.topk_idx_t: the router's int64 ids when TopK kept them
+        if idx is None:
+            idx, previous_event = self._cast_ids(topk, previous_event)
         entry = self._entry
         buf = self.buffer
         entry.used_normal = True
@@ -352,7 +365,9 @@ class DeepEPDispatcher(Dispatcher):
 
         return Pending(finish, event if async_ else None)
 
-    def _combine_normal(self, ci: EPNormalCombine, previous_event: Any, async_: bool) -> Pending[torch.Tensor]:
+    def _combine_normal(self, ci: CombineInput, previous_event: Any, async_: bool) -> Pending[torch.Tensor]:
+        if not isinstance(ci, EPNormalCombine) or not isinstance(ci.handle, _NormalHandle):
+            raise TypeError("deepep (ep_normal) combines an EPNormalCombine carrying its dispatch handle")
         h: _NormalHandle = ci.handle
         y = ci.hidden
         if y.shape != (h.num_recv, self.hidden):
@@ -372,20 +387,24 @@ class DeepEPDispatcher(Dispatcher):
         return Pending(lambda: combined if combined.dtype is h.dtype else combined.to(h.dtype),
                        event if async_ else None)
 
-    # low-latency kernels
+    # low-latency kernels: used for decode, where one call is a few tens of us on the GPU and the GPU
+    # idles until DeepEP's launch, so the work before it is a few compares on the hot path (the
+    # detailed checks run only when one fails, the buffer's bookkeeping only when it has some to do)
+    # and the results are built after it
 
     def _low_latency_buffer(self) -> Any:
         """The buffer for a low-latency call, after two checks: raise if the call would be the third in
         flight on the buffer's two halves (a synchronous call is in flight too while it runs; an async
         one counts until its receive hook ran, see ``_counted``), and zero the low-latency part if
-        normal kernels ran since. The hot path reads the entry directly (host time is GPU idle time
-        before a low-latency launch)."""
+        normal kernels ran since."""
         entry = self._entry
+        if not (entry.low_latency_in_flight or entry.used_normal) and entry.built_for is entry.need:
+            return entry.buffer  # the hot path: nothing to check, clean or (re)build
         if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
             raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
                                "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
                                "Pending before issuing another")
-        buf = entry.buffer if entry.built_for is entry.need else self.buffer
+        buf = self.buffer
         if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
             buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
             entry.used_normal = False
@@ -402,36 +421,47 @@ class DeepEPDispatcher(Dispatcher):
                 hook()
         return receive
 
-    def _dispatch_low_latency(self, x: torch.Tensor, topk: TopK, idx: torch.Tensor,
-                              async_: bool) -> Pending[EPMaskedDispatch]:
-        buf = self._low_latency_buffer()
-        # async: the receive hook (the overlap mode SGLang uses); async_finish would be exclusive with it
-        recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
-            _bf16(x), idx, self.num_max, self.num_experts, use_fp8=self.fp8,
-            round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False, return_recv_hook=async_)
-        dtype, groups = x.dtype, self.hidden // 128
+    def _launch_low_latency_dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any,
+                                     return_recv_hook: bool) -> tuple[tuple, Optional[Callable[[], None]]]:
+        """Check, launch ``low_latency_dispatch``; returns ``_masked_dispatch``'s arguments and the
+        receive hook (``return_recv_hook``: the kernel only sends until the hook runs)."""
+        shape = x.shape if isinstance(x, torch.Tensor) else None
+        if (shape is None or len(shape) != 2 or shape[1] != self.hidden or shape[0] > self.max_tokens
+                or topk.ids.shape != (shape[0], self.top_k)):
+            self._validate(x, topk)  # raises, naming what is wrong
+        idx = topk.ids_int64(cast=False)
+        if idx is None:  # (DeepEP's low-latency kernels run on this stream or wait for it: no event to pass)
+            idx, _ = self._cast_ids(topk, previous_event)
+        recv_x, recv_count, handle, _, hook = self._low_latency_buffer().low_latency_dispatch(
+            x if x.dtype is torch.bfloat16 and x.is_contiguous() else _bf16(x), idx, self.num_max, self.num_experts,
+            use_fp8=self.fp8, round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False,
+            return_recv_hook=return_recv_hook)
+        return (recv_x, recv_count, handle, topk, idx, x.dtype), hook
 
-        def finish() -> EPMaskedDispatch:
-            if self.fp8:
-                data, scale = recv_x
-                if self.ue8m0:
-                    scale = unpack_ue8m0(scale, groups)
-                hidden = QuantizedActivations(data, WireDtype.FP8, scale, ue8m0=self.ue8m0)
-            else:
-                hidden = QuantizedActivations(recv_x)
-            return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
+    def _masked_dispatch(self, recv_x: Any, recv_count: torch.Tensor, handle: tuple, topk: TopK,
+                         idx: torch.Tensor, dtype: torch.dtype) -> EPMaskedDispatch:
+        """The contract's result of a received low-latency dispatch (no tensor op unless UE8M0)."""
+        if self.fp8:
+            data, scale = recv_x
+            if self.ue8m0:
+                scale = unpack_ue8m0(scale, self.hidden // 128)
+            hidden = QuantizedActivations(data, self.wire, scale, None, self.ue8m0)
+        else:
+            hidden = QuantizedActivations(recv_x)
+        return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
 
-        return Pending(finish, None, self._counted(hook) if async_ else None)
-
-    def _combine_low_latency(self, ci: EPMaskedCombine, async_: bool) -> Pending[torch.Tensor]:
-        h: _LowLatencyHandle = ci.handle
-        y = ci.hidden
+    def _launch_low_latency_combine(self, ci: CombineInput, return_recv_hook: bool
+                                    ) -> tuple[torch.Tensor, torch.dtype, Optional[Callable[[], None]]]:
+        """Check, launch ``low_latency_combine``; returns its output, the caller's dtype and the hook."""
+        if not isinstance(ci, EPMaskedCombine) or not isinstance(ci.handle, _LowLatencyHandle):
+            raise TypeError("deepep (ep_masked) combines an EPMaskedCombine carrying its dispatch handle")
+        h, y, weights = ci.handle, ci.hidden, ci.topk.weights
         if y.shape != self.slab_shape:
             raise ValueError(f"EPMaskedCombine.hidden must be {list(self.slab_shape)}, got {tuple(y.shape)}")
-        if ci.topk.weights.shape != h.topk_idx.shape:
+        if weights.shape != h.topk_idx.shape:
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
-                             f"got {tuple(ci.topk.weights.shape)}")
+                             f"got {tuple(weights.shape)}")
         out, _, hook = self._low_latency_buffer().low_latency_combine(
-            _bf16(y), h.topk_idx, ci.topk.weights, h.deepep, async_finish=False, return_recv_hook=async_)
-        return Pending(lambda: out if out.dtype is h.dtype else out.to(h.dtype), None,
-                       self._counted(hook) if async_ else None)
+            y if y.dtype is torch.bfloat16 and y.is_contiguous() else _bf16(y), h.topk_idx, weights, h.deepep,
+            async_finish=False, return_recv_hook=return_recv_hook)
+        return out, h.dtype, hook

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_core import MoEConfig
 from moe_core.backends import Code
@@ -138,6 +139,29 @@ def test_unpack_ue8m0_inverts_deepep_packing(deep_ep_emu):
     # a column-major view, as DeepEP returns it
     cm = packed.transpose(1, 2).contiguous().transpose(1, 2)
     assert torch.equal(unpack_ue8m0(cm, 16), scales)
+    # every normal exponent, odd and empty shapes, both layouts; the column-major one in two kernels
+    for shape in ((7, 16), (4, 11, 56), (2, 0, 8), (0, 3, 8)):
+        scales = torch.exp2(torch.randint(-126, 128, shape).float())
+        packed = pack_ue8m0(scales)
+        for layout in (packed, packed.transpose(-1, -2).contiguous().transpose(-1, -2)):
+            with _CountOps() as ops:
+                out = unpack_ue8m0(layout, shape[-1])
+            assert torch.equal(out, scales) and out.is_contiguous(), (shape, layout.stride())
+            if not layout.is_contiguous():
+                assert ops.kernels == 2, ops.kernels
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the ops that would launch a kernel on a GPU (views and allocations excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.__name__.startswith(("empty", "detach", "alias", "unflatten"))):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------- emulated ops (no communication)
