@@ -82,6 +82,7 @@ from moe_core.contracts import (
     TopK,
     WireDtype,
 )
+from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
 from moe_core.runtime import BackendContext, Dispatcher
 
 if TYPE_CHECKING:
@@ -393,15 +394,8 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
     ``int32 [T + 1, M]``); the extra side-block row is padding (no expert) for unused slots.
     Every row, padding included, carries the sender's token count and ``bad_ids`` (its count of
     ids outside ``[-1, E)``, when given): the in-band checks of masked mode."""
-    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
-
     t, k = ids.shape
-    if wire is WireDtype.FP8:
-        data, scale = quantize_fp8_per_token_group(x)
-    elif wire is WireDtype.INT8:
-        data, scale = quantize_int8_per_token(x)
-    else:
-        data, scale = x, None
+    data, scale = _quantize_wire(x, wire)
     ns = 0 if scale is None else scale.shape[-1]
     meta = ids.new_full((t + 1, meta_words), num_tokens)
     if bad_ids is not None:  # masked mode's in-band check (normal mode checks its histogram on the host)
@@ -416,19 +410,21 @@ def _wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, wire: 
     return data, scale, meta
 
 
+def _quantize_wire(x: torch.Tensor, wire: WireDtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(wire data, scales or None) of ``x`` as the core quantizer makes them."""
+    if wire is WireDtype.FP8:
+        return quantize_fp8_per_token_group(x)
+    if wire is WireDtype.INT8:
+        return quantize_int8_per_token(x)
+    return x, None
+
+
 def _normal_wire_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       wire: WireDtype) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Exact normal mode's per-token wire rows: (wire data ``[T, H]``, scales or None, side block
     ``int32 [T, n_scale + 2K]``) built in one ``cat``: no padding row (only real tokens are sent) and
     no in-band counts (this mode checks on the host)."""
-    from moe_core.quant import quantize_fp8_per_token_group, quantize_int8_per_token
-
-    if wire is WireDtype.FP8:
-        data, scale = quantize_fp8_per_token_group(x)
-    elif wire is WireDtype.INT8:
-        data, scale = quantize_int8_per_token(x)
-    else:
-        data, scale = x, None
+    data, scale = _quantize_wire(x, wire)
     parts = [] if scale is None else [scale.view(torch.int32)]
     parts += [ids.to(torch.int32), weights.to(torch.float32).view(torch.int32)]
     return data, scale, torch.cat(parts, dim=1)
