@@ -196,6 +196,11 @@ def unpack_ue8m0(packed: torch.Tensor, groups: int) -> torch.Tensor:
     return exp.bitwise_left_shift_(23).view(torch.float32).reshape(*lead, groups)
 
 
+def _as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A combine's output in the caller's activation dtype (DeepEP combines in bf16)."""
+    return out if out.dtype is dtype else out.to(dtype)
+
+
 def _bf16(x: torch.Tensor) -> torch.Tensor:
     """``x`` as DeepEP takes activations: bf16, contiguous (``x`` itself when it already is)."""
     return x if x.dtype is torch.bfloat16 and x.is_contiguous() else x.to(torch.bfloat16).contiguous()
@@ -276,7 +281,7 @@ class DeepEPDispatcher(Dispatcher):
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
         if self.low_latency:
             out, dtype, _ = self._launch_low_latency_combine(combine_input, False)
-            return out if out.dtype is dtype else out.to(dtype)
+            return _as_dtype(out, dtype)
         return self._combine_normal(combine_input, None, False).wait()
 
     def dispatch_async(self, hidden_states: torch.Tensor, topk: TopK,
@@ -293,7 +298,7 @@ class DeepEPDispatcher(Dispatcher):
         """Start a combine; ``.wait()`` returns the ``[T, H]`` output."""
         if self.low_latency:
             out, dtype, hook = self._launch_low_latency_combine(combine_input, True)
-            return Pending(lambda: out if out.dtype is dtype else out.to(dtype), None, self._counted(hook))
+            return Pending(lambda: _as_dtype(out, dtype), None, self._counted(hook))
         return self._combine_normal(combine_input, previous_event, True)
 
     # ----------------------------------------------------------------- implementation
@@ -311,15 +316,15 @@ class DeepEPDispatcher(Dispatcher):
                              f"{self.max_tokens} (the fixed capacity); raise it or split the batch")
 
     @staticmethod
-    def _cast_ids(topk: TopK, previous_event: Any) -> tuple[torch.Tensor, Any]:
+    def _cast_ids(topk: TopK, previous_event: Any) -> torch.Tensor:
         """``topk.ids`` as DeepEP's ``topk_idx`` (int64) when ``TopK`` did not keep the router's int64
-        ids (``ids_int64(cast=False)`` is None), and the ``previous_event`` DeepEP is to wait for now."""
+        ids (``ids_int64(cast=False)`` is None); DeepEP is then to wait for this stream, not the event."""
         if previous_event is not None:
             # DeepEP's comm stream would wait for the caller's event instead of this stream, and the
             # id cast below writes on this stream after it: order this stream after the event and
             # let DeepEP wait for this stream (no previous_event) instead
             previous_event.current_stream_wait()
-        return topk.ids.to(torch.int64), None
+        return topk.ids.to(torch.int64)
 
     # normal kernels
 
@@ -328,7 +333,7 @@ class DeepEPDispatcher(Dispatcher):
         self._validate(x, topk)
         idx = topk.ids_int64(cast=False)  # deep_ep.topk_idx_t: the router's int64 ids when TopK kept them
         if idx is None:
-            idx, previous_event = self._cast_ids(topk, previous_event)
+            idx, previous_event = self._cast_ids(topk, previous_event), None
         entry = self._entry
         buf = self.buffer
         entry.used_normal = True
@@ -384,7 +389,7 @@ class DeepEPDispatcher(Dispatcher):
         combined, _, event = self.buffer.combine(
             wire, h.deepep, previous_event=previous_event, async_finish=async_,
             allocate_on_comm_stream=previous_event is not None and async_)
-        return Pending(lambda: combined if combined.dtype is h.dtype else combined.to(h.dtype),
+        return Pending(lambda: _as_dtype(combined, h.dtype),
                        event if async_ else None)
 
     # low-latency kernels: used for decode, where one call is a few tens of us on the GPU and the GPU
@@ -431,7 +436,7 @@ class DeepEPDispatcher(Dispatcher):
             self._validate(x, topk)  # raises, naming what is wrong
         idx = topk.ids_int64(cast=False)
         if idx is None:  # (DeepEP's low-latency kernels run on this stream or wait for it: no event to pass)
-            idx, _ = self._cast_ids(topk, previous_event)
+            idx = self._cast_ids(topk, previous_event)
         recv_x, recv_count, handle, _, hook = self._low_latency_buffer().low_latency_dispatch(
             x if x.dtype is torch.bfloat16 and x.is_contiguous() else _bf16(x), idx, self.num_max, self.num_experts,
             use_fp8=self.fp8, round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False,
