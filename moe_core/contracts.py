@@ -102,8 +102,11 @@ class WireDtype(_StrEnum):
 
 # read as globals by per-call code: on Python 3.11 looking an enum member up on its class costs ~20x that
 _BF16, _NVFP4 = WireDtype.BF16, WireDtype.NVFP4
-# read as globals by TopK.ids_int64 (dynamo still folds is_compiling() to True: it knows the function by identity)
-_compiling, _cuda_capturing = torch.compiler.is_compiling, torch.cuda.is_current_stream_capturing
+# read as globals by TopK.ids_int64. Dynamo folds is_dynamo_compiling() to True (it knows the function by
+# identity); eager, it is one frame returning False, where is_compiling() is two and reads a flag that is True
+# beyond dynamo only while export or a compile session runs Python for real, on tensors whose version
+# counters move as in eager code (docs/decisions.md, entry 61)
+_dynamo_tracing, _cuda_capturing = torch.compiler.is_dynamo_compiling, torch.cuda.is_current_stream_capturing
 
 
 class QuantScheme(_StrEnum):
@@ -210,8 +213,9 @@ class TopK:
         # on a dispatcher's hot path: two counter reads, a compare and two queries (docs/decisions.md,
         # entry 61). Version counters only grow, so the sum is unchanged only if both are.
         source = self._int64
-        if (source is not None and source._version + self.ids._version == self._int64_versions
-                and not _compiling() and not (self._int64_cuda and _cuda_capturing())):
+        if (source is not None and not _dynamo_tracing()  # (first: traced, a version is a data-dependent value)
+                and source._version + self.ids._version == self._int64_versions
+                and not (self._int64_cuda and _cuda_capturing())):
             return source
         return self.ids.to(torch.int64) if cast else None
 

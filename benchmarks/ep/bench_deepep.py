@@ -5,8 +5,13 @@ same buffer with the same tokens, ``torch_a2a``, and a raw ``all_to_all_single``
 
 Cases (issue #30): normal mode, 4096 tokens a rank, hidden 7168, top-8 of 256, BF16 and FP8 wire;
 low latency, 128 tokens a rank, same shape, BF16 and FP8. Each stage is timed with CUDA events
-around one call (median of ``--iters`` after ``--warmup``; moe-core and direct calls alternate so
-drift hits both), as the max over ranks of each rank's median. "direct" does what a DeepEP user does
+around one call from an idle GPU (synchronized after each call). moe-core and the direct call alternate
+call by call, in pairs whose order alternates too (A B, B A, ...), ``--pairs`` of them after
+``--warmup``: drift and the previous call's after-effects hit both columns alike. Each column is the max
+over ranks of each rank's median; ``pair_ratio`` is the max over ranks of each rank's median of the
+per-pair ratios moe-core / direct (the noise-robust form of the bar; ``moe_core_us / deepep_direct_us``
+is the ratio of the medians). ``torch_a2a`` and the raw all-to-all are timed on their own, ``--pairs``
+calls each. "direct" does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
 Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to ``TopK``). What
@@ -29,7 +34,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,30 +48,50 @@ E, K, H = 256, 8, 7168
 DEVICE = torch.device("cuda")
 
 
-def timed(fn: Callable[[], object], iters: int, warmup: int, host: Optional[list[float]] = None) -> list[float]:
-    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run). ``host``, when
-    given, gets each call's host time (until the call returned; the GPU may still run)."""
-    out = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        if DEVICE.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+class Timer:
+    """One call timed from an idle GPU: CUDA events around it, then a sync (wall clock in the CPU smoke
+    run). Returns (us, host us): the host part ends when the call returned (the GPU may still run)."""
+
+    def __init__(self) -> None:
+        cuda = DEVICE.type == "cuda"
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float]:
+        if self.events is None:
             t0 = time.perf_counter()
             fn()
-            t1 = time.perf_counter()
-            b.record()
-            b.synchronize()
-            us = a.elapsed_time(b) * 1e3
+            us = (time.perf_counter() - t0) * 1e6
+            return us, us
+        a, b = self.events
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3, (t1 - t0) * 1e6
+
+
+def timed(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
+    """Microseconds per call, ``iters`` calls after ``warmup``."""
+    timer = Timer()
+    out = [timer(fn)[0] for _ in range(warmup + iters)]
+    return out[warmup:]
+
+
+def timed_pairs(fa: Callable[[], object], fb: Callable[[], object], pairs: int, warmup: int
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``fa`` and ``fb`` alternated call by call (A B, then B A, ...): each one's times and host times."""
+    timer = Timer()
+    ta, tb, ha, hb = [], [], [], []
+    for i in range(warmup + pairs):
+        if i % 2:
+            (b, hb_), (a, ha_) = timer(fb), timer(fa)
         else:
-            fn()
-            t1 = time.perf_counter()
-            us = (t1 - t0) * 1e6
+            (a, ha_), (b, hb_) = timer(fa), timer(fb)
         if i >= warmup:
-            out.append(us)
-            if host is not None:
-                host.append((t1 - t0) * 1e6)
-    return out
+            ta.append(a), tb.append(b), ha.append(ha_), hb.append(hb_)
+    return ta, tb, ha, hb
 
 
 def median_over_ranks(samples: list[float]) -> float:
@@ -93,7 +118,7 @@ def direct_normal_dispatch(buf, x: torch.Tensor, ids64: torch.Tensor, w: torch.T
                         num_tokens_per_expert=per_expert)
 
 
-def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: int, warmup: int) -> list[dict]:
+def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: int, warmup: int) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
     x = torch.randn(tokens, H, device=DEVICE, generator=gen).to(torch.bfloat16)
     scores = torch.rand(tokens, E, device=DEVICE, generator=gen)
@@ -158,19 +183,19 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         chunk = -(-nbytes // world)
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
-        mc_t, dir_t, mc_host, dir_host = [], [], [], []
-        for _ in range(3):  # alternate so clock and thermal drift hit both
-            mc_t += timed(mc, iters // 3, warmup, mc_host)
-            dir_t += timed(direct, iters // 3, warmup, dir_host)
-        ta_t = timed(ta, iters, warmup)
-        raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), iters, warmup)
+        mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
+        ta_t = timed(ta, pairs, warmup)
+        raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
                         "moe_core_us": round(median_over_ranks(mc_t), 2),
                         "deepep_direct_us": round(median_over_ranks(dir_t), 2),
                         "torch_a2a_us": round(median_over_ranks(ta_t), 2),
                         "raw_a2a_us": round(median_over_ranks(raw_t), 2),
-                        # diagnostics: how long each call kept the host; a moe-core - direct gap that is
-                        # as large here as in the *_us columns is host time, not GPU work
+                        # diagnostics: the median of the per-pair ratios (the bar, robust to drift), the
+                        # pairs timed, and how long each call kept the host (a moe-core - direct gap as
+                        # large here as in the *_us columns is host time, not GPU work)
+                        "pair_ratio": round(median_over_ranks([m / d for m, d in zip(mc_t, dir_t)]), 4),
+                        "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
                         "deepep_direct_host_us": round(median_over_ranks(dir_host), 2)})
         if rank == 0:
@@ -181,8 +206,10 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=400,
+                    help="(moe-core, direct) pairs timed per stage, alternated call by call; also the calls "
+                         "timed for torch_a2a and the raw all-to-all")
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--cases-passed", type=int, default=None)
     ap.add_argument("--cases-total", type=int, default=None)
     ap.add_argument("--smoke", action="store_true",
@@ -207,7 +234,7 @@ def main() -> int:
     rows = []
     for mode, tokens in sizes:
         for wire in ("bf16", "fp8"):
-            rows += run_case(mode, wire, tokens, rank, world, args.iters, args.warmup)
+            rows += run_case(mode, wire, tokens, rank, world, args.pairs, args.warmup)
     if rank == 0:
         version = getattr(deep_ep, "__version__", None) or "1.2.1 (built from source, tag commit 9af0e0d)"
         name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU (emulated deep_ep, smoke)"

@@ -107,9 +107,6 @@ class _GroupBuffer:
     # flight), else None: the one read of the low-latency hot path; whatever changes that state resets it
     low_latency_ready: Any = None
 
-    def normal_kernels_ran(self) -> None:
-        self.used_normal, self.low_latency_ready = True, None
-
 
 class BufferRegistry:
     """One ``deep_ep.Buffer`` per process group, sized to the max of every layer's declared need.
@@ -294,7 +291,7 @@ class DeepEPDispatcher(Dispatcher):
             # ids and one set lookup of the input's layout, then the launch; anything else is checked in full
             x = hidden_states
             buf = self._entry.low_latency_ready
-            idx = topk.ids_int64(cast=False)
+            idx = topk.ids_int64(False)
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
                     and x.is_contiguous() and (x.shape, idx.shape) in self._ll_shapes):
                 recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, **self._ll_dispatch_kwargs)
@@ -369,7 +366,7 @@ class DeepEPDispatcher(Dispatcher):
             idx, previous_event = self._cast_ids(topk, previous_event), None
         entry = self._entry
         buf = self.buffer
-        entry.normal_kernels_ran()
+        entry.used_normal, entry.low_latency_ready = True, None
         on_comm = previous_event is not None
         per_rank, per_rdma_rank, per_expert, in_rank, event = buf.get_dispatch_layout(
             idx, self.num_experts, previous_event=previous_event, async_finish=async_, allocate_on_comm_stream=on_comm)
@@ -410,7 +407,8 @@ class DeepEPDispatcher(Dispatcher):
         y = ci.hidden
         if y.shape != (h.num_recv, self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
-        self._entry.normal_kernels_ran()
+        entry = self._entry
+        entry.used_normal, entry.low_latency_ready = True, None
         if async_ and previous_event is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous()):
             # DeepEP's comm stream waits for the caller's event instead of this stream, so a cast here
             # must follow that event and DeepEP must follow the cast: wait, cast, hand over this stream
