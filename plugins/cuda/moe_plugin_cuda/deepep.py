@@ -288,10 +288,9 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         if self.low_latency:
             # the hot path (decode; the GPU idles until DeepEP's launch): the buffer's state, TopK's int64
-            # ids and one set lookup of the input's layout, then the launch; anything else is checked in full
-            x = hidden_states
-            buf = self._entry.low_latency_ready
-            idx = topk.ids_int64(False)
+            # ids, a few compares and one set lookup of the shapes, then the launch; the results are built
+            # after it. Anything else (a cast, a refusal, the buffer's bookkeeping) takes the checked path.
+            x, buf, idx = hidden_states, self._entry.low_latency_ready, topk.ids_int64(False)
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
                     and x.is_contiguous() and (x.shape, idx.shape) in self._ll_shapes):
                 recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, **self._ll_dispatch_kwargs)
@@ -302,8 +301,7 @@ class DeepEPDispatcher(Dispatcher):
 
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
         if self.low_latency:
-            ci = combine_input  # the hot path as in dispatch
-            buf = self._entry.low_latency_ready
+            ci, buf = combine_input, self._entry.low_latency_ready  # the hot path, as in dispatch
             if buf is not None and ci.__class__ is EPMaskedCombine:
                 h, y, weights = ci.handle, ci.hidden, ci.topk.weights
                 if (h.__class__ is _LowLatencyHandle and y.__class__ is _Tensor and y.dtype is _BF16
