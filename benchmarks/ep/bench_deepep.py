@@ -94,6 +94,58 @@ def timed_pairs(fa: Callable[[], object], fb: Callable[[], object], pairs: int, 
     return ta, tb, ha, hb
 
 
+DEEPEP_METHODS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+
+
+def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf, pairs: int) -> tuple[list[float], list[float]]:
+    """Host us from each call's start to its first ``deep_ep.Buffer`` method, ``fa`` and ``fb`` alternated as
+    in ``timed_pairs``: how long the GPU idles before DeepEP's own host code starts, in a call from an idle
+    GPU. The buffer's methods are wrapped on the instance for these calls only (the same wrapper for both)."""
+    first: list[float] = []
+
+    def wrap(real: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if not first:
+                first.append(time.perf_counter())
+            return real(*args, **kwargs)
+        return wrapped
+
+    def one(fn: Callable[[], object]) -> float:
+        first.clear()
+        t0 = time.perf_counter()
+        fn()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        return (first[0] - t0) * 1e6
+
+    for name in DEEPEP_METHODS:
+        setattr(buf, name, wrap(getattr(buf, name)))
+    try:
+        ta, tb = [], []
+        for i in range(pairs):
+            if i % 2:
+                b, a = one(fb), one(fa)
+            else:
+                a, b = one(fa), one(fb)
+            ta.append(a), tb.append(b)
+        return ta, tb
+    finally:
+        for name in DEEPEP_METHODS:
+            delattr(buf, name)
+
+
+def host_probe(x: torch.Tensor, topk: TopK) -> dict:
+    """ns per call of host operations on moe-core's low-latency hot path, on this machine (timeit, best of 5)."""
+    import timeit
+
+    ops = {"ids_int64": lambda: topk.ids_int64(False), "x.shape": lambda: x.shape,
+           "x.is_contiguous": x.is_contiguous, "is_dynamo_compiling": torch.compiler.is_dynamo_compiling,
+           "empty_lambda": lambda: None}
+    if x.is_cuda:
+        ops["is_current_stream_capturing"] = torch.cuda.is_current_stream_capturing
+    return {k: round(min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1e9, 1) for k, f in ops.items()}
+
+
 def median_over_ranks(samples: list[float]) -> float:
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -184,6 +236,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
         mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
+        mc_pre, dir_pre = pre_launch_pairs(mc, direct, buf, max(pairs // 2, 1))
         ta_t = timed(ta, pairs, warmup)
         raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
@@ -197,9 +250,14 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
                         "pair_ratio": round(median_over_ranks([m / d for m, d in zip(mc_t, dir_t)]), 4),
                         "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
-                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2)})
+                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
+                        # until DeepEP's first Buffer method: moe-core's own work before the launch
+                        "moe_core_pre_us": round(median_over_ranks(mc_pre), 2),
+                        "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2)})
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
+    if mode == "low_latency" and wire == "bf16" and rank == 0:
+        print("HOST_PROBE_NS " + json.dumps(host_probe(x, topk)), flush=True)
     return results
 
 

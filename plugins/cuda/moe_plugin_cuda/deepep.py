@@ -256,13 +256,10 @@ class DeepEPDispatcher(Dispatcher):
         self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
         self.num_max = deepep_num_max(cfg) if self.low_latency else 0
         self.slab_shape = (cfg.num_experts // world, world * self.num_max, cfg.hidden_size)  # low-latency combine input
-        if self.low_latency:  # what the hot paths compare with, made once (docs/decisions.md, entry 61)
-            h, k = self.hidden, self.top_k
-            # the shapes of (hidden_states, ids) a dispatch takes: ([T, H], [T, K]) for T = 0..max_tokens
-            self._ll_shapes = frozenset((torch.Size((t, h)), torch.Size((t, k))) for t in range(self.max_tokens + 1))
-            self._ll_dispatch_kwargs = dict(num_max_dispatch_tokens_per_rank=self.num_max, num_experts=self.num_experts,
-                                            use_fp8=self.fp8, round_scale=self.ue8m0, use_ue8m0=self.ue8m0,
-                                            async_finish=False, return_recv_hook=False)
+        # the shapes of (hidden_states, ids) a low-latency dispatch takes, ([T, H], [T, K]) for T = 0..max_tokens:
+        # the hot path's one lookup (docs/decisions.md, entry 61)
+        self._ll_shapes = frozenset(((t, self.hidden), (t, self.top_k))
+                                    for t in (range(self.max_tokens + 1) if self.low_latency else ()))
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -293,7 +290,10 @@ class DeepEPDispatcher(Dispatcher):
             x, buf, idx = hidden_states, self._entry.low_latency_ready, topk.ids_int64(False)
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
                     and x.is_contiguous() and (x.shape, idx.shape) in self._ll_shapes):
-                recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, **self._ll_dispatch_kwargs)
+                # (async_finish and return_recv_hook at DeepEP's defaults, False: a ** call costs 3x as much)
+                recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+                    x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+                    use_ue8m0=self.ue8m0)
                 return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, x.dtype)
             launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)
@@ -466,7 +466,8 @@ class DeepEPDispatcher(Dispatcher):
         if idx is None:  # (DeepEP's low-latency kernels run on this stream or wait for it: no event to pass)
             idx = self._cast_ids(topk, previous_event)
         recv_x, recv_count, handle, _, hook = self._low_latency_buffer().low_latency_dispatch(
-            _bf16(x), idx, **{**self._ll_dispatch_kwargs, "return_recv_hook": return_recv_hook})
+            _bf16(x), idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+            use_ue8m0=self.ue8m0, async_finish=False, return_recv_hook=return_recv_hook)
         return (recv_x, recv_count, handle, topk, idx, x.dtype), hook
 
     def _masked_dispatch(self, recv_x: Any, recv_count: torch.Tensor, handle: tuple, topk: TopK,
