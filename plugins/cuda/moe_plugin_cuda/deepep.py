@@ -305,8 +305,12 @@ class DeepEPDispatcher(Dispatcher):
             if buf is not None and ci.__class__ is EPMaskedCombine:
                 h, y, weights = ci.handle, ci.hidden, ci.topk.weights
                 if (h.__class__ is _LowLatencyHandle and y.__class__ is _Tensor and y.dtype is _BF16
-                        and y.is_contiguous() and y.shape == self.slab_shape and weights.shape == h.topk_idx.shape):
-                    out = buf.low_latency_combine(y, h.topk_idx, weights, h.deepep)[0]
+                        and y.is_contiguous() and y.shape == self.slab_shape):
+                    try:  # DeepEP checks the weights against the ids itself, before it launches anything
+                        out = buf.low_latency_combine(y, h.topk_idx, weights, h.deepep)[0]
+                    except Exception:
+                        self._validate_combine(ci)  # raises the contract's error if the input is at fault
+                        raise
                     return out if h.dtype is _BF16 else out.to(h.dtype)
             out, dtype, _ = self._launch_low_latency_combine(ci, False)
             return _as_dtype(out, dtype)
@@ -485,6 +489,13 @@ class DeepEPDispatcher(Dispatcher):
     def _launch_low_latency_combine(self, ci: CombineInput, return_recv_hook: bool
                                     ) -> tuple[torch.Tensor, torch.dtype, Optional[Callable[[], None]]]:
         """Check in full, launch ``low_latency_combine``; returns its output, the caller's dtype and the hook."""
+        self._validate_combine(ci)
+        h, y, weights = ci.handle, ci.hidden, ci.topk.weights
+        out, _, hook = self._low_latency_buffer().low_latency_combine(
+            _bf16(y), h.topk_idx, weights, h.deepep, async_finish=False, return_recv_hook=return_recv_hook)
+        return out, h.dtype, hook
+
+    def _validate_combine(self, ci: CombineInput) -> None:
         if not isinstance(ci, EPMaskedCombine) or not isinstance(ci.handle, _LowLatencyHandle):
             raise TypeError("deepep (ep_masked) combines an EPMaskedCombine carrying its dispatch handle")
         h, y, weights = ci.handle, ci.hidden, ci.topk.weights
@@ -494,6 +505,3 @@ class DeepEPDispatcher(Dispatcher):
         if weights.shape != h.topk_idx.shape:
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
                              f"got {tuple(weights.shape)}")
-        out, _, hook = self._low_latency_buffer().low_latency_combine(
-            _bf16(y), h.topk_idx, weights, h.deepep, async_finish=False, return_recv_hook=return_recv_hook)
-        return out, h.dtype, hook
