@@ -7,11 +7,14 @@ Cases (issue #30): normal mode, 4096 tokens a rank, hidden 7168, top-8 of 256, B
 low latency, 128 tokens a rank, same shape, BF16 and FP8. Each stage is timed with CUDA events
 around one call from an idle GPU (synchronized after each call). moe-core and the direct call alternate
 call by call, in pairs whose order alternates too (A B, B A, ...), ``--pairs`` of them after
-``--warmup``: drift and the previous call's after-effects hit both columns alike. Each column is the max
-over ranks of each rank's median; ``pair_ratio`` is the max over ranks of each rank's median of the
-per-pair ratios moe-core / direct (the noise-robust form of the bar; ``moe_core_us / deepep_direct_us``
-is the ratio of the medians). ``torch_a2a`` and the raw all-to-all are timed on their own, ``--pairs``
-calls each. "direct" does what a DeepEP user does
+``--warmup``, with Python's garbage collector off: drift and the previous call's after-effects hit both
+columns alike. A call's time is the slower rank's (the collective's: both ranks make the same calls in
+step), and each column is the median of those; ``pair_ratio`` is the median of the per-pair ratios
+moe-core / direct of the same times. The bar reads the columns (issue #30); ``pair_ratio`` shows whether
+their ratio holds pair by pair or is drift. ``torch_a2a`` and the raw all-to-all are timed on their own,
+``--pairs`` calls each. Diagnostics: each column's host time per call and its host time until DeepEP's
+first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by rank). "direct"
+does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
 Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to ``TopK``). What
@@ -28,6 +31,7 @@ low latency), at the wire's row size, split evenly over ranks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -97,7 +101,8 @@ def timed_pairs(fa: Callable[[], object], fb: Callable[[], object], pairs: int, 
 DEEPEP_METHODS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 
 
-def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf, pairs: int) -> tuple[list[float], list[float]]:
+def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf,
+                     pairs: int) -> tuple[list[float], list[float]]:
     """Host us from each call's start to its first ``deep_ep.Buffer`` method, ``fa`` and ``fb`` alternated as
     in ``timed_pairs``: how long the GPU idles before DeepEP's own host code starts, in a call from an idle
     GPU. The buffer's methods are wrapped on the instance for these calls only (the same wrapper for both)."""
@@ -147,9 +152,24 @@ def host_probe(x: torch.Tensor, topk: TopK) -> dict:
 
 
 def median_over_ranks(samples: list[float]) -> float:
+    """The max over ranks of each rank's median."""
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def slowest_rank(samples: list[float]) -> list[float]:
+    """Each call's time on the slower rank: the collective's time (every rank made the same calls in step)."""
+    t = torch.tensor(samples, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def per_rank(value: float) -> list[float]:
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=DEVICE)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return [round(v, 2) for v in t.tolist()]
 
 
 def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: int):
@@ -235,25 +255,33 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
         chunk = -(-nbytes // world)
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
-        mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
-        mc_pre, dir_pre = pre_launch_pairs(mc, direct, buf, max(pairs // 2, 1))
-        ta_t = timed(ta, pairs, warmup)
-        raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
+        gc.collect()
+        gc.disable()  # (as timeit does: a collection inside one column's call would be noise)
+        try:
+            mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
+            mc_pre, dir_pre = pre_launch_pairs(mc, direct, buf, max(pairs // 2, 1))
+            ta_t = timed(ta, pairs, warmup)
+            raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
+        finally:
+            gc.enable()
+        mc_t, dir_t, ta_t, raw_t = map(slowest_rank, (mc_t, dir_t, ta_t, raw_t))
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
-                        "moe_core_us": round(median_over_ranks(mc_t), 2),
-                        "deepep_direct_us": round(median_over_ranks(dir_t), 2),
-                        "torch_a2a_us": round(median_over_ranks(ta_t), 2),
-                        "raw_a2a_us": round(median_over_ranks(raw_t), 2),
-                        # diagnostics: the median of the per-pair ratios (the bar, robust to drift), the
-                        # pairs timed, and how long each call kept the host (a moe-core - direct gap as
-                        # large here as in the *_us columns is host time, not GPU work)
-                        "pair_ratio": round(median_over_ranks([m / d for m, d in zip(mc_t, dir_t)]), 4),
+                        "moe_core_us": round(statistics.median(mc_t), 2),
+                        "deepep_direct_us": round(statistics.median(dir_t), 2),
+                        "torch_a2a_us": round(statistics.median(ta_t), 2),
+                        "raw_a2a_us": round(statistics.median(raw_t), 2),
+                        # diagnostics: the median of the per-pair ratios (robust to drift), the pairs
+                        # timed, how long each call kept the host (a moe-core - direct gap as large here
+                        # as in the *_us columns is host time, not GPU work)
+                        "pair_ratio": round(statistics.median([m / d for m, d in zip(mc_t, dir_t, strict=True)]), 4),
                         "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
                         "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
                         # until DeepEP's first Buffer method: moe-core's own work before the launch
                         "moe_core_pre_us": round(median_over_ranks(mc_pre), 2),
-                        "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2)})
+                        "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2),
+                        "pre_us_by_rank": {"moe_core": per_rank(statistics.median(mc_pre)),
+                                           "direct": per_rank(statistics.median(dir_pre))}})
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
     if mode == "low_latency" and wire == "bf16" and rank == 0:
@@ -267,7 +295,7 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=400,
                     help="(moe-core, direct) pairs timed per stage, alternated call by call; also the calls "
                          "timed for torch_a2a and the raw all-to-all")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--cases-passed", type=int, default=None)
     ap.add_argument("--cases-total", type=int, default=None)
     ap.add_argument("--smoke", action="store_true",
@@ -289,6 +317,13 @@ def main() -> int:
         dist.init_process_group("nccl", device_id=DEVICE)
     import deep_ep
 
+    # the group's buffer, built once for every case's need before any timing (the low-latency need makes DeepEP
+    # start NVSHMEM), then a pause: the first low-latency case of run 1 found the host slower, direct calls too
+    prelude = [dispatcher("deepep", mode, "bf16", tokens, rank, world) for mode, tokens in sizes]
+    built = prelude[0].buffer
+    dist.barrier()
+    time.sleep(0 if args.smoke else 2)
+    del prelude, built
     rows = []
     for mode, tokens in sizes:
         for wire in ("bf16", "fp8"):

@@ -256,10 +256,10 @@ class DeepEPDispatcher(Dispatcher):
         self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
         self.num_max = deepep_num_max(cfg) if self.low_latency else 0
         self.slab_shape = (cfg.num_experts // world, world * self.num_max, cfg.hidden_size)  # low-latency combine input
-        # the shapes of (hidden_states, ids) a low-latency dispatch takes, ([T, H], [T, K]) for T = 0..max_tokens:
-        # the hot path's one lookup (docs/decisions.md, entry 61)
-        self._ll_shapes = frozenset(((t, self.hidden), (t, self.top_k))
-                                    for t in (range(self.max_tokens + 1) if self.low_latency else ()))
+        # the shapes of hidden_states a low-latency dispatch takes, [T, H] for T = 0..max_tokens: the hot path's
+        # one lookup (docs/decisions.md, entry 61)
+        tokens = range(self.max_tokens + 1) if self.low_latency else ()
+        self._ll_x_shapes = frozenset((t, self.hidden) for t in tokens)
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -285,15 +285,22 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         if self.low_latency:
             # the hot path (decode; the GPU idles until DeepEP's launch): the buffer's state, TopK's int64
-            # ids, a few compares and one set lookup of the shapes, then the launch; the results are built
-            # after it. Anything else (a cast, a refusal, the buffer's bookkeeping) takes the checked path.
+            # ids, a few compares and one set lookup of x's shape, then the launch; the ids' top_k is checked
+            # and the results are built after it. Anything else (a cast, a refusal, the buffer's bookkeeping)
+            # takes the checked path.
             x, buf, idx = hidden_states, self._entry.low_latency_ready, topk.ids_int64(False)
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
-                    and x.is_contiguous() and (x.shape, idx.shape) in self._ll_shapes):
-                # (async_finish and return_recv_hook at DeepEP's defaults, False: a ** call costs 3x as much)
-                recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-                    x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
-                    use_ue8m0=self.ue8m0)
+                    and x.is_contiguous() and x.shape in self._ll_x_shapes):
+                try:  # DeepEP checks the ids against x (2-D, as many rows) before it launches anything
+                    # (async_finish and return_recv_hook at DeepEP's defaults, False: a ** call costs 3x as much)
+                    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+                        x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+                        use_ue8m0=self.ue8m0)
+                except Exception:
+                    self._validate(x, topk)  # raises the contract's error if the input is at fault
+                    raise
+                if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
+                    self._validate(x, topk)
                 return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, x.dtype)
             launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)

@@ -106,6 +106,8 @@ def test_low_latency_hot_path_and_checked_path_agree():
         r = r["hot_path"]
         assert all(r["same"].values()), (rank, r)
         assert "hidden_states must be" in r["errors"].get("hidden", ""), (rank, r)
+        for refused in ("rows", "top_k"):  # DeepEP's own check first, and after the launch
+            assert "topk.ids must be" in r["errors"].get(refused, ""), (rank, refused, r)
         assert "EPMaskedCombine.topk must be" in r["errors"].get("weights", ""), (rank, r)
         assert r["after_refusal"] and r["hot_path_ready"], (rank, r)
 

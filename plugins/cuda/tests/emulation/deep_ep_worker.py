@@ -359,10 +359,14 @@ def part_hot_path(rank: int, world: int, seed: int) -> dict:
         m, y = run(x_in, topk)
         same[name] = bool(torch.equal(m, ref_m) and torch.allclose(y, ref_y, rtol=1e-2, atol=1e-2))
     errors = {}
-    try:
-        d.dispatch(torch.zeros(t, SHAPE["hidden"] // 2, dtype=torch.bfloat16), hot)
-    except ValueError as exc:
-        errors["hidden"] = str(exc)
+    refused = {"hidden": (torch.zeros(t, SHAPE["hidden"] // 2, dtype=torch.bfloat16), hot),  # before the launch
+               "rows": (x.to(torch.bfloat16), TopK(hot.weights[:-1], ids64[:-1])),  # DeepEP's own check first
+               "top_k": (x.to(torch.bfloat16), TopK(hot.weights[:, :-1], ids64[:, :-1].contiguous()))}  # after it
+    for name, (x_in, topk) in refused.items():
+        try:
+            d.dispatch(x_in, topk)
+        except ValueError as exc:
+            errors[name] = str(exc)
     out = d.dispatch(x.to(torch.bfloat16), hot)
     ci = eq._synthetic_experts(out, rank, SHAPE["experts"])
     bad = type(ci)(ci.hidden, TopK(hot.weights[:-1], ids64[:-1]), ci.handle)  # the weights of t - 1 tokens
@@ -401,7 +405,8 @@ def part_async_events(rank: int, world: int, seed: int) -> dict:
     return {"same_dispatch": same_dispatch, "same_combine": bool(torch.equal(combined, want.to(combined.dtype)))}
 
 
-PARTS = {"hot_path": part_hot_path, "async_events": part_async_events, "ops": part_ops, "equivalence": part_equivalence, "layer": part_layer, "in_flight": part_in_flight}
+PARTS = {"hot_path": part_hot_path, "async_events": part_async_events, "ops": part_ops, "equivalence": part_equivalence,
+         "layer": part_layer, "in_flight": part_in_flight}
 
 
 def _parts(rank: int, world: int, seed: int, parts: list) -> dict:
