@@ -102,6 +102,11 @@ class WireDtype(_StrEnum):
 
 # read as globals by per-call code: on Python 3.11 looking an enum member up on its class costs ~20x that
 _BF16, _NVFP4 = WireDtype.BF16, WireDtype.NVFP4
+# read as globals by TopK.ids_int64. Dynamo folds is_dynamo_compiling() to True (it knows the function by
+# identity); eager, it is one frame returning False, where is_compiling() is two and reads a flag that is True
+# beyond dynamo only while export or a compile session runs Python for real, on tensors whose version
+# counters move as in eager code (docs/decisions.md, entry 61)
+_dynamo_tracing, _cuda_capturing = torch.compiler.is_dynamo_compiling, torch.cuda.is_current_stream_capturing
 
 
 class QuantScheme(_StrEnum):
@@ -168,8 +173,11 @@ class TopK:
 
     weights: torch.Tensor
     ids: torch.Tensor
-    # the router's int64 ids and the versions of both tensors when this TopK was made (ids_int64)
-    _int64: Optional[tuple[torch.Tensor, int, int]] = field(default=None, init=False, repr=False, compare=False)
+    # for ids_int64: the router's int64 ids, the sum of both tensors' versions when this TopK was made,
+    # and whether they are on a CUDA device (where a graph may be captured)
+    _int64: Optional[torch.Tensor] = field(default=None, init=False, repr=False, compare=False)
+    _int64_versions: int = field(default=0, init=False, repr=False, compare=False)
+    _int64_cuda: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         w, i = self.weights, self.ids
@@ -181,7 +189,9 @@ class TopK:
         if i.dtype == torch.int64:
             source, i = i, i.to(torch.int32)
             object.__setattr__(self, "ids", i)
-            object.__setattr__(self, "_int64", (source, source._version, i._version))
+            object.__setattr__(self, "_int64", source)
+            object.__setattr__(self, "_int64_versions", source._version + i._version)
+            object.__setattr__(self, "_int64_cuda", source.is_cuda)
         if w.dtype != torch.float32:
             raise TypeError(f"TopK.weights must be torch.float32 (or bf16/fp16, converted), got {w.dtype}")
         if i.dtype != torch.int32:
@@ -200,10 +210,13 @@ class TopK:
         cast: a kernel launch fewer per call; docs/decisions.md "int64 ids kept"), else ``ids``
         cast (``cast=False``: ``None`` instead). While a CUDA graph is captured (or dynamo traces)
         it is always the cast, so that replays read ``ids``, which graph users update in place."""
-        kept = self._int64
-        if (kept is not None and not torch.compiler.is_compiling() and kept[0]._version == kept[1]
-                and self.ids._version == kept[2] and not (self.ids.is_cuda and torch.cuda.is_current_stream_capturing())):
-            return kept[0]
+        # on a dispatcher's hot path: two counter reads, a compare and two queries (docs/decisions.md,
+        # entry 61). Version counters only grow, so the sum is unchanged only if both are.
+        source = self._int64
+        if (source is not None and not _dynamo_tracing()  # (first: traced, a version is a data-dependent value)
+                and source._version + self.ids._version == self._int64_versions
+                and not (self._int64_cuda and _cuda_capturing())):
+            return source
         return self.ids.to(torch.int64) if cast else None
 
     @property
@@ -310,7 +323,7 @@ class EPNormalDispatch(DispatchOutput):
     handle: Any = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EPMaskedDispatch(DispatchOutput):
     """DeepEP low-latency layout: ``[E_local, C, H]`` slab, ``masked_m`` valid rows per expert.
 
@@ -323,6 +336,11 @@ class EPMaskedDispatch(DispatchOutput):
     masked_m: torch.Tensor  # int32 [E_local]
     topk: TopK  # [T, K] of this rank's own tokens, global ids
     handle: Any = field(default=None, compare=False, repr=False)
+
+    def __init__(self, hidden: QuantizedActivations, masked_m: torch.Tensor, topk: TopK, handle: Any = None) -> None:
+        # the fields above, written once into __dict__, as QuantizedActivations does: one is made per
+        # low-latency (decode) dispatch; the generated frozen __init__ cost 2.5x (docs/decisions.md, entry 61)
+        self.__dict__.update(hidden=hidden, masked_m=masked_m, topk=topk, handle=handle)
 
 
 # --------------------------------------------------------------------------- combine inputs

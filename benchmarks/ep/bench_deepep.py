@@ -5,8 +5,16 @@ same buffer with the same tokens, ``torch_a2a``, and a raw ``all_to_all_single``
 
 Cases (issue #30): normal mode, 4096 tokens a rank, hidden 7168, top-8 of 256, BF16 and FP8 wire;
 low latency, 128 tokens a rank, same shape, BF16 and FP8. Each stage is timed with CUDA events
-around one call (median of ``--iters`` after ``--warmup``; moe-core and direct calls alternate so
-drift hits both), as the max over ranks of each rank's median. "direct" does what a DeepEP user does
+around one call from an idle GPU (synchronized after each call). moe-core and the direct call alternate
+call by call, in pairs whose order alternates too (A B, B A, ...), ``--pairs`` of them after
+``--warmup``, with Python's garbage collector off: drift and the previous call's after-effects hit both
+columns alike. A call's time is the slower rank's (the collective's: both ranks make the same calls in
+step), and each column is the median of those; ``pair_ratio`` is the median of the per-pair ratios
+moe-core / direct of the same times. The bar reads the columns (issue #30); ``pair_ratio`` shows whether
+their ratio holds pair by pair or is drift. ``torch_a2a`` and the raw all-to-all are timed on their own,
+``--pairs`` calls each. Diagnostics: each column's host time per call and its host time until DeepEP's
+first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by rank). "direct"
+does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
 Both columns get the same int64 ids (``torch.topk``'s, as a router hands them to ``TopK``). What
@@ -23,13 +31,14 @@ low latency), at the wire's row size, split evenly over ranks.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,36 +52,124 @@ E, K, H = 256, 8, 7168
 DEVICE = torch.device("cuda")
 
 
-def timed(fn: Callable[[], object], iters: int, warmup: int, host: Optional[list[float]] = None) -> list[float]:
-    """Microseconds per call: CUDA events around it (wall clock in the CPU smoke run). ``host``, when
-    given, gets each call's host time (until the call returned; the GPU may still run)."""
-    out = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        if DEVICE.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+class Timer:
+    """One call timed from an idle GPU: CUDA events around it, then a sync (wall clock in the CPU smoke
+    run). Returns (us, host us): the host part ends when the call returned (the GPU may still run)."""
+
+    def __init__(self) -> None:
+        cuda = DEVICE.type == "cuda"
+        self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float]:
+        if self.events is None:
             t0 = time.perf_counter()
             fn()
-            t1 = time.perf_counter()
-            b.record()
-            b.synchronize()
-            us = a.elapsed_time(b) * 1e3
+            us = (time.perf_counter() - t0) * 1e6
+            return us, us
+        a, b = self.events
+        a.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) * 1e3, (t1 - t0) * 1e6
+
+
+def timed(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
+    """Microseconds per call, ``iters`` calls after ``warmup``."""
+    timer = Timer()
+    out = [timer(fn)[0] for _ in range(warmup + iters)]
+    return out[warmup:]
+
+
+def timed_pairs(fa: Callable[[], object], fb: Callable[[], object], pairs: int, warmup: int
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``fa`` and ``fb`` alternated call by call (A B, then B A, ...): each one's times and host times."""
+    timer = Timer()
+    ta, tb, ha, hb = [], [], [], []
+    for i in range(warmup + pairs):
+        if i % 2:
+            (b, hb_), (a, ha_) = timer(fb), timer(fa)
         else:
-            fn()
-            t1 = time.perf_counter()
-            us = (t1 - t0) * 1e6
+            (a, ha_), (b, hb_) = timer(fa), timer(fb)
         if i >= warmup:
-            out.append(us)
-            if host is not None:
-                host.append((t1 - t0) * 1e6)
-    return out
+            ta.append(a), tb.append(b), ha.append(ha_), hb.append(hb_)
+    return ta, tb, ha, hb
+
+
+DEEPEP_METHODS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
+
+
+def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf,
+                     pairs: int) -> tuple[list[float], list[float]]:
+    """Host us from each call's start to its first ``deep_ep.Buffer`` method, ``fa`` and ``fb`` alternated as
+    in ``timed_pairs``: how long the GPU idles before DeepEP's own host code starts, in a call from an idle
+    GPU. The buffer's methods are wrapped on the instance for these calls only (the same wrapper for both)."""
+    first: list[float] = []
+
+    def wrap(real: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            if not first:
+                first.append(time.perf_counter())
+            return real(*args, **kwargs)
+        return wrapped
+
+    def one(fn: Callable[[], object]) -> float:
+        first.clear()
+        t0 = time.perf_counter()
+        fn()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        return (first[0] - t0) * 1e6
+
+    for name in DEEPEP_METHODS:
+        setattr(buf, name, wrap(getattr(buf, name)))
+    try:
+        ta, tb = [], []
+        for i in range(pairs):
+            if i % 2:
+                b, a = one(fb), one(fa)
+            else:
+                a, b = one(fa), one(fb)
+            ta.append(a), tb.append(b)
+        return ta, tb
+    finally:
+        for name in DEEPEP_METHODS:
+            delattr(buf, name)
+
+
+def host_probe(x: torch.Tensor, topk: TopK) -> dict:
+    """ns per call of host operations on moe-core's low-latency hot path, on this machine (timeit, best of 5)."""
+    import timeit
+
+    ops = {"ids_int64": lambda: topk.ids_int64(False), "x.shape": lambda: x.shape,
+           "x.is_contiguous": x.is_contiguous, "is_dynamo_compiling": torch.compiler.is_dynamo_compiling,
+           "empty_lambda": lambda: None}
+    if x.is_cuda:
+        ops["is_current_stream_capturing"] = torch.cuda.is_current_stream_capturing
+    return {k: round(min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1e9, 1) for k, f in ops.items()}
 
 
 def median_over_ranks(samples: list[float]) -> float:
+    """The max over ranks of each rank's median."""
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def slowest_rank(samples: list[float]) -> list[float]:
+    """Each call's time on the slower rank: the collective's time (every rank made the same calls in step)."""
+    t = torch.tensor(samples, dtype=torch.float64, device=DEVICE)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def per_rank(value: float) -> list[float]:
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=DEVICE)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return [round(v, 2) for v in t.tolist()]
 
 
 def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: int):
@@ -93,7 +190,7 @@ def direct_normal_dispatch(buf, x: torch.Tensor, ids64: torch.Tensor, w: torch.T
                         num_tokens_per_expert=per_expert)
 
 
-def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: int, warmup: int) -> list[dict]:
+def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: int, warmup: int) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(1000 + rank)
     x = torch.randn(tokens, H, device=DEVICE, generator=gen).to(torch.bfloat16)
     scores = torch.rand(tokens, E, device=DEVICE, generator=gen)
@@ -158,31 +255,47 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, iters: in
         chunk = -(-nbytes // world)
         send = torch.empty(chunk * world, dtype=torch.uint8, device=DEVICE)
         recv_raw = torch.empty_like(send)
-        mc_t, dir_t, mc_host, dir_host = [], [], [], []
-        for _ in range(3):  # alternate so clock and thermal drift hit both
-            mc_t += timed(mc, iters // 3, warmup, mc_host)
-            dir_t += timed(direct, iters // 3, warmup, dir_host)
-        ta_t = timed(ta, iters, warmup)
-        raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), iters, warmup)
+        gc.collect()
+        gc.disable()  # (as timeit does: a collection inside one column's call would be noise)
+        try:
+            mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
+            mc_pre, dir_pre = pre_launch_pairs(mc, direct, buf, max(pairs // 2, 1))
+            ta_t = timed(ta, pairs, warmup)
+            raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
+        finally:
+            gc.enable()
+        mc_t, dir_t, ta_t, raw_t = map(slowest_rank, (mc_t, dir_t, ta_t, raw_t))
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
-                        "moe_core_us": round(median_over_ranks(mc_t), 2),
-                        "deepep_direct_us": round(median_over_ranks(dir_t), 2),
-                        "torch_a2a_us": round(median_over_ranks(ta_t), 2),
-                        "raw_a2a_us": round(median_over_ranks(raw_t), 2),
-                        # diagnostics: how long each call kept the host; a moe-core - direct gap that is
-                        # as large here as in the *_us columns is host time, not GPU work
+                        "moe_core_us": round(statistics.median(mc_t), 2),
+                        "deepep_direct_us": round(statistics.median(dir_t), 2),
+                        "torch_a2a_us": round(statistics.median(ta_t), 2),
+                        "raw_a2a_us": round(statistics.median(raw_t), 2),
+                        # diagnostics: the median of the per-pair ratios (robust to drift), the pairs
+                        # timed, how long each call kept the host (a moe-core - direct gap as large here
+                        # as in the *_us columns is host time, not GPU work)
+                        "pair_ratio": round(statistics.median([m / d for m, d in zip(mc_t, dir_t, strict=True)]), 4),
+                        "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
-                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2)})
+                        "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
+                        # until DeepEP's first Buffer method: moe-core's own work before the launch
+                        "moe_core_pre_us": round(median_over_ranks(mc_pre), 2),
+                        "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2),
+                        "pre_us_by_rank": {"moe_core": per_rank(statistics.median(mc_pre)),
+                                           "direct": per_rank(statistics.median(dir_pre))}})
         if rank == 0:
             print(json.dumps(results[-1]), flush=True)
+    if mode == "low_latency" and wire == "bf16" and rank == 0:
+        print("HOST_PROBE_NS " + json.dumps(host_probe(x, topk)), flush=True)
     return results
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--iters", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=400,
+                    help="(moe-core, direct) pairs timed per stage, alternated call by call; also the calls "
+                         "timed for torch_a2a and the raw all-to-all")
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--cases-passed", type=int, default=None)
     ap.add_argument("--cases-total", type=int, default=None)
     ap.add_argument("--smoke", action="store_true",
@@ -204,10 +317,17 @@ def main() -> int:
         dist.init_process_group("nccl", device_id=DEVICE)
     import deep_ep
 
+    # the group's buffer, built once for every case's need before any timing (the low-latency need makes DeepEP
+    # start NVSHMEM), then a pause: the first low-latency case of run 1 found the host slower, direct calls too
+    prelude = [dispatcher("deepep", mode, "bf16", tokens, rank, world) for mode, tokens in sizes]
+    built = prelude[0].buffer
+    dist.barrier()
+    time.sleep(0 if args.smoke else 2)
+    del prelude, built
     rows = []
     for mode, tokens in sizes:
         for wire in ("bf16", "fp8"):
-            rows += run_case(mode, wire, tokens, rank, world, args.iters, args.warmup)
+            rows += run_case(mode, wire, tokens, rank, world, args.pairs, args.warmup)
     if rank == 0:
         version = getattr(deep_ep, "__version__", None) or "1.2.1 (built from source, tag commit 9af0e0d)"
         name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU (emulated deep_ep, smoke)"

@@ -148,6 +148,7 @@ def case(mode: str, wire: str, tokens: int, args: argparse.Namespace) -> dict[st
     real = d.buffer
     buf = Replay(real._buffer if isinstance(real, Replay) else real)  # the group's buffer, last case's replay off
     d._entry.buffer = buf  # moe-core's calls go to the same replaying buffer
+    d._entry.low_latency_ready = None  # (the low-latency hot path's buffer: set again at the next call)
     fp8 = wire == "fp8"
     if mode == "normal":
         out = d.dispatch(x, topk)

@@ -153,6 +153,16 @@ def test_topk_keeps_a_routers_int64_ids_until_either_tensor_changes():
     assert torch.equal(mc.TopK(torch.rand(7, K), ids64.int()).ids_int64(), ids64)
 
 
+def test_topk_ids_int64_is_a_cast_while_dynamo_traces():
+    """Traced by dynamo, ``ids_int64`` is ``ids`` cast (a graph reads ``ids``, as a captured CUDA graph
+    does), whatever the version counters say; eager, the router's own tensor again."""
+    ids64 = random_topk(6, E, K).ids.long()
+    topk = mc.TopK(torch.rand(6, K), ids64)
+    got = torch.compile(lambda t: t.ids_int64(), backend="eager", fullgraph=True)(topk)
+    assert got is not ids64 and got.dtype == torch.int64 and torch.equal(got, ids64)
+    assert topk.ids_int64(cast=False) is ids64
+
+
 @pytest.mark.parametrize("ep_rank", [0, 1])
 def test_per_expert_per_shard_loading_keeps_this_ranks_experts(ep_rank):
     cfg = _cfg(ep_size=2, ep_rank=ep_rank, dispatcher="standard")

@@ -62,6 +62,7 @@ from moe_plugin_cuda.probes import deepep_num_max, deepep_problems
 __all__ = ["DeepEPDispatcher", "BufferRegistry", "BUFFERS", "Pending", "unpack_ue8m0"]
 
 WIRE_DTYPES = (WireDtype.BF16, WireDtype.FP8)
+_Tensor, _BF16 = torch.Tensor, torch.bfloat16  # (global reads on the hot paths)
 # DeepEP's low-latency buffer has two halves used in turn: a third call issued before the first was
 # received would overwrite data still being read (DeepEP #166, #513). Enforced on the async API.
 MAX_LOW_LATENCY_IN_FLIGHT = 2
@@ -102,6 +103,9 @@ class _GroupBuffer:
     built_for: Optional[BufferNeed] = None
     used_normal: bool = False  # normal kernels ran since the last low-latency clean
     low_latency_in_flight: int = 0  # async low-latency calls issued and not yet received (wait())
+    # the buffer while a low-latency call may go straight to it (built for the need, clean, nothing in
+    # flight), else None: the one read of the low-latency hot path; whatever changes that state resets it
+    low_latency_ready: Any = None
 
 
 class BufferRegistry:
@@ -121,6 +125,7 @@ class BufferRegistry:
     def declare(self, group: Any, need: BufferNeed) -> _GroupBuffer:
         entry = self._groups.setdefault(group, _GroupBuffer(group))
         entry.need = entry.need.merge(need)
+        entry.low_latency_ready = None  # the buffer may have to grow first
         return entry
 
     @staticmethod
@@ -135,6 +140,7 @@ class BufferRegistry:
                                           low_latency_mode=need.low_latency_mode, **kwargs)
             entry.built_for = need
             entry.used_normal = False
+            entry.low_latency_ready = None
         else:  # a later need the buffer already covers: size it as built, so the hot path applies again
             entry.need = entry.built_for
         return entry.buffer
@@ -250,6 +256,10 @@ class DeepEPDispatcher(Dispatcher):
         self.ue8m0 = bool(cfg.options("deepep").get("ue8m0", False)) and self.fp8
         self.num_max = deepep_num_max(cfg) if self.low_latency else 0
         self.slab_shape = (cfg.num_experts // world, world * self.num_max, cfg.hidden_size)  # low-latency combine input
+        # the shapes of hidden_states a low-latency dispatch takes, [T, H] for T = 0..max_tokens: the hot path's
+        # one lookup (docs/decisions.md, entry 61)
+        tokens = range(self.max_tokens + 1) if self.low_latency else ()
+        self._ll_x_shapes = frozenset((t, self.hidden) for t in tokens)
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -273,14 +283,43 @@ class DeepEPDispatcher(Dispatcher):
     # ----------------------------------------------------------------- public stage calls
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
-        if self.low_latency:  # straight through: no Pending, no closure (see _launch_low_latency_dispatch)
-            launched, _ = self._launch_low_latency_dispatch(hidden_states, topk, None, False)
+        if self.low_latency:
+            # the hot path (decode; the GPU idles until DeepEP's launch): the buffer's state, TopK's int64
+            # ids, a few compares and one set lookup of x's shape, then the launch; the ids' top_k is checked
+            # and the results are built after it. Anything else (a cast, a refusal, the buffer's bookkeeping)
+            # takes the checked path.
+            x, buf, idx = hidden_states, self._entry.low_latency_ready, topk.ids_int64(False)
+            if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
+                    and x.is_contiguous() and x.shape in self._ll_x_shapes):
+                try:  # DeepEP checks the ids against x (2-D, as many rows) before it launches anything
+                    # (async_finish and return_recv_hook at DeepEP's defaults, False: a ** call costs 3x as much)
+                    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
+                        x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+                        use_ue8m0=self.ue8m0)
+                except Exception:
+                    self._validate(x, topk)  # raises the contract's error if the input is at fault
+                    raise
+                if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
+                    self._validate(x, topk)
+                return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, x.dtype)
+            launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)
         return self._dispatch_normal(hidden_states, topk, None, False).wait()
 
     def combine(self, combine_input: CombineInput) -> torch.Tensor:
         if self.low_latency:
-            out, dtype, _ = self._launch_low_latency_combine(combine_input, False)
+            ci, buf = combine_input, self._entry.low_latency_ready  # the hot path, as in dispatch
+            if buf is not None and ci.__class__ is EPMaskedCombine:
+                h, y, weights = ci.handle, ci.hidden, ci.topk.weights
+                if (h.__class__ is _LowLatencyHandle and y.__class__ is _Tensor and y.dtype is _BF16
+                        and y.is_contiguous() and y.shape == self.slab_shape):
+                    try:  # DeepEP checks the weights against the ids itself, before it launches anything
+                        out = buf.low_latency_combine(y, h.topk_idx, weights, h.deepep)[0]
+                    except Exception:
+                        self._validate_combine(ci)  # raises the contract's error if the input is at fault
+                        raise
+                    return out if h.dtype is _BF16 else out.to(h.dtype)
+            out, dtype, _ = self._launch_low_latency_combine(ci, False)
             return _as_dtype(out, dtype)
         return self._combine_normal(combine_input, None, False).wait()
 
@@ -336,7 +375,7 @@ class DeepEPDispatcher(Dispatcher):
             idx, previous_event = self._cast_ids(topk, previous_event), None
         entry = self._entry
         buf = self.buffer
-        entry.used_normal = True
+        entry.used_normal, entry.low_latency_ready = True, None
         on_comm = previous_event is not None
         per_rank, per_rdma_rank, per_expert, in_rank, event = buf.get_dispatch_layout(
             idx, self.num_experts, previous_event=previous_event, async_finish=async_, allocate_on_comm_stream=on_comm)
@@ -377,7 +416,8 @@ class DeepEPDispatcher(Dispatcher):
         y = ci.hidden
         if y.shape != (h.num_recv, self.hidden):
             raise ValueError(f"EPNormalCombine.hidden must be [{h.num_recv}, {self.hidden}], got {tuple(y.shape)}")
-        self._entry.used_normal = True
+        entry = self._entry
+        entry.used_normal, entry.low_latency_ready = True, None
         if async_ and previous_event is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous()):
             # DeepEP's comm stream waits for the caller's event instead of this stream, so a cast here
             # must follow that event and DeepEP must follow the cast: wait, cast, hand over this stream
@@ -393,9 +433,9 @@ class DeepEPDispatcher(Dispatcher):
                        event if async_ else None)
 
     # low-latency kernels: used for decode, where one call is a few tens of us on the GPU and the GPU
-    # idles until DeepEP's launch, so the work before it is a few compares on the hot path (the
-    # detailed checks run only when one fails, the buffer's bookkeeping only when it has some to do)
-    # and the results are built after it
+    # idles until DeepEP's launch, so the synchronous calls' hot paths (in dispatch / combine) do a few
+    # compares before it and build the results after it; the full checks and the buffer's bookkeeping
+    # run here, when the hot path does not apply (docs/decisions.md, entries 60 and 61)
 
     def _low_latency_buffer(self) -> Any:
         """The buffer for a low-latency call, after two checks: raise if the call would be the third in
@@ -403,8 +443,6 @@ class DeepEPDispatcher(Dispatcher):
         one counts until its receive hook ran, see ``_counted``), and zero the low-latency part if
         normal kernels ran since."""
         entry = self._entry
-        if not (entry.low_latency_in_flight or entry.used_normal) and entry.built_for is entry.need:
-            return entry.buffer  # the hot path: nothing to check, clean or (re)build
         if entry.low_latency_in_flight >= MAX_LOW_LATENCY_IN_FLIGHT:
             raise RuntimeError(f"deepep: {entry.low_latency_in_flight} low-latency calls are in flight on this "
                                "buffer, the most its two halves allow (DeepEP #166/#513): wait() on an earlier "
@@ -413,12 +451,15 @@ class DeepEPDispatcher(Dispatcher):
         if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
             buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
             entry.used_normal = False
+        if not entry.low_latency_in_flight:
+            entry.low_latency_ready = buf  # the next low-latency call may go straight to it
         return buf
 
     def _counted(self, hook: Optional[Callable[[], None]]) -> Callable[[], None]:
         """An issued async low-latency call's receive: it counts as in flight until this runs."""
         entry = self._entry
         entry.low_latency_in_flight += 1
+        entry.low_latency_ready = None  # the next call counts what is in flight
 
         def receive() -> None:
             entry.low_latency_in_flight -= 1
@@ -428,19 +469,16 @@ class DeepEPDispatcher(Dispatcher):
 
     def _launch_low_latency_dispatch(self, x: torch.Tensor, topk: TopK, previous_event: Any,
                                      return_recv_hook: bool) -> tuple[tuple, Optional[Callable[[], None]]]:
-        """Check, launch ``low_latency_dispatch``; returns ``_masked_dispatch``'s arguments and the
-        receive hook (``return_recv_hook``: the kernel only sends until the hook runs)."""
-        shape = x.shape if isinstance(x, torch.Tensor) else None
-        if (shape is None or len(shape) != 2 or shape[1] != self.hidden or shape[0] > self.max_tokens
-                or topk.ids.shape != (shape[0], self.top_k)):
-            self._validate(x, topk)  # raises, naming what is wrong
+        """Check in full, launch ``low_latency_dispatch``; returns ``_masked_dispatch``'s arguments and the
+        receive hook (``return_recv_hook``: the kernel only sends until the hook runs). The async calls'
+        path, and the synchronous one's when its hot path does not apply."""
+        self._validate(x, topk)
         idx = topk.ids_int64(cast=False)
         if idx is None:  # (DeepEP's low-latency kernels run on this stream or wait for it: no event to pass)
             idx = self._cast_ids(topk, previous_event)
         recv_x, recv_count, handle, _, hook = self._low_latency_buffer().low_latency_dispatch(
-            x if x.dtype is torch.bfloat16 and x.is_contiguous() else _bf16(x), idx, self.num_max, self.num_experts,
-            use_fp8=self.fp8, round_scale=self.ue8m0, use_ue8m0=self.ue8m0, async_finish=False,
-            return_recv_hook=return_recv_hook)
+            _bf16(x), idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+            use_ue8m0=self.ue8m0, async_finish=False, return_recv_hook=return_recv_hook)
         return (recv_x, recv_count, handle, topk, idx, x.dtype), hook
 
     def _masked_dispatch(self, recv_x: Any, recv_count: torch.Tensor, handle: tuple, topk: TopK,
@@ -457,16 +495,20 @@ class DeepEPDispatcher(Dispatcher):
 
     def _launch_low_latency_combine(self, ci: CombineInput, return_recv_hook: bool
                                     ) -> tuple[torch.Tensor, torch.dtype, Optional[Callable[[], None]]]:
-        """Check, launch ``low_latency_combine``; returns its output, the caller's dtype and the hook."""
+        """Check in full, launch ``low_latency_combine``; returns its output, the caller's dtype and the hook."""
+        self._validate_combine(ci)
+        h, y, weights = ci.handle, ci.hidden, ci.topk.weights
+        out, _, hook = self._low_latency_buffer().low_latency_combine(
+            _bf16(y), h.topk_idx, weights, h.deepep, async_finish=False, return_recv_hook=return_recv_hook)
+        return out, h.dtype, hook
+
+    def _validate_combine(self, ci: CombineInput) -> None:
         if not isinstance(ci, EPMaskedCombine) or not isinstance(ci.handle, _LowLatencyHandle):
             raise TypeError("deepep (ep_masked) combines an EPMaskedCombine carrying its dispatch handle")
         h, y, weights = ci.handle, ci.hidden, ci.topk.weights
-        if y.shape != self.slab_shape:
-            raise ValueError(f"EPMaskedCombine.hidden must be {list(self.slab_shape)}, got {tuple(y.shape)}")
+        if not isinstance(y, torch.Tensor) or y.shape != self.slab_shape:
+            raise ValueError(f"EPMaskedCombine.hidden must be a {list(self.slab_shape)} tensor, got "
+                             f"{tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__}")
         if weights.shape != h.topk_idx.shape:
             raise ValueError(f"EPMaskedCombine.topk must be [T, K] = {list(h.topk_idx.shape)}, "
                              f"got {tuple(weights.shape)}")
-        out, _, hook = self._low_latency_buffer().low_latency_combine(
-            y if y.dtype is torch.bfloat16 and y.is_contiguous() else _bf16(y), h.topk_idx, weights, h.deepep,
-            async_finish=False, return_recv_hook=return_recv_hook)
-        return out, h.dtype, hook

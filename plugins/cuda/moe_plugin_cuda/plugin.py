@@ -77,8 +77,8 @@ class CudaPlugin(BackendPlugin):
                 # normal mode busy-waits on the host for the receive counts
                 graph_safe_formats=frozenset({Format.EP_MASKED}),
                 ep="required", packages=("deep_ep",), priority=PRIORITY_DEEPEP, probe=f"{PACKAGE}.probes:probe_deepep",
-                priority_reason="DeepEP's NVLink/RDMA kernels: dispatch + combine 1.7-2.0x faster than torch_a2a "
-                                "in normal mode (4096 tokens a rank) and 16x in low-latency mode (128 tokens) on "
+                priority_reason="DeepEP's NVLink/RDMA kernels: dispatch + combine 1.2-1.4x faster than torch_a2a "
+                                "in normal mode (4096 tokens a rank) and 15-18x in low-latency mode (128 tokens) on "
                                 "2x H100, H=7168, top-8 of 256 (benchmarks/ep/results/deepep-h100x2.json)",
                 check=f"{PACKAGE}.probes:check_deepep",
                 description="DeepEP V1 Buffer: normal (intranode/internode) and low-latency all-to-all",

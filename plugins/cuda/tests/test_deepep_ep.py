@@ -101,6 +101,19 @@ def test_low_latency_in_flight_limit():
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
+def test_low_latency_hot_path_and_checked_path_agree():
+    for rank, r in enumerate(run_world(2, ["hot_path"], random.randrange(1 << 30))):
+        r = r["hot_path"]
+        assert all(r["same"].values()), (rank, r)
+        assert "hidden_states must be" in r["errors"].get("hidden", ""), (rank, r)
+        for refused in ("rows", "top_k"):  # DeepEP's own check first, and after the launch
+            assert "topk.ids must be" in r["errors"].get(refused, ""), (rank, refused, r)
+        assert "EPMaskedCombine.topk must be" in r["errors"].get("weights", ""), (rank, r)
+        assert r["after_refusal"] and r["hot_path_ready"], (rank, r)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
 def test_async_normal_mode_orders_casts_after_the_callers_event():
     for rank, r in enumerate(run_world(2, ["async_events"], random.randrange(1 << 30))):
         assert r["async_events"] == {"same_dispatch": True, "same_combine": True}, (rank, r)

@@ -327,6 +327,58 @@ def part_in_flight(rank: int, world: int, seed: int) -> dict:
             "combined_rows": int(y.shape[0])}
 
 
+def part_hot_path(rank: int, world: int, seed: int) -> dict:
+    """Synchronous low-latency calls, on the hot path (a TopK from int64 ids, contiguous bf16 input) and
+    off it (int32 ids: a cast; fp32 or strided input: a copy; a bad shape: the contract's refusal), give the
+    same results; a combine whose weights DeepEP refuses raises the contract's error, not the library's."""
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    import deepep_vs_torch_a2a as eq
+
+    from moe_core.contracts import TopK
+    from moe_core.plugins import PluginManager
+    from moe_core.testing.data import make_hidden, make_topk
+
+    t = 7
+    case = dict(mode="low_latency", wire="bf16", scenario="uniform", counts=[t] * world)
+    d = eq._dispatcher("deepep", case, SHAPE, SHAPE["topk"], rank, world, PluginManager())
+    gen = torch.Generator().manual_seed(seed + rank)
+    x, routed = make_hidden(t, SHAPE["hidden"], torch.float32, gen), make_topk(t, SHAPE["topk"], SHAPE["experts"], gen)
+    ids64 = routed.ids.long()
+
+    def run(x_in: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, torch.Tensor]:
+        out = d.dispatch(x_in, topk)
+        return out.masked_m.clone(), d.combine(eq._synthetic_experts(out, rank, SHAPE["experts"])).float()
+
+    hot = TopK(routed.weights, ids64)
+    ref_m, ref_y = run(x.to(torch.bfloat16), hot)
+    variants = {"int32_ids": (x.to(torch.bfloat16), TopK(routed.weights, ids64.int())),
+                "fp32_input": (x, hot), "strided_input": (x.to(torch.bfloat16).t().contiguous().t(), hot)}
+    same = {}
+    for name, (x_in, topk) in variants.items():
+        m, y = run(x_in, topk)
+        same[name] = bool(torch.equal(m, ref_m) and torch.allclose(y, ref_y, rtol=1e-2, atol=1e-2))
+    errors = {}
+    refused = {"hidden": (torch.zeros(t, SHAPE["hidden"] // 2, dtype=torch.bfloat16), hot),  # before the launch
+               "rows": (x.to(torch.bfloat16), TopK(hot.weights[:-1], ids64[:-1])),  # DeepEP's own check first
+               "top_k": (x.to(torch.bfloat16), TopK(hot.weights[:, :-1], ids64[:, :-1].contiguous()))}  # after it
+    for name, (x_in, topk) in refused.items():
+        try:
+            d.dispatch(x_in, topk)
+        except ValueError as exc:
+            errors[name] = str(exc)
+    out = d.dispatch(x.to(torch.bfloat16), hot)
+    ci = eq._synthetic_experts(out, rank, SHAPE["experts"])
+    bad = type(ci)(ci.hidden, TopK(hot.weights[:-1], ids64[:-1]), ci.handle)  # the weights of t - 1 tokens
+    try:
+        d.combine(bad)
+    except ValueError as exc:
+        errors["weights"] = str(exc)
+    y_after = d.combine(ci).float()  # the buffer still serves the hot path after a refusal
+    return {"same": same, "errors": errors, "after_refusal": bool(torch.allclose(y_after, ref_y, rtol=1e-2, atol=1e-2)),
+            "hot_path_ready": d._entry.low_latency_ready is not None}
+
+
 def part_async_events(rank: int, world: int, seed: int) -> dict:
     """Normal mode's async API with a caller's ``previous_event``: an FP8 dispatch (the cast follows the
     event) and a combine of fp32 rows (the bf16 cast follows it too) go through the emulation's
@@ -353,7 +405,8 @@ def part_async_events(rank: int, world: int, seed: int) -> dict:
     return {"same_dispatch": same_dispatch, "same_combine": bool(torch.equal(combined, want.to(combined.dtype)))}
 
 
-PARTS = {"async_events": part_async_events, "ops": part_ops, "equivalence": part_equivalence, "layer": part_layer, "in_flight": part_in_flight}
+PARTS = {"hot_path": part_hot_path, "async_events": part_async_events, "ops": part_ops, "equivalence": part_equivalence,
+         "layer": part_layer, "in_flight": part_in_flight}
 
 
 def _parts(rank: int, world: int, seed: int, parts: list) -> dict:
