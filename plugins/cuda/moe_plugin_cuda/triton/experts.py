@@ -89,7 +89,9 @@ class TritonExperts(Experts):
     Options (``backend_options["triton"]``): ``config_dir`` (extra directory of tuned JSON
     configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T),
     ``gemm1_two_acc`` (True: run GEMM1 on the two-accumulator fallback kernel whatever the
-    config says, e.g. where the one-accumulator epilogue does not compile).
+    config says, e.g. where the one-accumulator epilogue does not compile), ``decode_max_tokens`` (token lists of
+    up to that many tokens run the decode kernels, ``triton.decode``; default
+    ``tuning_configs.DECODE_MAX_TOKENS``, 0 with a fixed ``config``), ``decode_config`` (a fixed decode launch).
     """
 
     def __init__(self, ctx) -> None:
@@ -102,7 +104,11 @@ class TritonExperts(Experts):
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
+        self.decode_max_tokens = int(ctx.options.get(
+            "decode_max_tokens", 0 if self.fixed_config is not None else tuning_configs.DECODE_MAX_TOKENS))
+        self.decode_config = ctx.options.get("decode_config")
         self._configs: dict[int, dict] = {}
+        self._fused_configs: dict[int, dict] = {}  # token lists' launch per T: decode or the pipeline's
         self._device_name: Optional[str] = None
         # the weights' TMA descriptors (B_TMA configs), built once per weight tensor and tile instead of per
         # call; emptied when process_weights runs (a new checkpoint may sit at another address)
@@ -128,6 +134,22 @@ class TritonExperts(Experts):
             if self.two_acc:
                 cfg = tuning_configs.as_two_acc(cfg)
             self._configs[m] = cfg
+        return cfg
+
+    def fused_config(self, T: int, device: torch.device) -> dict:
+        """A token list's launch: the decode kernels' up to ``decode_max_tokens`` tokens, else the pipeline's.
+        (One dict object per T: the replay's key holds it by identity.)"""
+        cfg = self._fused_configs.get(T)
+        if cfg is None:
+            if T <= self.decode_max_tokens:
+                c = self.config
+                cfg = self.decode_config or tuning_configs.decode_config(
+                    max(T, 1), c.top_k, c.intermediate_size, c.hidden_size, self.decision.fp8_block)
+            else:
+                cfg = self.launch_config(T, device)
+            if len(self._fused_configs) >= 256:  # (decode runs a few T; a prefill of ever new T only recomputes)
+                self._fused_configs.clear()
+            self._fused_configs[T] = cfg
         return cfg
 
     # ------------------------------------------------------------------ weights
@@ -161,7 +183,7 @@ class TritonExperts(Experts):
         return self._ops.fused_experts(
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
             activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
-            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
+            cfg=self.fused_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
             descriptors=self._descriptors, layouts=self._layouts, programs=self._programs)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:

@@ -535,3 +535,126 @@ def _silu_mul_kernel(d_ptr, h_ptr, rows_used_ptr, inter, stride_d, stride_h, BLO
         gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
         up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + row * stride_h + offs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------- decode (GEMV) path
+
+
+@triton.jit
+def _as_codes(q, codes_dtype: tl.constexpr):
+    """Quantized values rounded to the weights' dtype and back (e4m3 on the device: the scheme's codes; an fp32
+    stand-in in the interpreter tests, whose fp8 casts are unreliable, keeps them)."""
+    return q.to(codes_dtype).to(tl.float32)
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, H, inter, E,
+                           stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn,
+                           stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr,
+                           QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_I: tl.constexpr,
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Decode GEMM1 as GEMVs: program (slot, I-block) computes h[slot, I-block] = act(gate) * up of its slot's token
+    against its expert's gate and up rows (each a contiguous row of H), in fp32; slots with an id outside [0, E)
+    return at once (their h is never read). FP8 (BLOCK_K == 128, one activation group a step): the token's group
+    quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came), products of codes summed
+    in fp32 and scaled by (token group scale x weight block scale), as the tensor-core GEMM does per K group.
+    INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up]; weight scales are in
+    the checkpoint layout either way."""
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    if (e < 0) | (e >= E):
+        return
+    e = e.to(tl.int64)
+    t = t.to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < inter
+    if INTERLEAVED:
+        g_rows = 2 * offs_i
+        u_rows = g_rows + 1
+    else:
+        g_rows = offs_i
+        u_rows = offs_i + inter
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e * stride_we
+    g_ptrs = w_base + g_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = w_base + u_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + t * stride_x + offs_k[None, :]
+    if FP8:
+        gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128) * stride_wsn
+        us_ptrs = w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128) * stride_wsn
+    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            k_mask = tl.full((BLOCK_K,), 1, tl.int1)
+        else:
+            k_mask = offs_k < H - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_K]
+        w_mask = i_mask[:, None] & k_mask[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if FP8:
+            if QUANT_X:
+                q, x_s = _quant_groups(x)
+                x = _as_codes(q, w_ptr.dtype.element_ty)
+            else:
+                x_s = tl.load(x_scale_ptr + t * stride_xs + k * stride_xsk)
+            g_s = tl.load(gs_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
+            u_s = tl.load(us_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
+            acc_g += tl.sum(g * x, axis=1) * (g_s * x_s)
+            acc_u += tl.sum(u * x, axis=1) * (u_s * x_s)
+        else:
+            acc_g += tl.sum(g * x, axis=1)
+            acc_u += tl.sum(u * x, axis=1)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if ACT == 0:  # silu(gate) * up
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:  # exact gelu(gate) * up
+        h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
+    tl.store(h_ptr + slot.to(tl.int64) * stride_h + offs_i, h, mask=i_mask)
+
+
+@triton.jit
+def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
+                        stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
+                        stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                        BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr):
+    """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
+    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), in fp32 registers (deterministic,
+    no atomics, no per-slot output). FP8 (BLOCK_I == 128): each 128-column group of h quantized as
+    ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (group, weight block)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_i = tl.arange(0, BLOCK_I)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        if (e >= 0) & (e < E):
+            e = e.to(tl.int64)
+            part = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            w_ptrs = w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None] * stride_wn + offs_i[None, :]
+            h_ptrs = h_ptr + (t * TOP_K + k) * stride_h + offs_i[None, :]
+            if FP8:
+                s_ptrs = w_scale_ptr + e * stride_wse + (offs_h // 128) * stride_wsn
+            for i in range(0, tl.cdiv(inter, BLOCK_I)):
+                if EVEN_I:
+                    i_mask = tl.full((BLOCK_I,), 1, tl.int1)
+                else:
+                    i_mask = offs_i < inter - i * BLOCK_I
+                hv = tl.load(h_ptrs, mask=i_mask[None, :], other=0.0)  # [1, BLOCK_I] fp32
+                wv = tl.load(w_ptrs, mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+                if FP8:
+                    q, h_s = _quant_groups(hv)
+                    hv = _as_codes(q, w_ptr.dtype.element_ty)
+                    w_s = tl.load(s_ptrs + i * stride_wsk, mask=h_mask, other=0.0)
+                    part += tl.sum(wv * hv, axis=1) * (w_s * h_s)
+                else:
+                    part += tl.sum(wv * hv, axis=1)
+                h_ptrs += BLOCK_I
+                w_ptrs += BLOCK_I
+            acc += part * tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+    tl.store(out_ptr + t * stride_out + offs_h, (acc * scale).to(out_ptr.dtype.element_ty), mask=h_mask)

@@ -164,3 +164,25 @@ def save_table(path: Path, table: dict[int, dict[str, Any]]) -> None:
     with open(path, "w") as f:
         json.dump({str(m): table[m] for m in sorted(table)}, f, indent=1, sort_keys=True)
     _load.cache_clear()
+
+
+# --------------------------------------------------------------------------- decode path
+# Token counts up to which the token-list experts (triton, and cutlass below its grouped-GEMM crossover) run the
+# decode kernels (``triton.decode``) instead of the pipeline: where the H100 measured them faster
+# (docs/decisions.md, "A decode path: two GEMV launches, no alignment"). Option ``decode_max_tokens`` overrides it.
+DECODE_MAX_TOKENS = 1
+DECODE_SMS = 132  # the H100's SMs: the grids below are sized to fill them
+
+
+def decode_config(T: int, top_k: int, inter: int, H: int, fp8: bool) -> dict[str, dict[str, int]]:
+    """The decode kernels' launch for T tokens: GEMM1 I-blocks and GEMM2 H-blocks small enough that each grid
+    has a few programs per SM (the weights are the whole cost: every SM must stream them); FP8 steps one
+    128-column scale group at a time."""
+    block_i = 64
+    while block_i > 8 and T * top_k * -(-inter // block_i) < 4 * DECODE_SMS:
+        block_i //= 2
+    block_h = 64
+    while block_h > 8 and T * -(-H // block_h) < 2 * DECODE_SMS:
+        block_h //= 2
+    return {"decode": dict(BLOCK_I=block_i, BLOCK_K=128 if fp8 else 256, num_warps=4, num_stages=3),
+            "down": dict(BLOCK_H=block_h, BLOCK_I=128 if fp8 else 256, num_warps=4, num_stages=3)}

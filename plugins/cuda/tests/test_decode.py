@@ -1,0 +1,124 @@
+"""The triton experts' decode kernels (``triton.decode``): in Triton's interpreter without a GPU (fp32/fp16, FP8
+with fp32 stand-in codes), and through MoELayer on the GPU (``gpu`` marker) against a float64 computation, in CUDA
+graphs and under torch.compile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from cuda_layer_cases import TOL, layers, needs_gpu, random_topk
+
+from moe_core.reference.oracle import moe_float64, relative_error
+
+cuda = torch.cuda.is_available()
+if os.environ.get("CI"):  # CI must run the interpreter tests, never skip them (see test_triton.py)
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton")
+
+
+def _cfg(block_i=16, block_k=32, block_h=16, block_i2=32):
+    return {"decode": dict(BLOCK_I=block_i, BLOCK_K=block_k, num_warps=4, num_stages=2),
+            "down": dict(BLOCK_H=block_h, BLOCK_I=block_i2, num_warps=4, num_stages=2)}
+
+
+def _ids(T, E, K):
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int32)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    ids[torch.rand(T, K) < 0.25] = -1
+    ids[0, 0] = -1  # at least one skipped slot
+    return ids
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("T,E,K,H,inter,dtype,act", [
+    (0, 4, 2, 32, 32, torch.float32, "silu"), (1, 8, 3, 64, 32, torch.float16, "silu"),
+    (1, 5, 2, 70, 37, torch.float32, "gelu"), (3, 6, 4, 96, 40, torch.float32, "silu")])
+def test_decode_experts_interpreter(interleaved, T, E, K, H, inter, dtype, act):
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    w, ids = torch.rand(T, K), _ids(T, E, K)
+    ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
+    out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
+                                   fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
+                                   cfg=_cfg(), w13_interleaved=interleaved)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-5)
+
+
+def _block_scaled(E, n, k):
+    w = torch.randn(E, n, k) / k ** 0.5
+    s = torch.rand(E, -(-n // 128), -(-k // 128)) + 0.5
+    full = w * s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    return w, s, full
+
+
+def _groups(v, fn):
+    """``fn`` of each 128-column group of the last dimension, spread back over its columns."""
+    return torch.stack([fn(c) for c in v.split(128, -1)], -1).repeat_interleave(128, -1)[..., :v.shape[-1]]
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("given_codes", [False, True])
+def test_decode_fp8_scales_interpreter(interleaved, given_codes):
+    """The FP8 decode math with fp32 stand-in codes (the interpreter's fp8 casts are unreliable; the GPU tests
+    compare e4m3): the token and h are scaled per 128-column group by max|.| / 448 (so the kernels' codes of a
+    group reach +-448), weight block scales follow interleaved rows back to their checkpoint rows, I and H not
+    multiples of 128 (blocks straddle scale rows)."""
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    T, E, K, H, inter = 2, 5, 3, 300, 200
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    x = torch.randn(T, H)
+    w, ids = torch.rand(T, K), _ids(T, E, K)
+    x_scale = None
+    x_full = x.double()
+    if given_codes:  # dispatched codes and scales: used as they came
+        x_scale = torch.rand(T, -(-H // 128)) + 0.5
+        x_full = x.double() * x_scale.double().repeat_interleave(128, 1)[:, :H]
+    out = triton_ops.fused_experts(x, x_scale, interleave_gate_up(w13) if interleaved else w13, w2, s13, s2, w, ids,
+                                   fp8_block=True, activation="silu", routed_scaling_factor=1.5,
+                                   out_dtype=torch.float32, cfg=_cfg(block_k=128, block_i2=128),
+                                   w13_interleaved=interleaved)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            gu = w13_full[e].double() @ x_full[t]
+            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            want[t] += float(w[t, k]) * (w2_full[e].double() @ h)
+    assert relative_error(out, want * 1.5) < 1e-5
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+def test_decode_fp8_needs_group_steps():
+    from moe_plugin_cuda.triton import decode
+
+    with pytest.raises(ValueError, match="BLOCK_K and down.BLOCK_I must be 128, got 64"):
+        decode._check(_cfg(block_k=64, block_i2=128), True)
+
+
+def test_decode_config_fills_the_gpu():
+    from moe_plugin_cuda.triton import tuning_configs
+
+    for T, K, inter, H in ((1, 8, 768, 2048), (1, 2, 14336, 4096), (1, 8, 2048, 7168), (16, 8, 1536, 4096)):
+        for fp8 in (False, True):
+            c = tuning_configs.decode_config(T, K, inter, H, fp8)
+            n1 = T * K * -(-inter // c["decode"]["BLOCK_I"])
+            n2 = T * -(-H // c["down"]["BLOCK_H"])
+            assert n1 >= 2 * tuning_configs.DECODE_SMS and n2 >= tuning_configs.DECODE_SMS, (T, K, inter, H, c)
+            if fp8:
+                assert c["decode"]["BLOCK_K"] == c["down"]["BLOCK_I"] == 128
