@@ -122,3 +122,158 @@ def test_decode_config_fills_the_gpu():
             assert n1 >= 2 * tuning_configs.DECODE_SMS and n2 >= tuning_configs.DECODE_SMS, (T, K, inter, H, c)
             if fp8:
                 assert c["decode"]["BLOCK_K"] == c["down"]["BLOCK_I"] == 128
+
+
+# ------------------------------------------------------------------ on the GPU
+
+
+def _gpu_case(backend, quant, T_max, T, **kw):
+    """(layer, float64 expected of a forward, x, topk): a layer of ``backend`` whose token lists of up to ``T_max``
+    tokens run the decode kernels, random weights, T tokens with -1 ids."""
+    from cuda_layer_cases import cuda_device, layer_config, random_weights
+
+    from moe_core.layer import MoELayer
+    from moe_core.quant import dequantize_weights
+    from moe_core.reference.oracle import fp8_round_trip
+
+    cfg = layer_config(backend, quant, backend_options={backend: {"decode_max_tokens": T_max}}, **kw)
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    w = random_weights(cfg, gen)
+    layer = MoELayer(cfg, device=cuda_device())
+    layer.load_weights(**w)
+    layer.process_weights()
+    assert layer.plan.experts.name == backend
+    w13, w2 = dequantize_weights(w, cfg.quant)
+    fp8 = quant == "fp8_block"
+
+    def expected(x, topk):  # the scheme in float64: FP8 block quantizes the token and h per 128-column group
+        q = (lambda v, where, e: fp8_round_trip(v, 128)) if fp8 else None
+        return moe_float64(x.cpu(), topk.weights.cpu(), topk.ids.cpu(), w13.cpu(), w2.cpu(),
+                           routed_scaling_factor=cfg.routed_scaling_factor, quantize_activation=q)
+
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    return layer, expected, x, random_topk(T, cfg)
+
+
+def _launches():
+    from moe_plugin_cuda.triton.launch import stats
+
+    return sum(stats.values())
+
+
+# triton: odd sizes (I and H not multiples of 128: FP8 scale blocks straddled); cutlass: whole 128x128 blocks
+SIZES = {"triton": dict(E=16, K=4, H=328, inter=200), "cutlass": dict(E=16, K=4, H=256, inter=256)}
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("T", [0, 1, 3, 16])
+def test_decode_layer_matches_float64(backend, quant, T):
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+    layer, expected, x, topk = _gpu_case(backend, quant, 16, T, **SIZES[backend])
+    if T:
+        topk.ids[0, 0] = -1  # a skipped slot
+    out = layer(x, topk)
+    torch.cuda.synchronize()
+    before = _launches()
+    again = layer(x, topk)
+    torch.cuda.synchronize()
+    assert out.shape == (T, x.shape[1]) and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected(x, topk)) < TOL[quant]
+    assert torch.equal(again, out)  # deterministic: no atomics
+    assert _launches() - before == (2 if T else 0)  # the two decode kernels, nothing else
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+def test_decode_is_the_default_at_one_token(backend):
+    from moe_plugin_cuda.triton import tuning_configs
+
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+
+    for quant in ("unquantized", "fp8_block"):
+        _, layer, _ = layers(backend, quant, E=16, K=4, H=256, inter=256)
+        x = torch.randn(1, 256, device="cuda").to(torch.bfloat16)
+        topk = random_topk(1, layer.config)
+        layer(x, topk)
+        torch.cuda.synchronize()
+        for T, launches in ((1, 2), (tuning_configs.DECODE_MAX_TOKENS + 1, None)):
+            x = torch.randn(T, 256, device="cuda").to(torch.bfloat16)
+            topk = random_topk(T, layer.config)
+            layer(x, topk)
+            torch.cuda.synchronize()
+            before = _launches()
+            layer(x, topk)
+            torch.cuda.synchronize()
+            n = _launches() - before
+            assert n == launches if launches else n > 2, (quant, T, n)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_decode_cuda_graph_capture_replay(backend, quant):
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+    for T in (1, 5):
+        layer, expected, x, topk = _gpu_case(backend, quant, 8, T, cuda_graph=True, **SIZES[backend])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(x, topk)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layer(x, topk)
+        for _ in range(2):  # new inputs in the captured buffers, replay, compare
+            x.copy_(torch.randn_like(x))
+            new = random_topk(T, layer.config)
+            topk.weights.copy_(new.weights)
+            topk.ids.copy_(new.ids)
+            g.replay()
+            torch.cuda.synchronize()
+            assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_decode_torch_compile(quant):
+    torch._dynamo.reset()  # (see cuda_layer_cases.check_compiled)
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 1, **SIZES["triton"])
+    compiled = torch.compile(layer, fullgraph=True)
+    for T in (1, 4):
+        x = torch.randn(T, x.shape[1], device="cuda").to(x.dtype)
+        topk = random_topk(T, layer.config)
+        assert relative_error(compiled(x, topk), expected(x, topk)) < TOL[quant]
+
+
+@needs_gpu
+def test_decode_dispatched_fp8_codes():
+    """FP8 codes and group scales handed in (an FP8 wire) are used as they came: the same output as quantizing
+    inside from the bf16 tokens those codes came from."""
+    from moe_plugin_cuda.triton import decode, tuning_configs
+    from moe_plugin_cuda.weights import expert_weights
+
+    from moe_core.quant import quantize_fp8_per_token_group
+
+    layer, expected, x, topk = _gpu_case("triton", "fp8_block", 8, 3, **SIZES["triton"])
+    w = expert_weights(layer, True)
+    q, s = quantize_fp8_per_token_group(x)
+    c = layer.config
+    run = dict(fp8_block=True, activation="silu", routed_scaling_factor=c.routed_scaling_factor,
+               out_dtype=x.dtype, cfg=tuning_configs.decode_config(3, c.top_k, c.intermediate_size, c.hidden_size, True),
+               w13_interleaved=True)
+    inside, _ = decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids, **run)
+    given, _ = decode.decode_experts(q, s, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids, **run)
+    assert torch.equal(inside, given)
+    assert relative_error(given, expected(x, topk)) < TOL["fp8_block"]

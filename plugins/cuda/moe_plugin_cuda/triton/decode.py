@@ -64,20 +64,40 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
     c1, c2 = cfg["decode"], cfg["down"]
     lay = layout(layouts, ("decode", T, top_k, inter, hidden.device), lambda: [(torch.float32, (T * top_k, inter))])
     (h,) = lay.carve(hidden.device)
+    gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, fp8_block=fp8_block, activation=activation,
+            w13_interleaved=w13_interleaved, cfg=c1)
+    down(h, w2, w2_scale, topk_ids, topk_weights, out, fp8_block=fp8_block,
+         routed_scaling_factor=routed_scaling_factor, cfg=c2)
+    base = h.untyped_storage().data_ptr()
+    return out, (base, base + lay.nbytes)
+
+
+def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, activation: str, w13_interleaved: bool,
+            cfg: dict) -> None:
+    """``kernels._decode_gate_up_kernel`` into ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part)."""
+    T, H = hidden.shape
+    E, n1, _ = w13.shape
+    inter, top_k = n1 // 2, topk_ids.shape[1]
     quant_x = fp8_block and a_scale is None  # (else the dispatched codes and their group scales)
     xs = a_scale if a_scale is not None else hidden  # (unread pointers: any tensor of the call)
     s13 = w13_scale if fp8_block else w13
-    s2 = w2_scale if fp8_block else w2
-    launch(kernels._decode_gate_up_kernel, (T * top_k, _cdiv(inter, c1["BLOCK_I"])), hidden, xs, w13, s13, topk_ids,
-           h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1), w13.stride(0),
-           w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
+    launch(kernels._decode_gate_up_kernel, (T * top_k, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs, w13, s13, topk_ids,
+           h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+           w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
-           BLOCK_I=c1["BLOCK_I"], BLOCK_K=c1["BLOCK_K"], EVEN_K=H % c1["BLOCK_K"] == 0,
-           num_warps=c1["num_warps"], num_stages=c1["num_stages"])
-    launch(kernels._decode_down_kernel, (T, _cdiv(H, c2["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
+           BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=H % cfg["BLOCK_K"] == 0,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, routed_scaling_factor: float,
+         cfg: dict) -> None:
+    """``kernels._decode_down_kernel`` from ``h`` into ``out`` [T, H] (``cfg``: a decode config's "down" part)."""
+    T, H = out.shape
+    E, _, inter = w2.shape
+    top_k = topk_ids.shape[1]
+    s2 = w2_scale if fp8_block else w2
+    launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-           s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=c2["BLOCK_H"], BLOCK_I=c2["BLOCK_I"],
-           EVEN_I=inter % c2["BLOCK_I"] == 0, num_warps=c2["num_warps"], num_stages=c2["num_stages"])
-    base = h.untyped_storage().data_ptr()
-    return out, (base, base + lay.nbytes)
+           s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], BLOCK_I=cfg["BLOCK_I"],
+           EVEN_I=inter % cfg["BLOCK_I"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
