@@ -1,15 +1,17 @@
 """The triton decode kernels on the GPU (issue 31; docs/decisions.md, "A decode path: two GEMV launches, no
-alignment"): which launch configs, and from which T the decode path stops winning.
+alignment"): which launch configs, and up to which T the decode path wins.
 
-    python benchmarks/cuda/decode_sweep.py [--presets ...] [--quant ...] [--tokens 1 4 16] [--json FILE]
-        [--warm-only]
+    python benchmarks/cuda/decode_sweep.py [--presets ...] [--quant ...] [--tokens 1 2 4 8 16] [--sweep-tokens 1 4]
+        [--json FILE] [--warm-only]
 
-Per preset x quant x T (the preset's weights as the triton experts keep them, random routing as ``decode.py``
-makes it): each decode kernel alone per candidate config (GRAPH_CALLS launches in one CUDA graph, replayed; us a
-launch, median), then the triton layer with the decode path (``decode_max_tokens``, the fastest configs as
-``decode_config``) against the same layer without it (``decode_max_tokens=0``, the pipeline): graph, eager (L2
-flushed) and host time, as ``decode.py`` measures them, and the heuristic's configs (``tuning_configs.decode_config``)
-in the layer. ``--warm-only``: compile every candidate once (parallel processes fill Triton's cache).
+Per preset x quant (the preset's weights as the triton experts keep them, random routing as ``decode.py`` makes
+it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config (GRAPH_CALLS launches in one CUDA
+graph, replayed; us a launch, median), then the pair with the fastest of each, with and without programmatic
+dependent launch (PDL). At each of ``--tokens``: the triton layer with the decode path (``decode_max_tokens``; the
+swept configs where there are some, ``tuning_configs.decode_config``'s otherwise) against the same layer running
+the pipeline (``decode_max_tokens=0``): graph, eager (L2 flushed) and host time, as ``decode.py`` measures them.
+``--warm-only``: compile every candidate once on small stand-in weights of the same specializations (parallel
+processes fill Triton's cache).
 """
 
 from __future__ import annotations
@@ -29,37 +31,32 @@ from decode import eager_times, floor_us, graph_time  # noqa: E402
 from host_time import PRESETS, build_layer, host_times, make_inputs, warm_up  # noqa: E402
 
 from moe_core.config import preset  # noqa: E402
-from moe_core.contracts import QuantScheme  # noqa: E402
+from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 
-GATE_UP = [dict(BLOCK_I=bi, num_warps=w, num_stages=s) for bi in (8, 16, 32, 64) for w, s in ((4, 1), (4, 3), (8, 3))]
-DOWN = [dict(BLOCK_H=bh, num_warps=w, num_stages=s) for bh in (8, 16, 32, 64) for w, s in ((4, 1), (4, 3), (8, 3))]
-
-
-def kernel_args(layer, cfg, T: int):
-    from moe_plugin_cuda.weights import expert_weights
-
-    x, topk, touched = make_inputs(cfg, layer, T)
-    fp8 = cfg.quant is QuantScheme.FP8_BLOCK
-    w = expert_weights(layer, fp8)
-    h = torch.empty(T * cfg.top_k, cfg.intermediate_size, dtype=torch.float32, device=x.device)
-    out = torch.empty_like(x)
-    return x, topk, touched, w, h, out, fp8
+WARPS_STAGES = ((4, 1), (4, 3), (8, 3))
 
 
-def sweep_cell(name: str, q: str, T: int, layer, cfg, reps: int, warm_only: bool) -> dict[str, Any]:
+def candidates(part: str, fp8: bool) -> list[dict[str, int]]:
+    block = "BLOCK_I" if part == "decode" else "BLOCK_H"
+    step = "BLOCK_K" if part == "decode" else "BLOCK_I"
+    return [{block: b, step: k, "num_warps": w, "num_stages": s} for b in (8, 16, 32)
+            for k in ((128,) if fp8 else (128, 256)) for w, s in WARPS_STAGES]
+
+
+def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool) -> dict[str, Any]:
+    """Each kernel per candidate, then the best pair with and without PDL: {"decode"/"down": top 4 [us, cfg],
+    "pair": {"pdl0"/"pdl1": us}, "best": the fastest full config}."""
     from moe_plugin_cuda.triton import decode
 
-    x, topk, touched, w, h, out, fp8 = kernel_args(layer, cfg, T)
-    experts = layer.experts
-    interleaved = getattr(experts.decision, "w13_interleaved", True)
-    bk = 128 if fp8 else 256
     dev = x.device
-    results: dict[str, Any] = {"preset": name, "quant": q, "T": T, "floor_us": round(floor_us(cfg, T, touched), 2)}
+    T, top_k, inter = x.shape[0], topk.ids.shape[1], w.w2.shape[2]
+    h = torch.empty(T * top_k, inter, dtype=torch.float32, device=dev)
+    out = torch.empty_like(x)
+    res: dict[str, Any] = {}
     best = {}
-    for part, cands in (("decode", GATE_UP), ("down", DOWN)):
+    for part in ("decode", "down"):
         timed = []
-        for c in cands:
-            c = {**c, **({"BLOCK_K": bk} if part == "decode" else {"BLOCK_I": bk})}
+        for c in candidates(part, fp8):
             if part == "decode":
                 def call(c=c):
                     decode.gate_up(x, None, w.w13, w.w13_scale, topk.ids, h, fp8_block=fp8, activation="silu",
@@ -71,49 +68,74 @@ def sweep_cell(name: str, q: str, T: int, layer, cfg, reps: int, warm_only: bool
             try:
                 call()
                 torch.cuda.synchronize(dev)
-                if warm_only:
-                    continue
-                timed.append((graph_time(call, dev, reps) * 1e6, c))
+                if not warm_only:
+                    timed.append((graph_time(call, dev, reps) * 1e6, c))
             except Exception as exc:  # a config that does not compile or run: report it, keep the others
-                print(f"  {name} {q} T={T} {part} {c}: FAILED {type(exc).__name__}: {str(exc)[:200]}",
-                      file=sys.stderr)
+                print(f"  {tag} {part} {c}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         if timed:
             timed.sort(key=lambda r: r[0])
             best[part] = timed[0][1]
-            results[part] = [[round(t, 2), c] for t, c in timed[:4]]
-            print(f"  {name:16s} {q:11s} T={T:<3d} {part:6s} best {timed[0][0]:.1f} us {timed[0][1]} "
-                  f"(worst {timed[-1][0]:.1f})", file=sys.stderr, flush=True)
-    if warm_only or len(best) < 2:
-        return results
-    # the layer: decode with the best configs, with the heuristic's, and the pipeline
-    variants = {"decode_best": {"decode_max_tokens": T, "decode_config": best},
-                "decode_heuristic": {"decode_max_tokens": T, "decode_config": None},
-                "pipeline": {"decode_max_tokens": 0, "decode_config": None}}
-    for label, opts in variants.items():
-        experts.decode_max_tokens = opts["decode_max_tokens"]
-        experts.decode_config = opts["decode_config"]
-        experts._fused_configs.clear()
+            res[part] = [[round(t, 2), c] for t, c in timed[:4]]
+            print(f"  {tag} {part:6s} best {timed[0][0]:.2f} us {timed[0][1]}  next "
+                  f"{[r[0] for r in res[part][1:]]} worst {timed[-1][0]:.1f}", file=sys.stderr, flush=True)
+    if len(best) < 2 and not warm_only:
+        return res
+    pair = {}
+    for pdl in (0, 1):
+        cfg = {**best, "PDL": pdl} if best else {**candidate_default(fp8), "PDL": pdl}
 
-        def fwd():
-            return layer(x, topk)
+        def call(cfg=cfg):
+            decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
+                                  fp8_block=fp8, activation="silu", routed_scaling_factor=1.0, out_dtype=x.dtype,
+                                  cfg=cfg, w13_interleaved=interleaved, out=out)
+        try:
+            call()
+            torch.cuda.synchronize(dev)
+            if not warm_only:
+                pair[f"pdl{pdl}"] = round(graph_time(call, dev, reps) * 1e6, 2)
+        except Exception as exc:
+            print(f"  {tag} pair PDL={pdl}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    if warm_only:
+        return res
+    res["pair"] = pair
+    res["best"] = {**best, "PDL": int(pair.get("pdl1", 1e9) < pair.get("pdl0", 1e9))}
+    print(f"  {tag} pair {pair} -> {res['best']}", file=sys.stderr, flush=True)
+    return res
 
-        with torch.no_grad():
-            warm_up(fwd, dev)
-            g = graph_time(fwd, dev, reps) * 1e6
-            e = statistics.median(eager_times(fwd, dev, reps)) * 1e6
-            hst = statistics.median(host_times(fwd, dev, reps)) * 1e6
-        results[label] = {"graph_us": round(g, 2), "eager_us": round(e, 2), "host_us": round(hst, 2)}
-        print(f"  {name:16s} {q:11s} T={T:<3d} layer {label:16s} graph {g:.1f} eager {e:.1f} host {hst:.1f} "
-              f"floor {results['floor_us']} frac {results['floor_us'] / g:.2f}", file=sys.stderr, flush=True)
-    results["best_config"] = best
-    return results
+
+def candidate_default(fp8: bool) -> dict:
+    return {"decode": candidates("decode", fp8)[0], "down": candidates("down", fp8)[0]}
+
+
+def stand_in(cfg, T: int, dev):
+    """Small weights of the preset's specializations (row lengths, dtypes, expert count class): warm-only."""
+    from moe_plugin_cuda.weights import ExpertWeights
+
+    from moe_core.quant import quantize_weights
+
+    E = 16 if cfg.num_experts % 16 == 0 else cfg.num_experts
+    H, inter, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    w13 = torch.randn(E, 2 * inter, H, device=dev) * 0.02
+    w2 = torch.randn(E, H, inter, device=dev) * 0.02
+    fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+    if fp8:
+        q = quantize_weights(w13, w2, cfg.quant)
+        w = ExpertWeights(q["w13"], q["w2"], q["w13_scale"], q["w2_scale"])
+    else:
+        w = ExpertWeights(w13.to(cfg.params_dtype), w2.to(cfg.params_dtype), None, None)
+    ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).int()
+    topk = TopK(torch.rand(T, K, device=dev), ids)
+    return torch.randn(T, H, device=dev).to(cfg.params_dtype), topk, w
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from moe_plugin_cuda.weights import expert_weights
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1, 4])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--warm-only", action="store_true")
@@ -123,13 +145,46 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in args.presets:
         for q in args.quant:
             cfg = preset(name, quant=q, device="cuda", experts="triton")
+            fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+            if args.warm_only:
+                for T in args.sweep_tokens:
+                    x, topk, w = stand_in(cfg, T, dev)
+                    sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True)
+                continue
             layer = build_layer(cfg, dev)
+            experts = layer.experts
+            w = expert_weights(layer, fp8)
+            swept = {}
             for T in args.tokens:
+                tag = f"{name:16s} {q:11s} T={T:<3d}"
+                x, topk, touched = make_inputs(cfg, layer, T)
+                row: dict[str, Any] = {"preset": name, "quant": q, "T": T,
+                                       "floor_us": round(floor_us(cfg, T, touched), 2)}
                 try:
-                    rows.append(sweep_cell(name, q, T, layer, cfg, args.reps, args.warm_only))
+                    if T in args.sweep_tokens:
+                        row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
+                                                       args.reps, False)
+                        swept[T] = row["kernels"].get("best")
+                    for label, max_t, dcfg in (("decode", T, swept.get(T)), ("pipeline", 0, None)):
+                        experts.decode_max_tokens, experts.decode_config = max_t, dcfg
+                        experts._fused_configs.clear()
+
+                        def fwd(layer=layer, x=x, topk=topk):
+                            return layer(x, topk)
+
+                        with torch.no_grad():
+                            warm_up(fwd, dev)
+                            g = graph_time(fwd, dev, args.reps) * 1e6
+                            e = statistics.median(eager_times(fwd, dev, args.reps)) * 1e6
+                            hst = statistics.median(host_times(fwd, dev, args.reps)) * 1e6
+                        row[label] = {"graph_us": round(g, 2), "eager_us": round(e, 2), "host_us": round(hst, 2),
+                                      "config": experts.fused_config(T, dev)}
+                        print(f"  {tag} layer {label:8s} graph {g:.1f} eager {e:.1f} host {hst:.1f} floor "
+                              f"{row['floor_us']} frac {row['floor_us'] / g:.2f}", file=sys.stderr, flush=True)
                 except Exception as exc:
-                    print(f"  {name} {q} T={T}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-            layer = None
+                    print(f"  {tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                rows.append(row)
+            layer = experts = w = None
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

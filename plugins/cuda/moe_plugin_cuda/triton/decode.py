@@ -46,7 +46,8 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
                    layouts: Optional[Layouts] = None) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
     """``triton.ops.fused_experts``'s math (same arguments) in the two decode launches: (the output [T, H], the
     scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, BLOCK_K, num_warps, num_stages}, "down":
-    {BLOCK_H, BLOCK_I, num_warps, num_stages}}`` (``tuning_configs.decode_config``)."""
+    {BLOCK_H, BLOCK_I, num_warps, num_stages}, "PDL": 0 or 1}`` (``tuning_configs.decode_config``; PDL: the down
+    kernel launched with programmatic dependent launch, overlapping the gate/up kernel's tail)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
     inter = n1 // 2
@@ -64,17 +65,19 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
     c1, c2 = cfg["decode"], cfg["down"]
     lay = layout(layouts, ("decode", T, top_k, inter, hidden.device), lambda: [(torch.float32, (T * top_k, inter))])
     (h,) = lay.carve(hidden.device)
+    pdl = bool(cfg.get("PDL", 0))
     gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, fp8_block=fp8_block, activation=activation,
-            w13_interleaved=w13_interleaved, cfg=c1)
+            w13_interleaved=w13_interleaved, cfg=c1, pdl=pdl)
     down(h, w2, w2_scale, topk_ids, topk_weights, out, fp8_block=fp8_block,
-         routed_scaling_factor=routed_scaling_factor, cfg=c2)
+         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=pdl)
     base = h.untyped_storage().data_ptr()
     return out, (base, base + lay.nbytes)
 
 
 def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, activation: str, w13_interleaved: bool,
-            cfg: dict) -> None:
-    """``kernels._decode_gate_up_kernel`` into ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part)."""
+            cfg: dict, pdl: bool = False) -> None:
+    """``kernels._decode_gate_up_kernel`` into ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``:
+    the down kernel follows with programmatic dependent launch)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
     inter, top_k = n1 // 2, topk_ids.shape[1]
@@ -85,13 +88,14 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
            h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
-           BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=H % cfg["BLOCK_K"] == 0,
+           BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=H % cfg["BLOCK_K"] == 0, PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, routed_scaling_factor: float,
-         cfg: dict) -> None:
-    """``kernels._decode_down_kernel`` from ``h`` into ``out`` [T, H] (``cfg``: a decode config's "down" part)."""
+         cfg: dict, pdl: bool = False) -> None:
+    """``kernels._decode_down_kernel`` from ``h`` into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``:
+    launched with programmatic dependent launch behind ``gate_up``, Hopper and later)."""
     T, H = out.shape
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -100,4 +104,5 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
            s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], BLOCK_I=cfg["BLOCK_I"],
-           EVEN_I=inter % cfg["BLOCK_I"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           EVEN_I=inter % cfg["BLOCK_I"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           **({"launch_pdl": True} if pdl else {}))

@@ -549,17 +549,18 @@ def _as_codes(q, codes_dtype: tl.constexpr):
 
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, H, inter, E,
-                           stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn,
-                           stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr, FP8: tl.constexpr,
-                           QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_I: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                           stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse,
+                           stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                           FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
+                           BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM1 as GEMVs: program (slot, I-block) computes h[slot, I-block] = act(gate) * up of its slot's token
     against its expert's gate and up rows (each a contiguous row of H), in fp32; slots with an id outside [0, E)
-    return at once (their h is never read). FP8 (BLOCK_K == 128, one activation group a step): the token's group
-    quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came), products of codes summed
-    in fp32 and scaled by (token group scale x weight block scale), as the tensor-core GEMM does per K group.
+    return at once (their h is never read). The products accumulate elementwise in [BLOCK_I, BLOCK_K] registers,
+    reduced once after the loop (not a cross-thread reduction per step). FP8 (BLOCK_K == 128, one activation group a
+    step): the token's group quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came),
+    codes times the token group's and the weight block's scales, as the tensor-core GEMM scales each K group.
     INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up]; weight scales are in
-    the checkpoint layout either way."""
+    the checkpoint layout either way. PDL: let the down kernel launch once every program is past its loop."""
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -583,8 +584,8 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
     if FP8:
         gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128) * stride_wsn
         us_ptrs = w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128) * stride_wsn
-    acc_g = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         if EVEN_K:
             k_mask = tl.full((BLOCK_K,), 1, tl.int1)
@@ -597,23 +598,27 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
         if FP8:
             if QUANT_X:
                 q, x_s = _quant_groups(x)
-                x = _as_codes(q, w_ptr.dtype.element_ty)
+                x = _as_codes(q, w_ptr.dtype.element_ty) * x_s[:, None]
             else:
-                x_s = tl.load(x_scale_ptr + t * stride_xs + k * stride_xsk)
+                x = x * tl.load(x_scale_ptr + t * stride_xs + k * stride_xsk)
             g_s = tl.load(gs_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
             u_s = tl.load(us_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
-            acc_g += tl.sum(g * x, axis=1) * (g_s * x_s)
-            acc_u += tl.sum(u * x, axis=1) * (u_s * x_s)
+            acc_g += g * x * g_s[:, None]
+            acc_u += u * x * u_s[:, None]
         else:
-            acc_g += tl.sum(g * x, axis=1)
-            acc_u += tl.sum(u * x, axis=1)
+            acc_g += g * x
+            acc_u += u * x
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
     if ACT == 0:  # silu(gate) * up
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        h = gate * tl.sigmoid(gate) * up
     else:  # exact gelu(gate) * up
-        h = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)) * acc_u
+        h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
     tl.store(h_ptr + slot.to(tl.int64) * stride_h + offs_i, h, mask=i_mask)
 
 
@@ -621,21 +626,24 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
 def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
                         stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
                         stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
-    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), in fp32 registers (deterministic,
-    no atomics, no per-slot output). FP8 (BLOCK_I == 128): each 128-column group of h quantized as
-    ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (group, weight block)."""
+    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), elementwise in [BLOCK_H, BLOCK_I]
+    fp32 registers reduced once at the end (deterministic, no atomics, no per-slot output). FP8 (BLOCK_I == 128):
+    each 128-column group of h quantized as ``_quant_groups`` does (the scheme's quantization of GEMM1's output),
+    scaled per (group, weight block). PDL: launched early behind the gate/up kernel, waits for it before reading h."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     offs_i = tl.arange(0, BLOCK_I)
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for k in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
         if (e >= 0) & (e < E):
             e = e.to(tl.int64)
-            part = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
             w_ptrs = w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None] * stride_wn + offs_i[None, :]
             h_ptrs = h_ptr + (t * TOP_K + k) * stride_h + offs_i[None, :]
             if FP8:
@@ -649,12 +657,12 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
                 wv = tl.load(w_ptrs, mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
                 if FP8:
                     q, h_s = _quant_groups(hv)
-                    hv = _as_codes(q, w_ptr.dtype.element_ty)
+                    hv = _as_codes(q, w_ptr.dtype.element_ty) * (h_s * weight)[:, None]
                     w_s = tl.load(s_ptrs + i * stride_wsk, mask=h_mask, other=0.0)
-                    part += tl.sum(wv * hv, axis=1) * (w_s * h_s)
+                    acc += wv * hv * w_s[:, None]
                 else:
-                    part += tl.sum(wv * hv, axis=1)
+                    acc += wv * (hv * weight)
                 h_ptrs += BLOCK_I
                 w_ptrs += BLOCK_I
-            acc += part * tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + offs_h, (acc * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
+    out = tl.sum(acc, axis=1) * scale
+    tl.store(out_ptr + t * stride_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
