@@ -36,14 +36,17 @@ from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 WARPS_STAGES = ((4, 1), (4, 3), (8, 3))
 
 
-def candidates(part: str, fp8: bool) -> list[dict[str, int]]:
+def candidates(part: str) -> list[dict[str, int]]:
+    """Rows (BLOCK_I / BLOCK_H) x 128-column groups a step x (warps, stages), the fp32 registers bounded (gate/up:
+    two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
-    step = "BLOCK_K" if part == "decode" else "BLOCK_I"
-    return [{block: b, step: k, "num_warps": w, "num_stages": s} for b in (8, 16, 32)
-            for k in ((128,) if fp8 else (128, 256)) for w, s in WARPS_STAGES]
+    per_thread = 4 if part == "decode" else 2
+    return [{block: b, "GROUPS": g, "num_warps": w, "num_stages": s} for b in (8, 16, 32) for g in (1, 2, 4)
+            for w, s in WARPS_STAGES if per_thread * b * g * 128 <= 160 * 32 * w]
 
 
-def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool) -> dict[str, Any]:
+def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
+                  shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
     """Each kernel per candidate, then the best pair with and without PDL: {"decode"/"down": top 4 [us, cfg],
     "pair": {"pdl0"/"pdl1": us}, "best": the fastest full config}."""
     from moe_plugin_cuda.triton import decode
@@ -56,7 +59,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     best = {}
     for part in ("decode", "down"):
         timed = []
-        for c in candidates(part, fp8):
+        for c in candidates(part)[shard[0]::shard[1]]:
             if part == "decode":
                 def call(c=c):
                     decode.gate_up(x, None, w.w13, w.w13_scale, topk.ids, h, fp8_block=fp8, activation="silu",
@@ -82,7 +85,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
         return res
     pair = {}
     for pdl in (0, 1):
-        cfg = {**best, "PDL": pdl} if best else {**candidate_default(fp8), "PDL": pdl}
+        cfg = {**best, "PDL": pdl} if best else {**candidate_default(), "PDL": pdl}
 
         def call(cfg=cfg):
             decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
@@ -103,8 +106,8 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     return res
 
 
-def candidate_default(fp8: bool) -> dict:
-    return {"decode": candidates("decode", fp8)[0], "down": candidates("down", fp8)[0]}
+def candidate_default() -> dict:
+    return {"decode": candidates("decode")[0], "down": candidates("down")[0]}
 
 
 def stand_in(cfg, T: int, dev):
@@ -135,10 +138,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16])
-    p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--warm-only", action="store_true")
+    p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
     args = p.parse_args(argv)
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
@@ -149,7 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if args.warm_only:
                 for T in args.sweep_tokens:
                     x, topk, w = stand_in(cfg, T, dev)
-                    sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True)
+                    sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True,
+                                  tuple(int(v) for v in args.shard.split("/")))
                 continue
             layer = build_layer(cfg, dev)
             experts = layer.experts

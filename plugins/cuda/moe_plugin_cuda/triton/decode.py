@@ -33,20 +33,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check(cfg: dict, fp8: bool) -> None:
-    if fp8 and (cfg["decode"]["BLOCK_K"] != 128 or cfg["down"]["BLOCK_I"] != 128):
-        raise ValueError(f"the FP8 decode kernels step one 128-column group at a time: decode.BLOCK_K and "
-                         f"down.BLOCK_I must be 128, got {cfg['decode']['BLOCK_K']} and {cfg['down']['BLOCK_I']}")
-
-
 def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
                    w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
                    out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool, out: Optional[torch.Tensor] = None,
                    layouts: Optional[Layouts] = None) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
     """``triton.ops.fused_experts``'s math (same arguments) in the two decode launches: (the output [T, H], the
-    scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, BLOCK_K, num_warps, num_stages}, "down":
-    {BLOCK_H, BLOCK_I, num_warps, num_stages}, "PDL": 0 or 1}`` (``tuning_configs.decode_config``; PDL: the down
+    scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, GROUPS, num_warps, num_stages}, "down":
+    {BLOCK_H, GROUPS, num_warps, num_stages}, "PDL": 0 or 1}`` (GROUPS: 128-column groups a loop step) (``tuning_configs.decode_config``; PDL: the down
     kernel launched with programmatic dependent launch, overlapping the gate/up kernel's tail)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
@@ -56,7 +50,6 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
         out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
     if T == 0:
         return out, None
-    _check(cfg, fp8_block)
     for name, t in (("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: the decode kernels read contiguous weight rows, got strides {t.stride()}")
@@ -88,7 +81,7 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
            h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
-           BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=H % cfg["BLOCK_K"] == 0, PDL=pdl,
+           BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0, PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -103,6 +96,6 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
-           s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], BLOCK_I=cfg["BLOCK_I"],
-           EVEN_I=inter % cfg["BLOCK_I"] == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"],
+           EVEN_I=inter % (128 * cfg["GROUPS"]) == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
            **({"launch_pdl": True} if pdl else {}))

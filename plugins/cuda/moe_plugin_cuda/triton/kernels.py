@@ -548,19 +548,29 @@ def _as_codes(q, codes_dtype: tl.constexpr):
 
 
 @triton.jit
+def _quant_groups_3d(x, codes_dtype: tl.constexpr):
+    """``_quant_groups`` over the last axis of ``[1, G, 128]`` fp32 (G groups of one row): (codes x scale as fp32
+    ``[1, G, 128]``, i.e. the dequantized values the scheme computes with)."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4) / 448.0
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None], x.shape)), -448.0, 448.0)
+    return _as_codes(q, codes_dtype) * s[:, :, None]
+
+
+@triton.jit
 def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, H, inter, E,
                            stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                            FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
-                           BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM1 as GEMVs: program (slot, I-block) computes h[slot, I-block] = act(gate) * up of its slot's token
     against its expert's gate and up rows (each a contiguous row of H), in fp32; slots with an id outside [0, E)
-    return at once (their h is never read). The products accumulate elementwise in [BLOCK_I, BLOCK_K] registers,
-    reduced once after the loop (not a cross-thread reduction per step). FP8 (BLOCK_K == 128, one activation group a
-    step): the token's group quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came),
-    codes times the token group's and the weight block's scales, as the tensor-core GEMM scales each K group.
-    INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up]; weight scales are in
-    the checkpoint layout either way. PDL: let the down kernel launch once every program is past its loop."""
+    return at once (their h is never read). Each step reads GROUPS 128-column groups of BLOCK_I gate and up rows as
+    [BLOCK_I, GROUPS, 128] tiles; the products accumulate elementwise in registers, reduced once after the loop.
+    FP8: the token's groups quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came),
+    products scaled per (row, group) by the token group's and the weight block's scales, as the tensor-core GEMM
+    scales each K group. INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up];
+    weight scales are in the checkpoint layout either way. PDL: let the down kernel launch once every program is
+    past its loop."""
     slot = tl.program_id(0)
     t = slot // TOP_K
     e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
@@ -576,45 +586,48 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
     else:
         g_rows = offs_i
         u_rows = offs_i + inter
-    offs_k = tl.arange(0, BLOCK_K)
+    grp = tl.arange(0, GROUPS)
+    offs_k = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]: this step's columns
     w_base = w_ptr + e * stride_we
-    g_ptrs = w_base + g_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = w_base + u_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    x_ptrs = x_ptr + t * stride_x + offs_k[None, :]
+    g_ptrs = w_base + g_rows.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    u_ptrs = w_base + u_rows.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :]
     if FP8:
-        gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128) * stride_wsn
-        us_ptrs = w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128) * stride_wsn
-    acc_g = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+        us_ptrs = w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+        xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
+    acc_g = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, GROUPS * 128)):
         if EVEN_K:
-            k_mask = tl.full((BLOCK_K,), 1, tl.int1)
+            k_mask = tl.full((GROUPS, 128), 1, tl.int1)
         else:
-            k_mask = offs_k < H - k * BLOCK_K
-        x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)  # [1, BLOCK_K]
-        w_mask = i_mask[:, None] & k_mask[None, :]
+            k_mask = offs_k < H - k * GROUPS * 128
+        x = tl.load(x_ptrs, mask=k_mask[None, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, 128]
+        w_mask = i_mask[:, None, None] & k_mask[None, :, :]
         g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         if FP8:
+            s_mask = i_mask[:, None] & (grp[None, :] < tl.cdiv(H, 128) - k * GROUPS)
             if QUANT_X:
-                q, x_s = _quant_groups(x)
-                x = _as_codes(q, w_ptr.dtype.element_ty) * x_s[:, None]
+                x = _quant_groups_3d(x, w_ptr.dtype.element_ty)
             else:
-                x = x * tl.load(x_scale_ptr + t * stride_xs + k * stride_xsk)
-            g_s = tl.load(gs_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
-            u_s = tl.load(us_ptrs + k * stride_wsk, mask=i_mask, other=0.0)
-            acc_g += g * x * g_s[:, None]
-            acc_u += u * x * u_s[:, None]
+                x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=grp[None, :] < tl.cdiv(H, 128) - k * GROUPS,
+                                other=0.0)[:, :, None]
+            g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            acc_g += g * x * g_s[:, :, None]
+            acc_u += u * x * u_s[:, :, None]
         else:
             acc_g += g * x
             acc_u += u * x
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        x_ptrs += GROUPS * 128
+        g_ptrs += GROUPS * 128
+        u_ptrs += GROUPS * 128
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     if ACT == 0:  # silu(gate) * up
         h = gate * tl.sigmoid(gate) * up
     else:  # exact gelu(gate) * up
@@ -626,17 +639,19 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
 def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
                         stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
                         stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, EVEN_I: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, EVEN_I: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
-    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), elementwise in [BLOCK_H, BLOCK_I]
-    fp32 registers reduced once at the end (deterministic, no atomics, no per-slot output). FP8 (BLOCK_I == 128):
-    each 128-column group of h quantized as ``_quant_groups`` does (the scheme's quantization of GEMM1's output),
-    scaled per (group, weight block). PDL: launched early behind the gate/up kernel, waits for it before reading h."""
+    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), GROUPS 128-column groups of I a
+    step, elementwise in [BLOCK_H, GROUPS, 128] fp32 registers reduced once at the end (deterministic, no atomics,
+    no per-slot output). FP8: each 128-column group of h quantized as ``_quant_groups`` does (the scheme's
+    quantization of GEMM1's output), scaled per (row, group) by the weight block's scale. PDL: launched early
+    behind the gate/up kernel, waits for it before reading h."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    offs_i = tl.arange(0, BLOCK_I)
-    acc = tl.zeros((BLOCK_H, BLOCK_I), dtype=tl.float32)
+    grp = tl.arange(0, GROUPS)
+    offs_i = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
+    acc = tl.zeros((BLOCK_H, GROUPS, 128), dtype=tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for k in tl.static_range(TOP_K):
@@ -644,25 +659,25 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
         if (e >= 0) & (e < E):
             e = e.to(tl.int64)
             weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
-            w_ptrs = w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None] * stride_wn + offs_i[None, :]
-            h_ptrs = h_ptr + (t * TOP_K + k) * stride_h + offs_i[None, :]
+            w_ptrs = w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None] * stride_wn + offs_i[None, :, :]
+            h_ptrs = h_ptr + (t * TOP_K + k) * stride_h + offs_i[None, :, :]
             if FP8:
-                s_ptrs = w_scale_ptr + e * stride_wse + (offs_h // 128) * stride_wsn
-            for i in range(0, tl.cdiv(inter, BLOCK_I)):
+                s_ptrs = w_scale_ptr + e * stride_wse + (offs_h // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+            for i in range(0, tl.cdiv(inter, GROUPS * 128)):
                 if EVEN_I:
-                    i_mask = tl.full((BLOCK_I,), 1, tl.int1)
+                    i_mask = tl.full((GROUPS, 128), 1, tl.int1)
                 else:
-                    i_mask = offs_i < inter - i * BLOCK_I
-                hv = tl.load(h_ptrs, mask=i_mask[None, :], other=0.0)  # [1, BLOCK_I] fp32
-                wv = tl.load(w_ptrs, mask=h_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+                    i_mask = offs_i < inter - i * GROUPS * 128
+                hv = tl.load(h_ptrs, mask=i_mask[None, :, :], other=0.0)  # [1, GROUPS, 128] fp32
+                wv = tl.load(w_ptrs, mask=h_mask[:, None, None] & i_mask[None, :, :], other=0.0).to(tl.float32)
                 if FP8:
-                    q, h_s = _quant_groups(hv)
-                    hv = _as_codes(q, w_ptr.dtype.element_ty) * (h_s * weight)[:, None]
-                    w_s = tl.load(s_ptrs + i * stride_wsk, mask=h_mask, other=0.0)
-                    acc += wv * hv * w_s[:, None]
+                    hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * weight
+                    s_mask = h_mask[:, None] & (grp[None, :] < tl.cdiv(inter, 128) - i * GROUPS)
+                    w_s = tl.load(s_ptrs + i * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+                    acc += wv * hv * w_s[:, :, None]
                 else:
                     acc += wv * (hv * weight)
-                h_ptrs += BLOCK_I
-                w_ptrs += BLOCK_I
-    out = tl.sum(acc, axis=1) * scale
+                h_ptrs += GROUPS * 128
+                w_ptrs += GROUPS * 128
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * scale
     tl.store(out_ptr + t * stride_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)

@@ -176,13 +176,13 @@ DECODE_SMS = 132  # the H100's SMs: the grids below are sized to fill them
 
 def decode_config(T: int, top_k: int, inter: int, H: int, fp8: bool) -> dict[str, dict[str, int]]:
     """The decode kernels' launch for T tokens: GEMM1 I-blocks and GEMM2 H-blocks small enough that each grid
-    has a few programs per SM (the weights are the whole cost: every SM must stream them); FP8 steps one
-    128-column scale group at a time."""
+    has a few programs per SM (the weights are the whole cost: every SM must stream them), GROUPS 128-column
+    groups a loop step."""
     block_i = 64
     while block_i > 8 and T * top_k * -(-inter // block_i) < 4 * DECODE_SMS:
         block_i //= 2
     block_h = 64
     while block_h > 8 and T * -(-H // block_h) < 2 * DECODE_SMS:
         block_h //= 2
-    return {"decode": dict(BLOCK_I=block_i, BLOCK_K=128 if fp8 else 256, num_warps=4, num_stages=3),
-            "down": dict(BLOCK_H=block_h, BLOCK_I=128 if fp8 else 256, num_warps=4, num_stages=3)}
+    return {"decode": dict(BLOCK_I=block_i, GROUPS=2, num_warps=4, num_stages=3),
+            "down": dict(BLOCK_H=block_h, GROUPS=2, num_warps=4, num_stages=3), "PDL": 0}
