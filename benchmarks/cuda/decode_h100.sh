@@ -3,13 +3,14 @@
 #   1. install this tree and the CUTLASS / DeepGEMM headers (WHEELHOUSE: a folder of their wheels)
 #   2. build the cutlass backend's libraries while parallel `decode.py --warm-only` processes fill Triton's
 #      kernel cache for every decode cell (and, with BASE, for the T=1 cells of the tree in BASE), and the GPU
-#      tests of the decode host path (TESTS_K, default the replay, the direct launcher and the triton and cutlass
-#      layers against the reference, in CUDA graphs and under torch.compile; TESTS_K=none skips them) run on 4
+#      tests of the decode path (TESTS_K, default the decode kernels, the replay, the direct launcher and the triton
+#      and cutlass layers against the reference, in CUDA graphs and under torch.compile; TESTS_K=none skips them) run on 4
 #      xdist workers -> OUT/gpu_tests.log (stopped when the warm phase ends)
-#   3. decode.py, bf16 and FP8 block -> OUT/decode-h100-<date>.{json,md}
+#   3. decode.py at TOKENS (default "1 16 64"), bf16 and FP8 block -> OUT/decode-h100-<date>.{json,md}
 #   4. host_time.py on this tree (T=1, sections) -> OUT/host_time.{md,json}
-#   5. host_time.py at T=1 with no forward replayed (--no-replay: every launch through the direct launcher, the
-#      replay's baseline, same machine; the two qwen3 presets) -> OUT/host_time_no_replay.md; with BASE,
+#   5. decode_sweep.py at T=1, no sweep: the triton layer with the decode kernels against the same layer running the
+#      pipeline (decode_max_tokens=0), the decode path's baseline on the same machine -> OUT/decode_vs_pipeline.json
+#      (the two qwen3 presets: PIPELINE_PRESETS); with BASE,
 #      host_time.py at T=1 on BASE (the code before, imported through PYTHONPATH) -> OUT/host_time_base.{md,json}
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR bash benchmarks/cuda/decode_h100.sh OUT
@@ -42,9 +43,10 @@ python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.deepgemm i
 lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
 print(f'DeepGEMM library ready in {time.time() - t:.0f} s')" > $LOGS/build_deepgemm.log 2>&1 &
 
-TESTS_K=${TESTS_K:-test_replay or test_launch or matches_reference or graph_capture or torch_compile}
+TESTS_K=${TESTS_K:-test_decode or test_replay or test_launch or matches_reference or graph_capture or torch_compile}
 if [ "$TESTS_K" != none ]; then
-  timeout "$(until_left 195)" python3 -m pytest plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py \
+  timeout "$(until_left 195)" python3 -m pytest plugins/cuda/tests/test_decode.py plugins/cuda/tests/test_replay.py \
+    plugins/cuda/tests/test_launch.py \
     plugins/cuda/tests/test_triton.py plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n 4 \
     -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
   TESTS_PID=$!
@@ -69,7 +71,7 @@ if [ -n "$TESTS_PID" ]; then
 fi
 
 say decode
-timeout "$(until_left 90)" python3 "$BENCH/decode.py" --out-dir "$OUT" 2>&1 | tail -n 60
+timeout "$(until_left 90)" python3 "$BENCH/decode.py" --tokens ${TOKENS:-1 16 64} --out-dir "$OUT" 2>&1 | tail -n 70
 
 say "host_time (this tree)"
 HT_LEFT=30; [ -n "$BASE" ] && HT_LEFT=55  # (what the baselines get)
@@ -78,11 +80,10 @@ timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sect
 grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
 grep -A 14 "qwen3-30b-a3b | unquantized | triton | 1 |" "$OUT/host_time.md" | head -n 15
 
-say "host_time (this tree, no forward replayed)"
+say "decode kernels against the pipeline (triton layer, T=1)"
 TL_LEFT=3; [ -n "$BASE" ] && TL_LEFT=25
-timeout "$(until_left $TL_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --backends triton cutlass \
-  --presets qwen3-30b-a3b qwen3-235b-a22b --no-replay > "$OUT/host_time_no_replay.md" 2>>$LOGS/host_time.err
-tail -n 20 "$OUT/host_time_no_replay.md"
+timeout "$(until_left $TL_LEFT)" python3 "$BENCH/decode_sweep.py" --tokens 1 --sweep-tokens 0 \
+  --presets ${PIPELINE_PRESETS:-qwen3-30b-a3b qwen3-235b-a22b} --json "$OUT/decode_vs_pipeline.json" 2>&1 | grep layer
 
 if [ -n "$BASE" ]; then
   say "host_time (BASE)"
