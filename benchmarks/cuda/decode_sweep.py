@@ -8,7 +8,7 @@ Per preset x quant (the preset's weights as the triton experts keep them, random
 it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config (GRAPH_CALLS launches in one CUDA
 graph, replayed; us a launch, median), then the pair with the fastest of each, with and without programmatic
 dependent launch (PDL). At each of ``--tokens``: the triton layer with the decode path (``decode_max_tokens``; the
-swept configs where there are some, ``tuning_configs.decode_config``'s otherwise) against the same layer running
+nearest swept T's configs where there are some, ``tuning_configs.decode_config``'s otherwise) against the same layer running
 the pipeline (``decode_max_tokens=0``): graph, eager (L2 flushed) and host time, as ``decode.py`` measures them.
 ``--warm-only``: compile every candidate once on small stand-in weights of the same specializations (parallel
 processes fill Triton's cache).
@@ -170,7 +170,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
                                                        args.reps, False)
                         swept[T] = row["kernels"].get("best")
-                    for label, max_t, dcfg in (("decode", T, swept.get(T)), ("pipeline", 0, None)):
+                    # the nearest swept T's configs (their grids only grow with T), else the heuristic's
+                    near = min(swept, key=lambda s: abs(s - T)) if swept else None
+                    for label, max_t, dcfg in (("decode", T, swept.get(near)), ("pipeline", 0, None)):
                         experts.decode_max_tokens, experts.decode_config = max_t, dcfg
                         experts._fused_configs.clear()
 
