@@ -33,16 +33,19 @@ from host_time import PRESETS, build_layer, host_times, make_inputs, warm_up  # 
 from moe_core.config import preset  # noqa: E402
 from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 
-WARPS_STAGES = ((4, 1), (4, 3), (8, 3))
+# (warps, stages) of gate/up; (warps, stages, FLAT) of down
+LAUNCHES = {"decode": ((4, 1), (4, 3), (8, 3)), "down": ((4, 1, 0), (4, 3, 0), (4, 3, 1), (8, 3, 1))}
 
 
 def candidates(part: str) -> list[dict[str, int]]:
-    """Rows (BLOCK_I / BLOCK_H) x 128-column groups a step x (warps, stages), the fp32 registers bounded (gate/up:
-    two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread."""
+    """Rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up: two
+    accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
     per_thread = 4 if part == "decode" else 2
-    return [{block: b, "GROUPS": g, "num_warps": w, "num_stages": s} for b in (8, 16, 32) for g in (1, 2, 4)
-            for w, s in WARPS_STAGES if per_thread * b * g * 128 <= 160 * 32 * w]
+    return [{block: b, "GROUPS": g, "num_warps": launch[0], "num_stages": launch[1],
+             **({"FLAT": launch[2]} if part == "down" else {})}
+            for b in (8, 16, 32) for g in (1, 2, 4) for launch in LAUNCHES[part]
+            if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
 
 
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,

@@ -40,7 +40,7 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
                    layouts: Optional[Layouts] = None) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
     """``triton.ops.fused_experts``'s math (same arguments) in the two decode launches: (the output [T, H], the
     scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, GROUPS, num_warps, num_stages}, "down":
-    {BLOCK_H, GROUPS, num_warps, num_stages}, "PDL": 0 or 1}`` (GROUPS: 128-column groups a loop step) (``tuning_configs.decode_config``; PDL: the down
+    {BLOCK_H, GROUPS, FLAT, num_warps, num_stages}, "PDL": 0 or 1}`` (GROUPS: 128-column groups a loop step) (``tuning_configs.decode_config``; PDL: the down
     kernel launched with programmatic dependent launch, overlapping the gate/up kernel's tail)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
@@ -97,5 +97,5 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
            s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"],
-           EVEN_I=inter % (128 * cfg["GROUPS"]) == 0, PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
            **({"launch_pdl": True} if pdl else {}))

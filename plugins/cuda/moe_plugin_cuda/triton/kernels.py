@@ -639,13 +639,14 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
 def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
                         stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
                         stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
-                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, EVEN_I: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
     (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), GROUPS 128-column groups of I a
     step, elementwise in [BLOCK_H, GROUPS, 128] fp32 registers reduced once at the end (deterministic, no atomics,
-    no per-slot output). FP8: each 128-column group of h quantized as ``_quant_groups`` does (the scheme's
-    quantization of GEMM1's output), scaled per (row, group) by the weight block's scale. PDL: launched early
-    behind the gate/up kernel, waits for it before reading h."""
+    no per-slot output). FLAT: one loop over (slot, I-step), so the software pipeline runs across slots (a skipped
+    slot's steps load nothing), else a loop over I per valid slot. FP8: each 128-column group of h quantized as
+    ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (row, group) by the weight
+    block's scale. PDL: launched early behind the gate/up kernel, waits for it before reading h."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -654,30 +655,45 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     acc = tl.zeros((BLOCK_H, GROUPS, 128), dtype=tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for k in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-        if (e >= 0) & (e < E):
-            e = e.to(tl.int64)
+    if FLAT:
+        n_i = tl.cdiv(inter, GROUPS * 128)
+        for j in range(0, TOP_K * n_i):
+            k = j // n_i
+            i = j - k * n_i
+            e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+            ok = (e >= 0) & (e < E)
             weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
-            w_ptrs = w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None] * stride_wn + offs_i[None, :, :]
-            h_ptrs = h_ptr + (t * TOP_K + k) * stride_h + offs_i[None, :, :]
-            if FP8:
-                s_ptrs = w_scale_ptr + e * stride_wse + (offs_h // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
-            for i in range(0, tl.cdiv(inter, GROUPS * 128)):
-                if EVEN_I:
-                    i_mask = tl.full((GROUPS, 128), 1, tl.int1)
-                else:
-                    i_mask = offs_i < inter - i * GROUPS * 128
-                hv = tl.load(h_ptrs, mask=i_mask[None, :, :], other=0.0)  # [1, GROUPS, 128] fp32
-                wv = tl.load(w_ptrs, mask=h_mask[:, None, None] & i_mask[None, :, :], other=0.0).to(tl.float32)
-                if FP8:
-                    hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * weight
-                    s_mask = h_mask[:, None] & (grp[None, :] < tl.cdiv(inter, 128) - i * GROUPS)
-                    w_s = tl.load(s_ptrs + i * GROUPS * stride_wsk, mask=s_mask, other=0.0)
-                    acc += wv * hv * w_s[:, :, None]
-                else:
-                    acc += wv * (hv * weight)
-                h_ptrs += GROUPS * 128
-                w_ptrs += GROUPS * 128
+            acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, tl.where(ok, e, 0).to(tl.int64),
+                                    tl.where(ok, inter, 0), weight, t * TOP_K + k, i, offs_h, h_mask, offs_i, grp,
+                                    stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
+    else:
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+            if (e >= 0) & (e < E):
+                weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+                for i in range(0, tl.cdiv(inter, GROUPS * 128)):
+                    acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e.to(tl.int64), inter, weight,
+                                            t * TOP_K + k, i, offs_h, h_mask, offs_i, grp, stride_h, stride_we,
+                                            stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * scale
     tl.store(out_ptr + t * stride_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i, offs_h, h_mask, offs_i, grp,
+                      stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """``_decode_down_kernel``'s step i of slot ``slot`` (expert ``e``): ``acc`` plus weight x w2[e, H-block, step's
+    columns] x h[slot, step's columns], columns past ``limit`` (I, or 0 for a skipped slot: nothing loaded) masked."""
+    cols = i * GROUPS * 128 + offs_i  # [GROUPS, 128]
+    i_mask = cols < limit
+    hv = tl.load(h_ptr + slot * stride_h + cols[None, :, :], mask=i_mask[None, :, :], other=0.0)  # [1, GROUPS, 128]
+    wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None] * stride_wn + cols[None, :, :],
+                 mask=h_mask[:, None, None] & i_mask[None, :, :], other=0.0).to(tl.float32)
+    if FP8:
+        hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * weight
+        s_mask = h_mask[:, None] & ((i * GROUPS + grp) * 128 < limit)[None, :]
+        w_s = tl.load(w_scale_ptr + e * stride_wse + (offs_h // 128)[:, None] * stride_wsn
+                      + (i * GROUPS + grp)[None, :] * stride_wsk, mask=s_mask, other=0.0)
+        return acc + wv * hv * w_s[:, :, None]
+    return acc + wv * (hv * weight)

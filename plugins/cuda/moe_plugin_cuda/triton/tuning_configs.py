@@ -185,4 +185,4 @@ def decode_config(T: int, top_k: int, inter: int, H: int, fp8: bool) -> dict[str
     while block_h > 8 and T * -(-H // block_h) < 2 * DECODE_SMS:
         block_h //= 2
     return {"decode": dict(BLOCK_I=block_i, GROUPS=2, num_warps=4, num_stages=3),
-            "down": dict(BLOCK_H=block_h, GROUPS=2, num_warps=4, num_stages=3), "PDL": 0}
+            "down": dict(BLOCK_H=block_h, GROUPS=2, FLAT=1, num_warps=4, num_stages=3), "PDL": 0}
