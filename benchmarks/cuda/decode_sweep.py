@@ -101,11 +101,27 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
                 pair[f"pdl{pdl}"] = round(graph_time(call, dev, reps) * 1e6, 2)
         except Exception as exc:
             print(f"  {tag} pair PDL={pdl}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    if fp8 and best.get("decode"):  # what quantizing the token inside each gate/up program costs
+        from moe_core.quant import quantize_fp8_per_token_group
+
+        q, qs = quantize_fp8_per_token_group(x)
+
+        def given(c=best["decode"]):
+            decode.gate_up(q, qs, w.w13, w.w13_scale, topk.ids, h, fp8_block=True, activation="silu",
+                           w13_interleaved=interleaved, cfg=c)
+        try:
+            given()
+            torch.cuda.synchronize(dev)
+            if not warm_only:
+                res["decode_given_codes_us"] = round(graph_time(given, dev, reps) * 1e6, 2)
+        except Exception as exc:
+            print(f"  {tag} given codes: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
     if warm_only:
         return res
     res["pair"] = pair
     res["best"] = {**best, "PDL": int(pair.get("pdl1", 1e9) < pair.get("pdl0", 1e9))}
-    print(f"  {tag} pair {pair} -> {res['best']}", file=sys.stderr, flush=True)
+    print(f"  {tag} pair {pair} gate/up with dispatched codes {res.get('decode_given_codes_us')} -> {res['best']}",
+          file=sys.stderr, flush=True)
     return res
 
 
