@@ -2,7 +2,7 @@
 alignment"): which launch configs, and up to which T the decode path wins.
 
     python benchmarks/cuda/decode_sweep.py [--presets ...] [--quant ...] [--tokens 1 2 4 8 16] [--sweep-tokens 1 4]
-        [--json FILE] [--warm-only]
+        [--json FILE] [--table FILE] [--warm-only]
 
 Per preset x quant (the preset's weights as the triton experts keep them, random routing as ``decode.py`` makes
 it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config (GRAPH_CALLS launches in one CUDA
@@ -10,7 +10,7 @@ graph, replayed; us a launch, median), then the pair with the fastest of each, w
 dependent launch (PDL). At each of ``--tokens``: the triton layer with the decode path (``decode_max_tokens``; the
 nearest swept T's configs where there are some, ``tuning_configs.decode_config``'s otherwise) against the same layer running
 the pipeline (``decode_max_tokens=0``): graph, eager (L2 flushed) and host time, as ``decode.py`` measures them.
-``--warm-only``: compile every candidate once on small stand-in weights of the same specializations (parallel
+``--table``: the decode table (``tuning_configs.decode_plan``) these rows make. ``--warm-only``: compile every candidate once on small stand-in weights of the same specializations (parallel
 processes fill Triton's cache).
 """
 
@@ -160,6 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None, help="write the decode table (tuning_configs.decode_plan) here")
     p.add_argument("--warm-only", action="store_true")
     p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
     args = p.parse_args(argv)
@@ -215,7 +216,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.table:
+        table = decode_table(rows, torch.cuda.get_device_name(dev))
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        print(f"decode table: {json.dumps({k: v['max_tokens'] for k, v in table.items()})}", file=sys.stderr)
     return 0
+
+
+def decode_table(rows: list[dict[str, Any]], device_name: str) -> dict[str, Any]:
+    """``tuning_configs.decode_plan``'s table from the rows: per shape, the swept configs of the smallest T, and
+    ``max_tokens`` = the largest measured T up to which the decode path's graph and eager times both beat the
+    pipeline's at every measured T (0: never)."""
+    from moe_plugin_cuda.triton import tuning_configs
+
+    table = {}
+    for name in dict.fromkeys(r["preset"] for r in rows):
+        for q in dict.fromkeys(r["quant"] for r in rows if r["preset"] == name):
+            cells = sorted((r for r in rows if r["preset"] == name and r["quant"] == q and "pipeline" in r
+                            and "decode" in r), key=lambda r: r["T"])
+            best = next((r["kernels"]["best"] for r in cells if r.get("kernels", {}).get("best")), None)
+            if not cells or best is None:
+                continue
+            max_tokens = 0
+            for r in cells:
+                if not all(r["decode"][m] < r["pipeline"][m] for m in ("graph_us", "eager_us")):
+                    break
+                max_tokens = r["T"]
+            cfg = preset(name, quant=q)
+            dtype = tuning_configs.table_dtype(cfg.quant, cfg.params_dtype)
+            key = tuning_configs.decode_shape(cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size,
+                                              dtype)
+            table[key] = {"max_tokens": max_tokens, "config": best}
+    return table
 
 
 if __name__ == "__main__":

@@ -267,3 +267,24 @@ def test_decode_dispatched_fp8_codes():
     given, _ = decode.decode_experts(q, s, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids, **run)
     assert torch.equal(inside, given)
     assert relative_error(given, expected(x, topk)) < TOL["fp8_block"]
+
+
+def test_decode_plan_reads_the_device_table(tmp_path):
+    """A shape in the device's decode table runs its measured launch up to its max_tokens; another shape the
+    heuristic's up to DECODE_MAX_TOKENS; the ``decode_max_tokens`` option overrides either limit."""
+    import json
+
+    from moe_plugin_cuda.triton import tuning_configs as tc
+
+    cfg = {"decode": dict(BLOCK_I=16, GROUPS=2, num_warps=4, num_stages=3),
+           "down": dict(BLOCK_H=8, GROUPS=4, FLAT=1, num_warps=8, num_stages=3), "PDL": 1}
+    table = {tc.decode_shape(128, 8, 768, 2048, "bf16"): {"max_tokens": 4, "config": cfg}}
+    (tmp_path / tc.decode_table_name("Some GPU")).write_text(json.dumps(table))
+    plan = [tc.decode_plan(T, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path)) for T in (1, 4, 5)]
+    assert plan[0] is plan[1] and plan[0] == cfg and plan[2] is None
+    assert tc.decode_plan(8, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=8) == cfg
+    assert tc.decode_plan(1, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=0) is None
+    for device in ("Some GPU", "Other GPU", None):  # not in the table: the heuristic's launch
+        other = tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path))
+        assert other == tc.decode_config(1, 6, 512, 1024, True)
+        assert tc.decode_plan(tc.DECODE_MAX_TOKENS + 1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path)) is None

@@ -90,8 +90,8 @@ class TritonExperts(Experts):
     configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T),
     ``gemm1_two_acc`` (True: run GEMM1 on the two-accumulator fallback kernel whatever the
     config says, e.g. where the one-accumulator epilogue does not compile), ``decode_max_tokens`` (token lists of
-    up to that many tokens run the decode kernels, ``triton.decode``; default
-    ``tuning_configs.DECODE_MAX_TOKENS``, 0 with a fixed ``config``), ``decode_config`` (a fixed decode launch).
+    up to that many tokens run the decode kernels, ``triton.decode``; default: the device's decode table,
+    ``tuning_configs.decode_plan``; 0 with a fixed ``config``), ``decode_config`` (a fixed decode launch).
     """
 
     def __init__(self, ctx) -> None:
@@ -104,8 +104,9 @@ class TritonExperts(Experts):
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
-        self.decode_max_tokens = int(ctx.options.get(
-            "decode_max_tokens", 0 if self.fixed_config is not None else tuning_configs.DECODE_MAX_TOKENS))
+        # None: the device's decode table decides (tuning_configs.decode_plan); a fixed pipeline config: never
+        limit = ctx.options.get("decode_max_tokens", 0 if self.fixed_config is not None else None)
+        self.decode_max_tokens: Optional[int] = None if limit is None else int(limit)
         self.decode_config = ctx.options.get("decode_config")
         self._configs: dict[int, dict] = {}
         self._fused_configs: dict[int, dict] = {}  # token lists' launch per T: decode or the pipeline's
@@ -137,15 +138,20 @@ class TritonExperts(Experts):
         return cfg
 
     def fused_config(self, T: int, device: torch.device) -> dict:
-        """A token list's launch: the decode kernels' up to ``decode_max_tokens`` tokens, else the pipeline's.
-        (One dict object per T: the replay's key holds it by identity.)"""
+        """A token list's launch: the decode kernels' where ``tuning_configs.decode_plan`` says (or up to the
+        ``decode_max_tokens`` option), else the pipeline's. (One dict object per T: the replay's key holds it by
+        identity.)"""
         cfg = self._fused_configs.get(T)
         if cfg is None:
-            if T <= self.decode_max_tokens:
-                c = self.config
-                cfg = self.decode_config or tuning_configs.decode_config(
-                    max(T, 1), c.top_k, c.intermediate_size, c.hidden_size, self.decision.fp8_block)
-            else:
+            if self._device_name is None and device.type == "cuda":
+                self._device_name = torch.cuda.get_device_name(device)
+            c = self.config
+            cfg = tuning_configs.decode_plan(max(T, 1), c.num_local_experts, c.top_k, c.intermediate_size,
+                                             c.hidden_size, self.decision.table_dtype, self._device_name,
+                                             self.config_dir, self.decode_max_tokens)
+            if cfg is not None and self.decode_config is not None:
+                cfg = self.decode_config
+            if cfg is None:
                 cfg = self.launch_config(T, device)
             if len(self._fused_configs) >= 256:  # (decode runs a few T; a prefill of ever new T only recomputes)
                 self._fused_configs.clear()
