@@ -117,16 +117,18 @@ def test_decode_config_fills_the_gpu():
 # ------------------------------------------------------------------ on the GPU
 
 
-def _gpu_case(backend, quant, T_max, T, **kw):
+def _gpu_case(backend, quant, T_max, T, decode_config=None, **kw):
     """(layer, float64 expected of a forward, x, topk): a layer of ``backend`` whose token lists of up to ``T_max``
-    tokens run the decode kernels, random weights, T tokens with -1 ids."""
+    tokens run the decode kernels (``decode_config``: triton's fixed decode launch), random weights, T tokens with
+    -1 ids."""
     from cuda_layer_cases import cuda_device, layer_config, random_weights
 
     from moe_core.layer import MoELayer
     from moe_core.quant import dequantize_weights
     from moe_core.reference.oracle import fp8_round_trip
 
-    cfg = layer_config(backend, quant, backend_options={backend: {"decode_max_tokens": T_max}}, **kw)
+    options = {"decode_max_tokens": T_max, **({"decode_config": decode_config} if decode_config else {})}
+    cfg = layer_config(backend, quant, backend_options={backend: options}, **kw)
     gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
     w = random_weights(cfg, gen)
     layer = MoELayer(cfg, device=cuda_device())
@@ -288,3 +290,28 @@ def test_decode_plan_reads_the_device_table(tmp_path):
         other = tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path))
         assert other == tc.decode_config(1, 6, 512, 1024, True)
         assert tc.decode_plan(tc.DECODE_MAX_TOKENS + 1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path)) is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("flat", [0, 1])
+def test_decode_pdl_and_loop_variants(quant, flat):
+    """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
+    either loop form, several groups a step: eager, replayed, in a CUDA graph, against float64."""
+    cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
+           "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **SIZES["triton"])
+    for _ in range(3):  # records, then replays
+        assert relative_error(layer(x, topk), expected(x, topk)) < TOL[quant]
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, expected(x, topk)) < TOL[quant]
