@@ -5,13 +5,13 @@ alignment"): which launch configs, and up to which T the decode path wins.
         [--json FILE] [--table FILE] [--warm-only]
 
 Per preset x quant (the preset's weights as the triton experts keep them, random routing as ``decode.py`` makes
-it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config (GRAPH_CALLS launches in one CUDA
-graph, replayed; us a launch, median), then the pair with the fastest of each, with and without programmatic
-dependent launch (PDL). At each of ``--tokens``: the triton layer with the decode path (``decode_max_tokens``; the
-nearest swept T's configs where there are some, ``tuning_configs.decode_config``'s otherwise) against the same layer running
-the pipeline (``decode_max_tokens=0``): graph, eager (L2 flushed) and host time, as ``decode.py`` measures them.
-``--table``: the decode table (``tuning_configs.decode_plan``) these rows make. ``--warm-only``: compile every candidate once on small stand-in weights of the same specializations (parallel
-processes fill Triton's cache).
+it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config, then the fastest together, with
+and without programmatic dependent launch (PDL) (see ``sweep_kernels``). At each of ``--tokens``: the triton layer
+with the decode path (``decode_max_tokens``; the nearest swept T's configs where there are some,
+``tuning_configs.decode_config``'s otherwise) against the same layer running the pipeline (``decode_max_tokens=0``):
+graph, eager (L2 flushed) and host time, as ``decode.py`` measures them. ``--table``: merge the decode table
+(``tuning_configs.decode_plan``) these rows make into this file. ``--warm-only``: compile every candidate once on
+small stand-in weights of the same specializations (parallel processes fill Triton's cache).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from decode import eager_times, floor_us, graph_time  # noqa: E402
+from decode import GRAPH_CALLS, eager_times, floor_us, graph_time  # noqa: E402
 from host_time import build_layer, host_times, make_inputs, warm_up  # noqa: E402
 
 from moe_core.config import preset  # noqa: E402
@@ -44,32 +44,46 @@ def candidates(part: str) -> list[dict[str, int]]:
     per_thread = 4 if part == "decode" else 2
     return [{block: b, "GROUPS": g, "num_warps": launch[0], "num_stages": launch[1],
              **({"FLAT": launch[2]} if part == "down" else {})}
-            for b in (8, 16, 32) for g in (1, 2, 4) for launch in LAUNCHES[part]
+            for b in (8, 16, 32) for g in (1, 2, 4, 8) for launch in LAUNCHES[part]
             if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
+
+
+TOP = 3  # the fastest of each kernel tried together
 
 
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
                   shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
-    """Each kernel per candidate, then the best pair with and without PDL: {"decode"/"down": top 4 [us, cfg],
-    "pair": {"pdl0"/"pdl1": us}, "best": the fastest full config}."""
+    """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
+    HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
+    forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
+    the fastest full config}."""
     from moe_plugin_cuda.triton import decode
 
     dev = x.device
     T, top_k, inter = x.shape[0], topk.ids.shape[1], w.w2.shape[2]
+    E = w.w13.shape[0]
     h = torch.empty(T * top_k, inter, dtype=torch.float32, device=dev)
     out = torch.empty_like(x)
+    routings = [torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(topk.ids.dtype)
+                for _ in range(GRAPH_CALLS)]
+    turn = [0]
+
+    def ids():  # the next routing (each captured launch gets its own)
+        turn[0] += 1
+        return routings[turn[0] % len(routings)]
+
     res: dict[str, Any] = {}
-    best = {}
+    tops = {}
     for part in ("decode", "down"):
         timed = []
         for c in candidates(part)[shard[0]::shard[1]]:
             if part == "decode":
                 def call(c=c):
-                    decode.gate_up(x, None, w.w13, w.w13_scale, topk.ids, h, fp8_block=fp8, activation="silu",
+                    decode.gate_up(x, None, w.w13, w.w13_scale, ids(), h, fp8_block=fp8, activation="silu",
                                    w13_interleaved=interleaved, cfg=c)
             else:
                 def call(c=c):
-                    decode.down(h, w.w2, w.w2_scale, topk.ids, topk.weights, out, fp8_block=fp8,
+                    decode.down(h, w.w2, w.w2_scale, ids(), topk.weights, out, fp8_block=fp8,
                                 routed_scaling_factor=1.0, cfg=c)
             try:
                 call()
@@ -80,48 +94,48 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
                 print(f"  {tag} {part} {c}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
         if timed:
             timed.sort(key=lambda r: r[0])
-            best[part] = timed[0][1]
+            tops[part] = [c for _, c in timed[:TOP]]
             res[part] = [[round(t, 2), c] for t, c in timed[:4]]
             print(f"  {tag} {part:6s} best {timed[0][0]:.2f} us {timed[0][1]}  next "
                   f"{[r[0] for r in res[part][1:]]} worst {timed[-1][0]:.1f}", file=sys.stderr, flush=True)
-    if len(best) < 2 and not warm_only:
-        return res
-    pair = {}
-    for pdl in (0, 1):
-        cfg = {**best, "PDL": pdl} if best else {**candidate_default(), "PDL": pdl}
-
-        def call(cfg=cfg):
-            decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
-                                  fp8_block=fp8, activation="silu", routed_scaling_factor=1.0, out_dtype=x.dtype,
-                                  cfg=cfg, w13_interleaved=interleaved, out=out)
-        try:
-            call()
-            torch.cuda.synchronize(dev)
-            if not warm_only:
-                pair[f"pdl{pdl}"] = round(graph_time(call, dev, reps) * 1e6, 2)
-        except Exception as exc:
-            print(f"  {tag} pair PDL={pdl}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
-    if fp8 and best.get("decode"):  # what quantizing the token inside each gate/up program costs
-        from moe_core.quant import quantize_fp8_per_token_group
-
-        q, qs = quantize_fp8_per_token_group(x)
-
-        def given(c=best["decode"]):
-            decode.gate_up(q, qs, w.w13, w.w13_scale, topk.ids, h, fp8_block=True, activation="silu",
-                           w13_interleaved=interleaved, cfg=c)
-        try:
-            given()
-            torch.cuda.synchronize(dev)
-            if not warm_only:
-                res["decode_given_codes_us"] = round(graph_time(given, dev, reps) * 1e6, 2)
-        except Exception as exc:
-            print(f"  {tag} given codes: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
     if warm_only:
+        combos = [{**candidate_default(), "PDL": 0}]
+    elif len(tops) < 2:
         return res
-    res["pair"] = pair
-    res["best"] = {**best, "PDL": int(pair.get("pdl1", 1e9) < pair.get("pdl0", 1e9))}
-    print(f"  {tag} pair {pair} gate/up with dispatched codes {res.get('decode_given_codes_us')} -> {res['best']}",
-          file=sys.stderr, flush=True)
+    else:  # (without PDL: the kernels compiled above; PDL compiles another variant, tried on the best pair only)
+        combos = [{"decode": a, "down": b, "PDL": 0} for a in tops["decode"] for b in tops["down"]]
+
+    def pair(cfg):
+        return lambda: decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
+                                             fp8_block=fp8, activation="silu", routed_scaling_factor=1.0,
+                                             out_dtype=x.dtype, cfg=cfg, w13_interleaved=interleaved, out=out)
+
+    pairs = []
+    for cfg in combos:
+        try:
+            pair(cfg)()
+            torch.cuda.synchronize(dev)
+            if not warm_only:
+                pairs.append((graph_time(pair(cfg), dev, reps) * 1e6, cfg))
+        except Exception as exc:
+            print(f"  {tag} pair {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    if warm_only or not pairs:
+        return res
+    pairs.sort(key=lambda r: r[0])
+    best_t, best = pairs[0]
+    with_pdl = {**best, "PDL": 1}
+    try:
+        pair(with_pdl)()
+        torch.cuda.synchronize(dev)
+        t1 = graph_time(pair(with_pdl), dev, reps) * 1e6
+        pairs.append((t1, with_pdl))
+        if t1 < best_t:
+            best_t, best = t1, with_pdl
+    except Exception as exc:
+        print(f"  {tag} pair with PDL: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    res["pairs"] = [[round(t, 2), c] for t, c in pairs]
+    res["best"] = best
+    print(f"  {tag} pairs {[round(t, 1) for t, _ in pairs]} -> {best_t:.2f} us {best}", file=sys.stderr, flush=True)
     return res
 
 
@@ -161,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1])
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", default=None)
-    p.add_argument("--table", default=None, help="write the decode table (tuning_configs.decode_plan) here")
+    p.add_argument("--table", default=None, help="merge the decode table (tuning_configs.decode_plan) into this file")
     p.add_argument("--warm-only", action="store_true")
     p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
     args = p.parse_args(argv)
@@ -226,8 +240,14 @@ def write(rows: list[dict[str, Any]], args) -> None:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     if args.table:
+        table = {}
+        if os.path.exists(args.table):  # (other shapes' entries kept)
+            with open(args.table) as f:
+                table = json.load(f)
+        table.update(decode_table(rows))
         with open(args.table, "w") as f:
-            json.dump(decode_table(rows), f, indent=1, sort_keys=True)
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
 
 
 def decode_table(rows: list[dict[str, Any]]) -> dict[str, Any]:

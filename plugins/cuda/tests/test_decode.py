@@ -67,17 +67,18 @@ def _groups(v, fn):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("interleaved,groups,flat", [(True, 1, 1), (False, 2, 0), (True, 4, 1)])
+@pytest.mark.parametrize("interleaved,groups,flat,inter", [(True, 1, 1, 200), (False, 2, 0, 256), (True, 4, 1, 256)])
 @pytest.mark.parametrize("given_codes", [False, True])
-def test_decode_fp8_scales_interpreter(interleaved, groups, flat, given_codes):
+def test_decode_fp8_scales_interpreter(interleaved, groups, flat, inter, given_codes):
     """The FP8 decode math with fp32 stand-in codes (the interpreter's fp8 casts are unreliable; the GPU tests
     compare e4m3): the token and h are scaled per 128-column group by max|.| / 448 (so the kernels' codes of a
     group reach +-448), weight block scales follow interleaved rows back to their checkpoint rows, I and H not
-    multiples of 128 (blocks straddle scale rows), one or several groups a step (partial steps masked)."""
+    multiples of 128 (blocks straddle scale rows: per-row scales) or I = 256 (each block's gate and up rows in one
+    scale row: the scales folded into the token's values), one or several groups a step (partial steps masked)."""
     from moe_plugin_cuda.triton import ops as triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    T, E, K, H, inter = 2, 5, 3, 300, 200
+    T, E, K, H = 2, 5, 3, 300
     w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
     w2, s2, w2_full = _block_scaled(E, H, inter)
     x = torch.randn(T, H)
@@ -141,7 +142,7 @@ def _gpu_case(backend, quant, T_max, T, decode_config=None, **kw):
     def expected(x, topk):  # the scheme in float64: FP8 block quantizes the token and h per 128-column group
         q = (lambda v, where, e: fp8_round_trip(v, 128)) if fp8 else None
         return moe_float64(x.cpu(), topk.weights.cpu(), topk.ids.cpu(), w13.cpu(), w2.cpu(),
-                           routed_scaling_factor=cfg.routed_scaling_factor, quantize_activation=q)
+                           routed_scaling_factor=cfg.routed_scaling_factor, quantize_activation=q).to(x.device)
 
     x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
     return layer, expected, x, random_topk(T, cfg)

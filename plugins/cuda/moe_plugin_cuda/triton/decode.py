@@ -81,7 +81,8 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
            h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
-           BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0, PDL=pdl,
+           BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0,
+           FOLD=fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0, PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -93,6 +94,9 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
     s2 = w2_scale if fp8_block else w2
+    if fp8_block and 128 % cfg["BLOCK_H"]:
+        raise ValueError(f"FP8 decode: down.BLOCK_H must divide 128 (one weight scale row a program), got "
+                         f"{cfg['BLOCK_H']}")
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),

@@ -561,7 +561,8 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
                            stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse,
                            stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                            FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
-                           BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr,
+                           PDL: tl.constexpr):
     """Decode GEMM1 as GEMVs: program (slot, I-block) computes h[slot, I-block] = act(gate) * up of its slot's token
     against its expert's gate and up rows (each a contiguous row of H), in fp32; slots with an id outside [0, E)
     return at once (their h is never read). Each step reads GROUPS 128-column groups of BLOCK_I gate and up rows as
@@ -569,7 +570,9 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
     FP8: the token's groups quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came),
     products scaled per (row, group) by the token group's and the weight block's scales, as the tensor-core GEMM
     scales each K group. INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up];
-    weight scales are in the checkpoint layout either way. PDL: let the down kernel launch once every program is
+    weight scales are in the checkpoint layout either way. FOLD (FP8, the program's gate rows and its up rows each
+    within one 128-row scale block: BLOCK_I divides 128 and I): the weight scales multiply the token's group values
+    once a step instead of every weight (one FMA per weight). PDL: let the down kernel launch once every program is
     past its loop."""
     slot = tl.program_id(0)
     t = slot // TOP_K
@@ -593,8 +596,14 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
     u_ptrs = w_base + u_rows.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
     x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :]
     if FP8:
-        gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
-        us_ptrs = w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+        if FOLD:  # one scale row for the gate rows, one for the up rows: [1, GROUPS]
+            i0 = tl.program_id(1) * BLOCK_I
+            gs_ptrs = w_scale_ptr + e * stride_wse + (i0 // 128) * stride_wsn + grp[None, :] * stride_wsk
+            us_ptrs = w_scale_ptr + e * stride_wse + ((i0 + inter) // 128) * stride_wsn + grp[None, :] * stride_wsk
+        else:
+            gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+            us_ptrs = (w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128)[:, None] * stride_wsn
+                       + grp[None, :] * stride_wsk)
         xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
     acc_g = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
@@ -608,16 +617,22 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
         g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         if FP8:
-            s_mask = i_mask[:, None] & (grp[None, :] < tl.cdiv(H, 128) - k * GROUPS)
+            g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
             if QUANT_X:
                 x = _quant_groups_3d(x, w_ptr.dtype.element_ty)
             else:
-                x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=grp[None, :] < tl.cdiv(H, 128) - k * GROUPS,
-                                other=0.0)[:, :, None]
-            g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
-            u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
-            acc_g += g * x * g_s[:, :, None]
-            acc_u += u * x * u_s[:, :, None]
+                x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=g_ok, other=0.0)[:, :, None]
+            if FOLD:
+                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
+                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
+                acc_g += g * (x * g_s[:, :, None])
+                acc_u += u * (x * u_s[:, :, None])
+            else:
+                s_mask = i_mask[:, None] & g_ok
+                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+                acc_g += g * x * g_s[:, :, None]
+                acc_u += u * x * u_s[:, :, None]
         else:
             acc_g += g * x
             acc_u += u * x
@@ -646,8 +661,11 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     no per-slot output). FLAT: one loop over (slot, I-step), so the software pipeline runs across slots (a skipped
     slot's steps load nothing), else a loop over I per valid slot. FP8: each 128-column group of h quantized as
     ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (row, group) by the weight
-    block's scale. PDL: launched early behind the gate/up kernel, waits for it before reading h."""
+    block's scale: BLOCK_H divides 128, so one scale row covers the program's rows and the scales multiply h's group
+    values once a step instead of every weight (one FMA per weight). PDL: launched early behind the gate/up kernel,
+    waits for it before reading h."""
     t = tl.program_id(0).to(tl.int64)
+    s_row = (tl.program_id(1) * BLOCK_H) // 128  # the weight scale row of this program's rows
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     grp = tl.arange(0, GROUPS)
@@ -664,8 +682,8 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
             ok = (e >= 0) & (e < E)
             weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
             acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, tl.where(ok, e, 0).to(tl.int64),
-                                    tl.where(ok, inter, 0), weight, t * TOP_K + k, i, offs_h, h_mask, offs_i, grp,
-                                    stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
+                                    tl.where(ok, inter, 0), weight, t * TOP_K + k, i, s_row, offs_h, h_mask, offs_i,
+                                    grp, stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
     else:
         for k in tl.static_range(TOP_K):
             e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
@@ -673,14 +691,14 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
                 weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
                 for i in range(0, tl.cdiv(inter, GROUPS * 128)):
                     acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e.to(tl.int64), inter, weight,
-                                            t * TOP_K + k, i, offs_h, h_mask, offs_i, grp, stride_h, stride_we,
+                                            t * TOP_K + k, i, s_row, offs_h, h_mask, offs_i, grp, stride_h, stride_we,
                                             stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * scale
     tl.store(out_ptr + t * stride_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 @triton.jit
-def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i, offs_h, h_mask, offs_i, grp,
+def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i, s_row, offs_h, h_mask, offs_i, grp,
                       stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8: tl.constexpr,
                       GROUPS: tl.constexpr):
     """``_decode_down_kernel``'s step i of slot ``slot`` (expert ``e``): ``acc`` plus weight x w2[e, H-block, step's
@@ -691,9 +709,8 @@ def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i,
     wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None] * stride_wn + cols[None, :, :],
                  mask=h_mask[:, None, None] & i_mask[None, :, :], other=0.0).to(tl.float32)
     if FP8:
-        hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * weight
-        s_mask = h_mask[:, None] & ((i * GROUPS + grp) * 128 < limit)[None, :]
-        w_s = tl.load(w_scale_ptr + e * stride_wse + (offs_h // 128)[:, None] * stride_wsn
-                      + (i * GROUPS + grp)[None, :] * stride_wsk, mask=s_mask, other=0.0)
-        return acc + wv * hv * w_s[:, :, None]
+        w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
+                      mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
+        hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * (w_s * weight)[None, :, None]
+        return acc + wv * hv
     return acc + wv * (hv * weight)
