@@ -15,6 +15,7 @@
 #      OUT/decode-h100-<date>.{json,md}
 #   5. host_time.py on this tree (T=1, sections) -> OUT/host_time.md; with BASE, host_time.py at T=1 on BASE (the
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
+#   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR SWEEP="..." bash benchmarks/cuda/decode_h100.sh OUT
 set -o pipefail
@@ -112,6 +113,11 @@ if [ -n "$BASE" ]; then
   PYTHONPATH=$BASE:$BASE/plugins/cuda timeout "$(until_left 3)" python3 "$BENCH/host_time.py" --tokens 1 \
     --json "$LOGS/host_time_base.json" > "$OUT/host_time_base.md" 2>$LOGS/host_time_base.err
   tail -n 40 "$OUT/host_time_base.md"
+fi
+if [ -n "$EXTRA_TOKENS" ]; then  # (what the budget leaves: the planner's pick at larger T, rows printed and in the logs)
+  say "decode.py, the pick at T = $EXTRA_TOKENS"
+  timeout "$(until_left 2)" python3 "$BENCH/decode.py" --tokens $EXTRA_TOKENS --backends auto --reps 10 \
+    --out-dir "$LOGS/extra" 2>&1 | grep -E "graph|FAILED"
 fi
 tar -C $LOGS -cf "$OUT/logs.tar" . 2>/dev/null
 say done
