@@ -102,7 +102,7 @@ timeout "$(until_left 30)" python3 "$BENCH/decode.py" --tokens ${TOKENS:-1 16 64
   --out-dir "$OUT" 2>&1 | tail -n 70
 
 say "host_time (this tree)"
-HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25  # (what the baseline gets)
+HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25; [ -n "$EXTRA_TOKENS" ] && HT_LEFT=35  # (what the phases after get)
 timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sections 1 \
   --backends triton cutlass --json "$LOGS/host_time.json" > "$OUT/host_time.md" 2>$LOGS/host_time.err
 grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
