@@ -316,3 +316,26 @@ def test_decode_pdl_and_loop_variants(quant, flat):
     g.replay()
     torch.cuda.synchronize()
     assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+def test_shipped_decode_tables_are_launchable():
+    """Every entry of a shipped decode table: a decode launch the kernels take (both parts, FP8's BLOCK_H dividing
+    128), a shape key decode_plan finds, max_tokens >= 0."""
+    import json
+
+    from moe_plugin_cuda.triton import tuning_configs as tc
+
+    files = sorted(tc.CONFIG_DIR.glob(f"*kernel={tc.DECODE_TABLE}.json"))
+    assert files
+    for f in files:
+        for shape, entry in json.loads(f.read_text()).items():
+            E, K, N, H = (int(shape.split(f"{k}=")[1].split(",")[0]) for k in ("E", "K", "N", "H"))
+            dtype = shape.split("dtype=")[1]
+            assert tc.decode_shape(E, K, N, H, dtype) == shape and entry["max_tokens"] >= 0
+            cfg = entry["config"]
+            assert {"BLOCK_I", "GROUPS", "num_warps", "num_stages"} <= set(cfg["decode"]), (f.name, shape)
+            assert {"BLOCK_H", "GROUPS", "FLAT", "num_warps", "num_stages"} <= set(cfg["down"]), (f.name, shape)
+            assert dtype != "fp8_block" or 128 % cfg["down"]["BLOCK_H"] == 0, (f.name, shape)
+            device = f.name.split("device_name=")[1].split(",")[0].replace("_", " ")
+            want = cfg if entry["max_tokens"] >= 1 else None
+            assert tc.decode_plan(1, E, K, N, H, dtype, device) == want, (f.name, shape)
