@@ -46,3 +46,24 @@ def test_cpu_smoke_writes_the_rows_and_table(tmp_path):
     table = (tmp_path / "decode-cpu-smoke-2000-01-02.md").read_text()
     assert "| smoke | fp8_block | 3 | reference (pick) | - |" in table
     assert table.count("\n| smoke |") == len(rows)
+
+
+def test_decode_sweep_table(monkeypatch):
+    """``decode_sweep.py``'s decode table: per shape the swept launch, and max_tokens = the largest T up to which
+    the decode path beat the pipeline in graph and eager time at every measured T."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))  # (its imports of decode.py and host_time.py)
+    spec = importlib.util.spec_from_file_location("decode_sweep", BENCH.parent / "decode_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    best = {"decode": {"BLOCK_I": 16}, "down": {"BLOCK_H": 8}, "PDL": 1}
+
+    def row(preset, quant, T, graph, eager):
+        return {"preset": preset, "quant": quant, "T": T, **({"kernels": {"best": best}} if T == 1 else {}),
+                "decode": {"graph_us": graph, "eager_us": eager}, "pipeline": {"graph_us": 40.0, "eager_us": 100.0}}
+
+    rows = [row("qwen3-30b-a3b", "unquantized", 1, 30.0, 90.0), row("qwen3-30b-a3b", "unquantized", 2, 35.0, 95.0),
+            row("qwen3-30b-a3b", "unquantized", 4, 39.0, 101.0), row("qwen3-30b-a3b", "unquantized", 16, 30.0, 90.0),
+            row("mixtral-8x7b", "fp8_block", 1, 41.0, 90.0), row("mixtral-8x7b", "fp8_block", 2, 30.0, 90.0)]
+    table = sweep.decode_table(rows)
+    assert table == {"E=128,K=8,N=768,H=2048,dtype=bf16": {"max_tokens": 2, "config": best},
+                     "E=8,K=2,N=14336,H=4096,dtype=fp8_block": {"max_tokens": 0, "config": best}}

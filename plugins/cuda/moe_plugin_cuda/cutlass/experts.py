@@ -48,6 +48,9 @@ class CutlassDecision:
     min_rows: Optional[int] = None  # the grouped GEMMs from this many rows per expert; None: the table decides
     grouped_gemm: Optional[str] = None  # "cutlass" or "deepgemm" wherever a grouped GEMM runs; None: the table's
     config_dir: Optional[str] = None  # an extra directory of tuned tables
+    # token lists of up to this many tokens run the triton decode kernels (``triton.decode``); None: the device's
+    # decode table decides (``tuning_configs.decode_plan``)
+    decode_max_tokens: Optional[int] = None
 
     @classmethod
     def from_context(cls, ctx) -> "CutlassDecision":
@@ -61,7 +64,9 @@ class CutlassDecision:
                    w13_interleaved=not fp8_block, out_dtype=config.params_dtype,
                    routed_scaling_factor=float(config.routed_scaling_factor), top_k=config.top_k,
                    min_rows=None if min_rows is None else int(min_rows), grouped_gemm=grouped_gemm,
-                   config_dir=str(options.get("config_dir") or "") or None)
+                   config_dir=str(options.get("config_dir") or "") or None,
+                   decode_max_tokens=None if options.get("decode_max_tokens") is None
+                   else int(options["decode_max_tokens"]))
 
 
 @functools.cache
@@ -72,7 +77,7 @@ def _device_name(index: int) -> str:
 @functools.cache
 def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str, config_dir: Optional[str],
                 min_rows: Optional[int], grouped_gemm: Optional[str] = None,
-                dtype: str = "fp8_block") -> tuple[str, dict, tuple[int, int]]:
+                dtype: str = "fp8_block", decode_max_tokens: Optional[int] = 0) -> tuple[str, dict, tuple[int, int]]:
     """("triton", "cutlass" or "deepgemm": whose kernels run, the Triton launch for "triton", the
     grouped GEMM's (GEMM1, GEMM2) kernels otherwise) for T tokens of ``dtype`` ("fp8_block" or "bf16").
 
@@ -86,12 +91,16 @@ def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str
     the triton backend's own configs for T (same kernels, same layout: never slower than it). A
     "deepgemm" entry runs CUTLASS where DeepGEMM cannot. ``min_rows`` (not None) overrides the path
     (grouped from that many rows per expert), ``grouped_gemm`` ("cutlass" or "deepgemm") the grouped GEMM;
-    "cutlass" on FP8 also keeps GEMM1 on an fp32-output kernel.
+    "cutlass" on FP8 also keeps GEMM1 on an fp32-output kernel. Where ``tuning_configs.decode_plan`` says (up to
+    ``decode_max_tokens`` tokens when not None): the triton decode kernels (path "triton", no variants).
     """
     from moe_plugin_cuda.cutlass import lib as cutlass_lib
     from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
     fp8 = dtype == "fp8_block"
+    decode = tuning_configs.decode_plan(T, E, top_k, inter, H, dtype, device_name, config_dir, decode_max_tokens)
+    if decode is not None:
+        return "triton", decode, ()
     deepgemm = deepgemm_lib.missing() is None and E <= deepgemm_lib.MAX_EXPERTS
     grouped = "deepgemm" if deepgemm and fp8 else "cutlass"
     entry, _ = tuning_configs.lookup(T, E, inter, H, dtype, device_name, config_dir, tuning_configs.CUTLASS_TABLE)
@@ -123,7 +132,7 @@ def choose_path(T: int, E: int, top_k: int, inter: int, H: int, device_name: str
 
 def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, *, fp8_block: bool,
               table_dtype: str, routed_scaling_factor: float, out_dtype: torch.dtype, min_rows: Optional[int],
-              config_dir: Optional[str], grouped_gemm: Optional[str],
+              config_dir: Optional[str], grouped_gemm: Optional[str], decode_max_tokens: Optional[int] = 0,
               descriptors: Optional[dict] = None, layouts=None, programs=None, paths: Optional[dict] = None
               ) -> torch.Tensor:
     """Token list: a grouped GEMM pipeline or the Triton kernels, as ``choose_path`` says for T. bf16
@@ -135,7 +144,8 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
     choice = paths.get(T) if paths is not None else None
     if choice is None:
         choice = choose_path(max(T, 1), w13.shape[0], topk_ids.shape[1], w2.shape[2], w2.shape[1],
-                             _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm, table_dtype)
+                             _device_name(hidden.device.index or 0), config_dir, min_rows, grouped_gemm, table_dtype,
+                             decode_max_tokens)
         if paths is not None:
             if len(paths) >= 256:  # (decode runs a few T; a prefill of ever new T only recomputes)
                 paths.clear()
@@ -185,10 +195,11 @@ def _fused_op(hidden: torch.Tensor, scale: Optional[torch.Tensor], w13: torch.Te
               w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, fp8_block: bool, table_dtype: str, routed_scaling_factor: float,
               out_dtype: torch.dtype, min_rows: Optional[int], config_dir: Optional[str],
-              grouped_gemm: Optional[str]) -> torch.Tensor:
+              grouped_gemm: Optional[str], decode_max_tokens: Optional[int]) -> torch.Tensor:
     return run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=fp8_block,
                      table_dtype=table_dtype, routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype,
-                     min_rows=min_rows, config_dir=config_dir, grouped_gemm=grouped_gemm)
+                     min_rows=min_rows, config_dir=config_dir, grouped_gemm=grouped_gemm,
+                     decode_max_tokens=decode_max_tokens)
 
 
 @_fused_op.register_fake
@@ -291,7 +302,7 @@ class CutlassExperts(Experts):
             # eager calls skip the custom op's dispatch (host time), as the triton backend's do
             kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
                           out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
-                          grouped_gemm=d.grouped_gemm)
+                          grouped_gemm=d.grouped_gemm, decode_max_tokens=d.decode_max_tokens)
             if compiling:
                 out = _fused_op(*args, **kwargs)
             else:

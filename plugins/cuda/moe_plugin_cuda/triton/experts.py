@@ -89,7 +89,9 @@ class TritonExperts(Experts):
     Options (``backend_options["triton"]``): ``config_dir`` (extra directory of tuned JSON
     configs), ``config`` (a fixed ``{"gemm1": {...}, "gemm2": {...}}`` for every T),
     ``gemm1_two_acc`` (True: run GEMM1 on the two-accumulator fallback kernel whatever the
-    config says, e.g. where the one-accumulator epilogue does not compile).
+    config says, e.g. where the one-accumulator epilogue does not compile), ``decode_max_tokens`` (token lists of
+    up to that many tokens run the decode kernels, ``triton.decode``; default: the device's decode table,
+    ``tuning_configs.decode_plan``; 0 with a fixed ``config``), ``decode_config`` (a fixed decode launch).
     """
 
     def __init__(self, ctx) -> None:
@@ -102,7 +104,12 @@ class TritonExperts(Experts):
         self.fixed_config = ctx.options.get("config")
         self.config_dir = ctx.options.get("config_dir")
         self.two_acc = bool(ctx.options.get("gemm1_two_acc", False))
+        # None: the device's decode table decides (tuning_configs.decode_plan); a fixed pipeline config: never
+        limit = ctx.options.get("decode_max_tokens", 0 if self.fixed_config is not None else None)
+        self.decode_max_tokens: Optional[int] = None if limit is None else int(limit)
+        self.decode_config = ctx.options.get("decode_config")
         self._configs: dict[int, dict] = {}
+        self._fused_configs: dict[int, dict] = {}  # token lists' launch per T: decode or the pipeline's
         self._device_name: Optional[str] = None
         # the weights' TMA descriptors (B_TMA configs), built once per weight tensor and tile instead of per
         # call; emptied when process_weights runs (a new checkpoint may sit at another address)
@@ -128,6 +135,27 @@ class TritonExperts(Experts):
             if self.two_acc:
                 cfg = tuning_configs.as_two_acc(cfg)
             self._configs[m] = cfg
+        return cfg
+
+    def fused_config(self, T: int, device: torch.device) -> dict:
+        """A token list's launch: the decode kernels' where ``tuning_configs.decode_plan`` says (or up to the
+        ``decode_max_tokens`` option), else the pipeline's. (One dict object per T: the replay's key holds it by
+        identity.)"""
+        cfg = self._fused_configs.get(T)
+        if cfg is None:
+            if self._device_name is None and device.type == "cuda":
+                self._device_name = torch.cuda.get_device_name(device)
+            c = self.config
+            cfg = tuning_configs.decode_plan(max(T, 1), c.num_local_experts, c.top_k, c.intermediate_size,
+                                             c.hidden_size, self.decision.table_dtype, self._device_name,
+                                             self.config_dir, self.decode_max_tokens)
+            if cfg is not None and self.decode_config is not None:
+                cfg = self.decode_config
+            if cfg is None:
+                cfg = self.launch_config(T, device)
+            if len(self._fused_configs) >= 256:  # (decode runs a few T; a prefill of ever new T only recomputes)
+                self._fused_configs.clear()
+            self._fused_configs[T] = cfg
         return cfg
 
     # ------------------------------------------------------------------ weights
@@ -161,7 +189,7 @@ class TritonExperts(Experts):
         return self._ops.fused_experts(
             hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
             activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
-            cfg=self.launch_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
+            cfg=self.fused_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
             descriptors=self._descriptors, layouts=self._layouts, programs=self._programs)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:

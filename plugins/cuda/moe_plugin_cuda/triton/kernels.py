@@ -535,3 +535,182 @@ def _silu_mul_kernel(d_ptr, h_ptr, rows_used_ptr, inter, stride_d, stride_h, BLO
         gate = tl.load(d_ptr + row * stride_d + offs, mask=m, other=0.0).to(tl.float32)
         up = tl.load(d_ptr + row * stride_d + inter + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(h_ptr + row * stride_h + offs, (gate * tl.sigmoid(gate) * up).to(h_ptr.dtype.element_ty), mask=m)
+
+
+# --------------------------------------------------------------------------- decode (GEMV) path
+
+
+@triton.jit
+def _as_codes(q, codes_dtype: tl.constexpr):
+    """Quantized values rounded to the weights' dtype and back (e4m3 on the device: the scheme's codes; an fp32
+    stand-in in the interpreter tests, whose fp8 casts are unreliable, keeps them)."""
+    return q.to(codes_dtype).to(tl.float32)
+
+
+@triton.jit
+def _quant_groups_3d(x, codes_dtype: tl.constexpr):
+    """``_quant_groups`` over the last axis of ``[1, G, 128]`` fp32 (G groups of one row): (codes x scale as fp32
+    ``[1, G, 128]``, i.e. the dequantized values the scheme computes with)."""
+    s = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4) / 448.0
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None], x.shape)), -448.0, 448.0)
+    return _as_codes(q, codes_dtype) * s[:, :, None]
+
+
+@triton.jit
+def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, H, inter, E,
+                           stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn, stride_wse,
+                           stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                           FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
+                           BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, EVEN_K: tl.constexpr, FOLD: tl.constexpr,
+                           PDL: tl.constexpr):
+    """Decode GEMM1 as GEMVs: program (slot, I-block) computes h[slot, I-block] = act(gate) * up of its slot's token
+    against its expert's gate and up rows (each a contiguous row of H), in fp32; slots with an id outside [0, E)
+    return at once (their h is never read). Each step reads GROUPS 128-column groups of BLOCK_I gate and up rows as
+    [BLOCK_I, GROUPS, 128] tiles; the products accumulate elementwise in registers, reduced once after the loop.
+    FP8: the token's groups quantized as ``_quant_groups`` does (QUANT_X; else its codes and scales as they came),
+    products scaled per (row, group) by the token group's and the weight block's scales, as the tensor-core GEMM
+    scales each K group. INTERLEAVED: w13 rows gate/up interleaved (2j, 2j+1), else the checkpoint's [gate | up];
+    weight scales are in the checkpoint layout either way. FOLD (FP8, the program's gate rows and its up rows each
+    within one 128-row scale block: BLOCK_I divides 128 and I): the weight scales multiply the token's group values
+    once a step instead of every weight (one FMA per weight). PDL: let the down kernel launch once every program is
+    past its loop."""
+    slot = tl.program_id(0)
+    t = slot // TOP_K
+    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
+    if (e < 0) | (e >= E):
+        return
+    e = e.to(tl.int64)
+    t = t.to(tl.int64)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < inter
+    if INTERLEAVED:
+        g_rows = 2 * offs_i
+        u_rows = g_rows + 1
+    else:
+        g_rows = offs_i
+        u_rows = offs_i + inter
+    grp = tl.arange(0, GROUPS)
+    offs_k = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]: this step's columns
+    w_base = w_ptr + e * stride_we
+    g_ptrs = w_base + g_rows.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    u_ptrs = w_base + u_rows.to(tl.int64)[:, None, None] * stride_wn + offs_k[None, :, :]
+    x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :]
+    if FP8:
+        if FOLD:  # one scale row for the gate rows, one for the up rows: [1, GROUPS]
+            i0 = tl.program_id(1) * BLOCK_I
+            gs_ptrs = w_scale_ptr + e * stride_wse + (i0 // 128) * stride_wsn + grp[None, :] * stride_wsk
+            us_ptrs = w_scale_ptr + e * stride_wse + ((i0 + inter) // 128) * stride_wsn + grp[None, :] * stride_wsk
+        else:
+            gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
+            us_ptrs = (w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128)[:, None] * stride_wsn
+                       + grp[None, :] * stride_wsk)
+        xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
+    acc_g = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_I, GROUPS, 128), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, GROUPS * 128)):
+        if EVEN_K:
+            k_mask = tl.full((GROUPS, 128), 1, tl.int1)
+        else:
+            k_mask = offs_k < H - k * GROUPS * 128
+        x = tl.load(x_ptrs, mask=k_mask[None, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, 128]
+        w_mask = i_mask[:, None, None] & k_mask[None, :, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if FP8:
+            g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
+            if QUANT_X:
+                x = _quant_groups_3d(x, w_ptr.dtype.element_ty)
+            else:
+                x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=g_ok, other=0.0)[:, :, None]
+            if FOLD:
+                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
+                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
+                acc_g += g * (x * g_s[:, :, None])
+                acc_u += u * (x * u_s[:, :, None])
+            else:
+                s_mask = i_mask[:, None] & g_ok
+                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+                acc_g += g * x * g_s[:, :, None]
+                acc_u += u * x * u_s[:, :, None]
+        else:
+            acc_g += g * x
+            acc_u += u * x
+        x_ptrs += GROUPS * 128
+        g_ptrs += GROUPS * 128
+        u_ptrs += GROUPS * 128
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    if ACT == 0:  # silu(gate) * up
+        h = gate * tl.sigmoid(gate) * up
+    else:  # exact gelu(gate) * up
+        h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    tl.store(h_ptr + slot.to(tl.int64) * stride_h + offs_i, h, mask=i_mask)
+
+
+@triton.jit
+def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
+                        stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
+                        stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
+    """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
+    (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), GROUPS 128-column groups of I a
+    step, elementwise in [BLOCK_H, GROUPS, 128] fp32 registers reduced once at the end (deterministic, no atomics,
+    no per-slot output). FLAT: one loop over (slot, I-step), so the software pipeline runs across slots (a skipped
+    slot's steps load nothing), else a loop over I per valid slot. FP8: each 128-column group of h quantized as
+    ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (row, group) by the weight
+    block's scale: BLOCK_H divides 128, so one scale row covers the program's rows and the scales multiply h's group
+    values once a step instead of every weight (one FMA per weight). PDL: launched early behind the gate/up kernel,
+    waits for it before reading h."""
+    t = tl.program_id(0).to(tl.int64)
+    s_row = (tl.program_id(1) * BLOCK_H) // 128  # the weight scale row of this program's rows
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    grp = tl.arange(0, GROUPS)
+    offs_i = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
+    acc = tl.zeros((BLOCK_H, GROUPS, 128), dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if FLAT:
+        n_i = tl.cdiv(inter, GROUPS * 128)
+        for j in range(0, TOP_K * n_i):
+            k = j // n_i
+            i = j - k * n_i
+            e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+            ok = (e >= 0) & (e < E)
+            weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+            acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, tl.where(ok, e, 0).to(tl.int64),
+                                    tl.where(ok, inter, 0), weight, t * TOP_K + k, i, s_row, offs_h, h_mask, offs_i,
+                                    grp, stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
+    else:
+        for k in tl.static_range(TOP_K):
+            e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+            if (e >= 0) & (e < E):
+                weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+                for i in range(0, tl.cdiv(inter, GROUPS * 128)):
+                    acc = _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e.to(tl.int64), inter, weight,
+                                            t * TOP_K + k, i, s_row, offs_h, h_mask, offs_i, grp, stride_h, stride_we,
+                                            stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * scale
+    tl.store(out_ptr + t * stride_out + offs_h, out.to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i, s_row, offs_h, h_mask, offs_i, grp,
+                      stride_h, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    """``_decode_down_kernel``'s step i of slot ``slot`` (expert ``e``): ``acc`` plus weight x w2[e, H-block, step's
+    columns] x h[slot, step's columns], columns past ``limit`` (I, or 0 for a skipped slot: nothing loaded) masked."""
+    cols = i * GROUPS * 128 + offs_i  # [GROUPS, 128]
+    i_mask = cols < limit
+    hv = tl.load(h_ptr + slot * stride_h + cols[None, :, :], mask=i_mask[None, :, :], other=0.0)  # [1, GROUPS, 128]
+    wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None] * stride_wn + cols[None, :, :],
+                 mask=h_mask[:, None, None] & i_mask[None, :, :], other=0.0).to(tl.float32)
+    if FP8:
+        w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
+                      mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
+        hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * (w_s * weight)[None, :, None]
+        return acc + wv * hv
+    return acc + wv * (hv * weight)

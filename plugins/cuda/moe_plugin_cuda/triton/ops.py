@@ -13,7 +13,7 @@ import torch
 from triton.runtime import driver as triton_driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from moe_plugin_cuda.triton import kernels, replay
+from moe_plugin_cuda.triton import decode, kernels, replay
 from moe_plugin_cuda.triton import launch as launch_mod
 from moe_plugin_cuda.triton.launch import launch
 from moe_plugin_cuda.triton.replay import Programs
@@ -391,7 +391,13 @@ def fused_experts(
 def _fused_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
                    routed_scaling_factor, out_dtype, cfg, w13_interleaved, out, descriptors, layouts
                    ) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
-    """``fused_experts``'s pipeline: (the output, the workspace's byte range or None)."""
+    """``fused_experts``'s pipeline: (the output, the workspace's byte range or None). A decode config
+    (``tuning_configs.decode_config``) runs ``decode.decode_experts`` instead."""
+    if "decode" in cfg:
+        return decode.decode_experts(hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+                                     fp8_block=fp8_block, activation=activation,
+                                     routed_scaling_factor=routed_scaling_factor, out_dtype=out_dtype, cfg=cfg,
+                                     w13_interleaved=w13_interleaved, out=out, layouts=layouts)
     T, H = hidden.shape
     E = w13.shape[0]
     top_k = topk_ids.shape[1]

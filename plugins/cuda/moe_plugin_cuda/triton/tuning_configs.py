@@ -164,3 +164,67 @@ def save_table(path: Path, table: dict[int, dict[str, Any]]) -> None:
     with open(path, "w") as f:
         json.dump({str(m): table[m] for m in sorted(table)}, f, indent=1, sort_keys=True)
     _load.cache_clear()
+
+
+# --------------------------------------------------------------------------- decode path
+# Token lists of up to a shape's ``max_tokens`` run the decode kernels (``triton.decode``) instead of the pipeline,
+# in the triton experts and the cutlass experts' Triton path alike: where the device measured them faster
+# (docs/decisions.md, "A decode path: two GEMV launches, no alignment"). Per device, one table
+# ``device_name=...,kernel=decode-v1.json`` in ``configs/`` (or ``config_dir``): {"E=..,K=..,N=..,H=..,dtype=..":
+# {"max_tokens": N, "config": the decode launch}}, written by ``benchmarks/cuda/decode_sweep.py``; a shape it does
+# not hold runs the decode kernels up to DECODE_MAX_TOKENS with ``decode_config``'s launch. Option
+# ``decode_max_tokens`` overrides the limit.
+DECODE_TABLE = "decode-v1"
+DECODE_MAX_TOKENS = 1
+DECODE_SMS = 132  # the H100's SMs: the heuristic's grids are sized to fill them
+
+
+def decode_table_name(device_name: str) -> str:
+    return f"device_name={device_name.replace(' ', '_')},kernel={DECODE_TABLE}.json"
+
+
+def decode_shape(E: int, top_k: int, inter: int, H: int, dtype: str) -> str:
+    return f"E={E},K={top_k},N={inter},H={H},dtype={dtype}"
+
+
+@functools.lru_cache(maxsize=16)
+def _load_decode(path: str) -> Optional[dict[str, Any]]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def decode_plan(T: int, E: int, top_k: int, inter: int, H: int, dtype: str, device_name: Optional[str],
+                config_dir: Optional[str] = None, max_tokens: Optional[int] = None) -> Optional[dict[str, Any]]:
+    """The decode kernels' launch for T tokens of this shape, or None where the pipeline runs (T past the shape's
+    ``max_tokens``, or past ``max_tokens`` when given). The same object for every T of a shape (callers key
+    recorded launches on it by identity and cache it per T)."""
+    entry = None
+    if device_name:
+        shape = decode_shape(E, top_k, inter, H, dtype)
+        for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
+            table = _load_decode(os.path.join(d, decode_table_name(device_name)))
+            if table and shape in table:
+                entry = table[shape]
+                break
+    limit = max_tokens if max_tokens is not None else entry["max_tokens"] if entry else DECODE_MAX_TOKENS
+    if T > limit:
+        return None
+    if entry is not None and "config" in entry:
+        return entry["config"]
+    return decode_config(T, top_k, inter, H, dtype == "fp8_block")
+
+
+def decode_config(T: int, top_k: int, inter: int, H: int, fp8: bool) -> dict[str, Any]:
+    """The heuristic decode launch for T tokens: GEMM1 I-blocks and GEMM2 H-blocks small enough that each grid
+    has a few programs per SM (the weights are the whole cost: every SM must stream them), GROUPS 128-column
+    groups a loop step."""
+    block_i = 64
+    while block_i > 8 and T * top_k * -(-inter // block_i) < 4 * DECODE_SMS:
+        block_i //= 2
+    block_h = 64
+    while block_h > 8 and T * -(-H // block_h) < 2 * DECODE_SMS:
+        block_h //= 2
+    return {"decode": dict(BLOCK_I=block_i, GROUPS=2, num_warps=4, num_stages=3),
+            "down": dict(BLOCK_H=block_h, GROUPS=2, FLAT=1, num_warps=4, num_stages=3), "PDL": 0}

@@ -1,0 +1,281 @@
+"""The triton decode kernels on the GPU (issue 31; docs/decisions.md, "A decode path: two GEMV launches, no
+alignment"): which launch configs, and up to which T the decode path wins.
+
+    python benchmarks/cuda/decode_sweep.py [--presets ...] [--quant ...] [--tokens 1 2 4 8 16] [--sweep-tokens 1 4]
+        [--json FILE] [--table FILE] [--warm-only]
+
+Per preset x quant (the preset's weights as the triton experts keep them, random routing as ``decode.py`` makes
+it), at each of ``--sweep-tokens``: each decode kernel alone per candidate config, then the fastest together, with
+and without programmatic dependent launch (PDL) (see ``sweep_kernels``). At each of ``--tokens``: the triton layer
+with the decode path (``decode_max_tokens``; the nearest swept T's configs where there are some,
+``tuning_configs.decode_config``'s otherwise) against the same layer running the pipeline (``decode_max_tokens=0``):
+graph, eager (L2 flushed) and host time, as ``decode.py`` measures them. ``--table``: merge the decode table
+(``tuning_configs.decode_plan``) these rows make into this file. ``--warm-only``: compile every candidate once on
+small stand-in weights of the same specializations (parallel processes fill Triton's cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode import GRAPH_CALLS, eager_times, floor_us, graph_time  # noqa: E402
+from host_time import build_layer, host_times, make_inputs, warm_up  # noqa: E402
+
+from moe_core.config import preset  # noqa: E402
+from moe_core.contracts import QuantScheme, TopK  # noqa: E402
+
+# (warps, stages) of gate/up; (warps, stages, FLAT) of down
+LAUNCHES = {"decode": ((4, 1), (4, 3), (8, 3)), "down": ((4, 1, 0), (4, 3, 0), (4, 3, 1), (8, 3, 1))}
+
+
+def candidates(part: str) -> list[dict[str, int]]:
+    """Rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up: two
+    accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread."""
+    block = "BLOCK_I" if part == "decode" else "BLOCK_H"
+    per_thread = 4 if part == "decode" else 2
+    return [{block: b, "GROUPS": g, "num_warps": launch[0], "num_stages": launch[1],
+             **({"FLAT": launch[2]} if part == "down" else {})}
+            for b in (8, 16, 32) for g in (1, 2, 4, 8) for launch in LAUNCHES[part]
+            if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
+
+
+TOP = 3  # the fastest of each kernel tried together
+
+
+def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
+                  shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+    """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
+    HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
+    forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
+    the fastest full config}."""
+    from moe_plugin_cuda.triton import decode
+
+    dev = x.device
+    T, top_k, inter = x.shape[0], topk.ids.shape[1], w.w2.shape[2]
+    E = w.w13.shape[0]
+    h = torch.empty(T * top_k, inter, dtype=torch.float32, device=dev)
+    out = torch.empty_like(x)
+    routings = [torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(topk.ids.dtype)
+                for _ in range(GRAPH_CALLS)]
+    turn = [0]
+
+    def ids():  # the next routing (each captured launch gets its own)
+        turn[0] += 1
+        return routings[turn[0] % len(routings)]
+
+    res: dict[str, Any] = {}
+    tops = {}
+    for part in ("decode", "down"):
+        timed = []
+        for c in candidates(part)[shard[0]::shard[1]]:
+            if part == "decode":
+                def call(c=c):
+                    decode.gate_up(x, None, w.w13, w.w13_scale, ids(), h, fp8_block=fp8, activation="silu",
+                                   w13_interleaved=interleaved, cfg=c)
+            else:
+                def call(c=c):
+                    decode.down(h, w.w2, w.w2_scale, ids(), topk.weights, out, fp8_block=fp8,
+                                routed_scaling_factor=1.0, cfg=c)
+            try:
+                call()
+                torch.cuda.synchronize(dev)
+                if not warm_only:
+                    timed.append((graph_time(call, dev, reps) * 1e6, c))
+            except Exception as exc:  # a config that does not compile or run: report it, keep the others
+                print(f"  {tag} {part} {c}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+        if timed:
+            timed.sort(key=lambda r: r[0])
+            tops[part] = [c for _, c in timed[:TOP]]
+            res[part] = [[round(t, 2), c] for t, c in timed[:4]]
+            print(f"  {tag} {part:6s} best {timed[0][0]:.2f} us {timed[0][1]}  next "
+                  f"{[r[0] for r in res[part][1:]]} worst {timed[-1][0]:.1f}", file=sys.stderr, flush=True)
+    if warm_only:
+        combos = [{**candidate_default(), "PDL": 0}]
+    elif len(tops) < 2:
+        return res
+    else:  # (without PDL: the kernels compiled above; PDL compiles another variant, tried on the best pair only)
+        combos = [{"decode": a, "down": b, "PDL": 0} for a in tops["decode"] for b in tops["down"]]
+
+    def pair(cfg):
+        return lambda: decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
+                                             fp8_block=fp8, activation="silu", routed_scaling_factor=1.0,
+                                             out_dtype=x.dtype, cfg=cfg, w13_interleaved=interleaved, out=out)
+
+    pairs = []
+    for cfg in combos:
+        try:
+            pair(cfg)()
+            torch.cuda.synchronize(dev)
+            if not warm_only:
+                pairs.append((graph_time(pair(cfg), dev, reps) * 1e6, cfg))
+        except Exception as exc:
+            print(f"  {tag} pair {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    if warm_only or not pairs:
+        return res
+    pairs.sort(key=lambda r: r[0])
+    best_t, best = pairs[0]
+    with_pdl = {**best, "PDL": 1}
+    try:
+        pair(with_pdl)()
+        torch.cuda.synchronize(dev)
+        t1 = graph_time(pair(with_pdl), dev, reps) * 1e6
+        pairs.append((t1, with_pdl))
+        if t1 < best_t:
+            best_t, best = t1, with_pdl
+    except Exception as exc:
+        print(f"  {tag} pair with PDL: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    res["pairs"] = [[round(t, 2), c] for t, c in pairs]
+    res["best"] = best
+    print(f"  {tag} pairs {[round(t, 1) for t, _ in pairs]} -> {best_t:.2f} us {best}", file=sys.stderr, flush=True)
+    return res
+
+
+def candidate_default() -> dict:
+    return {"decode": candidates("decode")[0], "down": candidates("down")[0]}
+
+
+def stand_in(cfg, T: int, dev):
+    """Small weights of the preset's specializations (row lengths, dtypes, expert count class): warm-only."""
+    from moe_plugin_cuda.weights import ExpertWeights
+
+    from moe_core.quant import quantize_weights
+
+    E = 16 if cfg.num_experts % 16 == 0 else cfg.num_experts
+    H, inter, K = cfg.hidden_size, cfg.intermediate_size, cfg.top_k
+    w13 = torch.randn(E, 2 * inter, H, device=dev) * 0.02
+    w2 = torch.randn(E, H, inter, device=dev) * 0.02
+    fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+    if fp8:
+        q = quantize_weights(w13, w2, cfg.quant)
+        w = ExpertWeights(q["w13"], q["w2"], q["w13_scale"], q["w2_scale"])
+    else:
+        w = ExpertWeights(w13.to(cfg.params_dtype), w2.to(cfg.params_dtype), None, None)
+    ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(T)]).int()
+    topk = TopK(torch.rand(T, K, device=dev), ids)
+    return torch.randn(T, H, device=dev).to(cfg.params_dtype), topk, w
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from moe_plugin_cuda.weights import expert_weights
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # (the presets furthest from the memory floor at T=1 first)
+    p.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "deepseek-v3"])
+    p.add_argument("--quant", nargs="+", default=["unquantized", "fp8_block"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    p.add_argument("--sweep-tokens", nargs="+", type=int, default=[1])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--json", default=None)
+    p.add_argument("--table", default=None, help="merge the decode table (tuning_configs.decode_plan) into this file")
+    p.add_argument("--warm-only", action="store_true")
+    p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for name in args.presets:
+        for q in args.quant:
+            cfg = preset(name, quant=q, device="cuda", experts="triton")
+            fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+            if args.warm_only:
+                for T in args.sweep_tokens:
+                    x, topk, w = stand_in(cfg, T, dev)
+                    sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True,
+                                  tuple(int(v) for v in args.shard.split("/")))
+                continue
+            layer = build_layer(cfg, dev)
+            experts = layer.experts
+            w = expert_weights(layer, fp8)
+            swept = {}
+            for T in args.tokens:
+                tag = f"{name:16s} {q:11s} T={T:<3d}"
+                x, topk, touched = make_inputs(cfg, layer, T)
+                row: dict[str, Any] = {"preset": name, "quant": q, "T": T,
+                                       "floor_us": round(floor_us(cfg, T, touched), 2)}
+                try:
+                    if T in args.sweep_tokens:
+                        row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
+                                                       args.reps, False)
+                        swept[T] = row["kernels"].get("best")
+                    # the nearest swept T's configs (their grids only grow with T), else the heuristic's
+                    near = min(swept, key=lambda s: abs(s - T)) if swept else None
+                    for label, max_t, dcfg in (("decode", T, swept.get(near)), ("pipeline", 0, None)):
+                        experts.decode_max_tokens, experts.decode_config = max_t, dcfg
+                        experts._fused_configs.clear()
+
+                        def fwd(layer=layer, x=x, topk=topk):
+                            return layer(x, topk)
+
+                        with torch.no_grad():
+                            warm_up(fwd, dev)
+                            g = graph_time(fwd, dev, args.reps) * 1e6
+                            e = statistics.median(eager_times(fwd, dev, args.reps)) * 1e6
+                            hst = statistics.median(host_times(fwd, dev, args.reps)) * 1e6
+                        row[label] = {"graph_us": round(g, 2), "eager_us": round(e, 2), "host_us": round(hst, 2),
+                                      "config": experts.fused_config(T, dev)}
+                        print(f"  {tag} layer {label:8s} graph {g:.1f} eager {e:.1f} host {hst:.1f} floor "
+                              f"{row['floor_us']} frac {row['floor_us'] / g:.2f}", file=sys.stderr, flush=True)
+                except Exception as exc:
+                    print(f"  {tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+                rows.append(row)
+            layer = experts = w = None
+            torch.cuda.empty_cache()
+            write(rows, args)  # (after each preset and quant: a run stopped by a time limit keeps what it measured)
+    if args.table:
+        print(f"decode table: {json.dumps({k: v['max_tokens'] for k, v in decode_table(rows).items()})}",
+              file=sys.stderr)
+    return 0
+
+
+def write(rows: list[dict[str, Any]], args) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.table:
+        table = {}
+        if os.path.exists(args.table):  # (other shapes' entries kept)
+            with open(args.table) as f:
+                table = json.load(f)
+        table.update(decode_table(rows))
+        with open(args.table, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+
+
+def decode_table(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``tuning_configs.decode_plan``'s table from the rows: per shape, the swept configs of the smallest T, and
+    ``max_tokens`` = the largest measured T up to which the decode path's graph and eager times both beat the
+    pipeline's at every measured T (0: never)."""
+    from moe_plugin_cuda.triton import tuning_configs
+
+    table = {}
+    for name in dict.fromkeys(r["preset"] for r in rows):
+        for q in dict.fromkeys(r["quant"] for r in rows if r["preset"] == name):
+            cells = sorted((r for r in rows if r["preset"] == name and r["quant"] == q and "pipeline" in r
+                            and "decode" in r), key=lambda r: r["T"])
+            best = next((r["kernels"]["best"] for r in cells if r.get("kernels", {}).get("best")), None)
+            if not cells or best is None:
+                continue
+            max_tokens = 0
+            for r in cells:
+                if not all(r["decode"][m] < r["pipeline"][m] for m in ("graph_us", "eager_us")):
+                    break
+                max_tokens = r["T"]
+            cfg = preset(name, quant=q)
+            dtype = tuning_configs.table_dtype(cfg.quant, cfg.params_dtype)
+            key = tuning_configs.decode_shape(cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size,
+                                              dtype)
+            table[key] = {"max_tokens": max_tokens, "config": best}
+    return table
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The decode path of the triton experts: two GEMV kernels over the touched experts (docs/decisions.md, "A decode
+path: two GEMV launches, no alignment").
+
+At a few tokens every expert sees one or two rows, so the pipeline's alignment, its M >= 16 tensor-core tiles and
+its per-slot output are overhead around what the step costs: streaming the touched experts' weights once. Here:
+
+1. ``_decode_gate_up_kernel``, grid (T*K slots, I-blocks): each program reads its slot's expert id straight from
+   ``topk_ids`` (no sort; ids outside [0, E) return), dots the token against its block of gate and up rows
+   (contiguous rows of H) and writes ``h = act(gate) * up`` in fp32 to a [T*K, I] scratch.
+2. ``_decode_down_kernel``, grid (T, H-blocks): each program sums over the token's K slots, in registers, the
+   top-k-weighted dot products of h with its block of w2 rows (contiguous rows of I), times the routed scaling
+   factor, and writes the output: deterministic, no atomics, no reduction launch.
+
+FP8 block: both kernels compute with the scheme's codes, as the pipeline does: the token quantized per 128-column
+group (or its codes and scales as dispatched), h quantized per 128-column group, products of codes summed per
+group in fp32 and scaled by the activation and weight block scales (``kernels._decode_gate_up_kernel``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_plugin_cuda.triton import kernels
+from moe_plugin_cuda.triton.launch import launch
+from moe_plugin_cuda.workspace import Layouts, layout
+
+ACT_IDS = {"silu": 0, "gelu": 1}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: torch.Tensor, w2: torch.Tensor,
+                   w13_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor], topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, fp8_block: bool, activation: str, routed_scaling_factor: float,
+                   out_dtype: torch.dtype, cfg: dict, w13_interleaved: bool, out: Optional[torch.Tensor] = None,
+                   layouts: Optional[Layouts] = None) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
+    """``triton.ops.fused_experts``'s math (same arguments) in the two decode launches: (the output [T, H], the
+    scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, GROUPS, num_warps, num_stages}, "down":
+    {BLOCK_H, GROUPS, FLAT, num_warps, num_stages}, "PDL": 0 or 1}`` (GROUPS: 128-column groups a loop step) (``tuning_configs.decode_config``; PDL: the down
+    kernel launched with programmatic dependent launch, overlapping the gate/up kernel's tail)."""
+    T, H = hidden.shape
+    E, n1, _ = w13.shape
+    inter = n1 // 2
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty((T, H), dtype=out_dtype, device=hidden.device)
+    if T == 0:
+        return out, None
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the decode kernels read contiguous weight rows, got strides {t.stride()}")
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    c1, c2 = cfg["decode"], cfg["down"]
+    lay = layout(layouts, ("decode", T, top_k, inter, hidden.device), lambda: [(torch.float32, (T * top_k, inter))])
+    (h,) = lay.carve(hidden.device)
+    pdl = bool(cfg.get("PDL", 0))
+    gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, fp8_block=fp8_block, activation=activation,
+            w13_interleaved=w13_interleaved, cfg=c1, pdl=pdl)
+    down(h, w2, w2_scale, topk_ids, topk_weights, out, fp8_block=fp8_block,
+         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=pdl)
+    base = h.untyped_storage().data_ptr()
+    return out, (base, base + lay.nbytes)
+
+
+def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, activation: str, w13_interleaved: bool,
+            cfg: dict, pdl: bool = False) -> None:
+    """``kernels._decode_gate_up_kernel`` into ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``:
+    the down kernel follows with programmatic dependent launch)."""
+    T, H = hidden.shape
+    E, n1, _ = w13.shape
+    inter, top_k = n1 // 2, topk_ids.shape[1]
+    quant_x = fp8_block and a_scale is None  # (else the dispatched codes and their group scales)
+    xs = a_scale if a_scale is not None else hidden  # (unread pointers: any tensor of the call)
+    s13 = w13_scale if fp8_block else w13
+    launch(kernels._decode_gate_up_kernel, (T * top_k, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs, w13, s13, topk_ids,
+           h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
+           w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
+           TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
+           BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0,
+           FOLD=fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0, PDL=pdl,
+           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, routed_scaling_factor: float,
+         cfg: dict, pdl: bool = False) -> None:
+    """``kernels._decode_down_kernel`` from ``h`` into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``:
+    launched with programmatic dependent launch behind ``gate_up``, Hopper and later)."""
+    T, H = out.shape
+    E, _, inter = w2.shape
+    top_k = topk_ids.shape[1]
+    s2 = w2_scale if fp8_block else w2
+    if fp8_block and 128 % cfg["BLOCK_H"]:
+        raise ValueError(f"FP8 decode: down.BLOCK_H must divide 128 (one weight scale row a program), got "
+                         f"{cfg['BLOCK_H']}")
+    launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
+           inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+           topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
+           s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"],
+           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           **({"launch_pdl": True} if pdl else {}))

@@ -1,0 +1,341 @@
+"""The triton experts' decode kernels (``triton.decode``): in Triton's interpreter without a GPU (fp32/fp16, FP8
+with fp32 stand-in codes), and through MoELayer on the GPU (``gpu`` marker) against a float64 computation, in CUDA
+graphs and under torch.compile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from cuda_layer_cases import TOL, layers, needs_gpu, random_topk
+
+from moe_core.reference.oracle import moe_float64, relative_error
+
+cuda = torch.cuda.is_available()
+if os.environ.get("CI"):  # CI must run the interpreter tests, never skip them (see test_triton.py)
+    import triton  # noqa: F401
+else:
+    pytest.importorskip("triton")
+
+
+def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1):
+    return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
+            "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
+
+
+def _ids(T, E, K):
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int32)
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).int()
+    ids[torch.rand(T, K) < 0.25] = -1
+    ids[0, 0] = -1  # at least one skipped slot
+    return ids
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
+@pytest.mark.parametrize("interleaved,groups,flat", [(True, 1, 1), (False, 2, 0)])
+@pytest.mark.parametrize("T,E,K,H,inter,dtype,act", [
+    (0, 4, 2, 32, 32, torch.float32, "silu"), (1, 8, 3, 64, 32, torch.float16, "silu"),
+    (1, 5, 2, 70, 37, torch.float32, "gelu"), (3, 6, 4, 300, 140, torch.float32, "silu")])
+def test_decode_experts_interpreter(interleaved, groups, flat, T, E, K, H, inter, dtype, act):
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    x = torch.randn(T, H).to(dtype)
+    w13 = (torch.randn(E, 2 * inter, H) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, inter) / inter ** 0.5).to(dtype)
+    w, ids = torch.rand(T, K), _ids(T, E, K)
+    ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
+    out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
+                                   fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
+                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat), w13_interleaved=interleaved)
+    assert out.shape == (T, H) and out.dtype == dtype
+    assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-5)
+
+
+def _block_scaled(E, n, k):
+    w = torch.randn(E, n, k) / k ** 0.5
+    s = torch.rand(E, -(-n // 128), -(-k // 128)) + 0.5
+    full = w * s.repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[:, :, :k]
+    return w, s, full
+
+
+def _groups(v, fn):
+    """``fn`` of each 128-column group of the last dimension, spread back over its columns."""
+    return torch.stack([fn(c) for c in v.split(128, -1)], -1).repeat_interleave(128, -1)[..., :v.shape[-1]]
+
+
+@pytest.mark.skipif(cuda, reason="interpreter path")
+@pytest.mark.parametrize("interleaved,groups,flat,inter", [(True, 1, 1, 200), (False, 2, 0, 256), (True, 4, 1, 256)])
+@pytest.mark.parametrize("given_codes", [False, True])
+def test_decode_fp8_scales_interpreter(interleaved, groups, flat, inter, given_codes):
+    """The FP8 decode math with fp32 stand-in codes (the interpreter's fp8 casts are unreliable; the GPU tests
+    compare e4m3): the token and h are scaled per 128-column group by max|.| / 448 (so the kernels' codes of a
+    group reach +-448), weight block scales follow interleaved rows back to their checkpoint rows, I and H not
+    multiples of 128 (blocks straddle scale rows: per-row scales) or I = 256 (each block's gate and up rows in one
+    scale row: the scales folded into the token's values), one or several groups a step (partial steps masked)."""
+    from moe_plugin_cuda.triton import ops as triton_ops
+    from moe_plugin_cuda.weights import interleave_gate_up
+
+    T, E, K, H = 2, 5, 3, 300
+    w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
+    w2, s2, w2_full = _block_scaled(E, H, inter)
+    x = torch.randn(T, H)
+    w, ids = torch.rand(T, K), _ids(T, E, K)
+    x_scale = None
+    x_full = x.double()
+    if given_codes:  # dispatched codes and scales: used as they came
+        x_scale = torch.rand(T, -(-H // 128)) + 0.5
+        x_full = x.double() * x_scale.double().repeat_interleave(128, 1)[:, :H]
+    out = triton_ops.fused_experts(x, x_scale, interleave_gate_up(w13) if interleaved else w13, w2, s13, s2, w, ids,
+                                   fp8_block=True, activation="silu", routed_scaling_factor=1.5,
+                                   out_dtype=torch.float32, cfg=_cfg(groups=groups, groups2=groups, flat=flat),
+                                   w13_interleaved=interleaved)
+    want = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            gu = w13_full[e].double() @ x_full[t]
+            h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+            want[t] += float(w[t, k]) * (w2_full[e].double() @ h)
+    assert relative_error(out, want * 1.5) < 1e-5
+
+
+def test_decode_config_fills_the_gpu():
+    from moe_plugin_cuda.triton import tuning_configs
+
+    for T, K, inter, H in ((1, 8, 768, 2048), (1, 2, 14336, 4096), (1, 8, 2048, 7168), (16, 8, 1536, 4096)):
+        for fp8 in (False, True):
+            c = tuning_configs.decode_config(T, K, inter, H, fp8)
+            n1 = T * K * -(-inter // c["decode"]["BLOCK_I"])
+            n2 = T * -(-H // c["down"]["BLOCK_H"])
+            assert n1 >= 2 * tuning_configs.DECODE_SMS and n2 >= tuning_configs.DECODE_SMS, (T, K, inter, H, c)
+
+
+# ------------------------------------------------------------------ on the GPU
+
+
+def _gpu_case(backend, quant, T_max, T, decode_config=None, **kw):
+    """(layer, float64 expected of a forward, x, topk): a layer of ``backend`` whose token lists of up to ``T_max``
+    tokens run the decode kernels (``decode_config``: triton's fixed decode launch), random weights, T tokens with
+    -1 ids."""
+    from cuda_layer_cases import cuda_device, layer_config, random_weights
+
+    from moe_core.layer import MoELayer
+    from moe_core.quant import dequantize_weights
+    from moe_core.reference.oracle import fp8_round_trip
+
+    options = {"decode_max_tokens": T_max, **({"decode_config": decode_config} if decode_config else {})}
+    cfg = layer_config(backend, quant, backend_options={backend: options}, **kw)
+    gen = torch.Generator(device="cuda").manual_seed(torch.seed() % 2**31)
+    w = random_weights(cfg, gen)
+    layer = MoELayer(cfg, device=cuda_device())
+    layer.load_weights(**w)
+    layer.process_weights()
+    assert layer.plan.experts.name == backend
+    w13, w2 = dequantize_weights(w, cfg.quant)
+    fp8 = quant == "fp8_block"
+
+    def expected(x, topk):  # the scheme in float64: FP8 block quantizes the token and h per 128-column group
+        q = (lambda v, where, e: fp8_round_trip(v, 128)) if fp8 else None
+        return moe_float64(x.cpu(), topk.weights.cpu(), topk.ids.cpu(), w13.cpu(), w2.cpu(),
+                           routed_scaling_factor=cfg.routed_scaling_factor, quantize_activation=q).to(x.device)
+
+    x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
+    return layer, expected, x, random_topk(T, cfg)
+
+
+def _launches():
+    from moe_plugin_cuda.triton.launch import stats
+
+    return sum(stats.values())
+
+
+# triton: odd sizes (I and H not multiples of 128: FP8 scale blocks straddled); cutlass: whole 128x128 blocks
+SIZES = {"triton": dict(E=16, K=4, H=328, inter=200), "cutlass": dict(E=16, K=4, H=256, inter=256)}
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("T", [0, 1, 3, 16])
+def test_decode_layer_matches_float64(backend, quant, T):
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+    layer, expected, x, topk = _gpu_case(backend, quant, 16, T, **SIZES[backend])
+    if T:
+        topk.ids[0, 0] = -1  # a skipped slot
+    out = layer(x, topk)
+    torch.cuda.synchronize()
+    before = _launches()
+    again = layer(x, topk)
+    torch.cuda.synchronize()
+    assert out.shape == (T, x.shape[1]) and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected(x, topk)) < TOL[quant]
+    assert torch.equal(again, out)  # deterministic: no atomics
+    assert _launches() - before == (2 if T else 0)  # the two decode kernels, nothing else
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+def test_decode_is_the_default_at_one_token(backend):
+    from moe_plugin_cuda.triton import tuning_configs
+
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+
+    for quant in ("unquantized", "fp8_block"):
+        _, layer, _ = layers(backend, quant, E=16, K=4, H=256, inter=256)
+        x = torch.randn(1, 256, device="cuda").to(torch.bfloat16)
+        topk = random_topk(1, layer.config)
+        layer(x, topk)
+        torch.cuda.synchronize()
+        for T, launches in ((1, 2), (tuning_configs.DECODE_MAX_TOKENS + 1, None)):
+            x = torch.randn(T, 256, device="cuda").to(torch.bfloat16)
+            topk = random_topk(T, layer.config)
+            layer(x, topk)
+            torch.cuda.synchronize()
+            before = _launches()
+            layer(x, topk)
+            torch.cuda.synchronize()
+            n = _launches() - before
+            assert n == launches if launches else n > 2, (quant, T, n)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_decode_cuda_graph_capture_replay(backend, quant):
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+    for T in (1, 5):
+        layer, expected, x, topk = _gpu_case(backend, quant, 8, T, cuda_graph=True, **SIZES[backend])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            layer(x, topk)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = layer(x, topk)
+        for _ in range(2):  # new inputs in the captured buffers, replay, compare
+            x.copy_(torch.randn_like(x))
+            new = random_topk(T, layer.config)
+            topk.weights.copy_(new.weights)
+            topk.ids.copy_(new.ids)
+            g.replay()
+            torch.cuda.synchronize()
+            assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_decode_torch_compile(quant):
+    torch._dynamo.reset()  # (see cuda_layer_cases.check_compiled)
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 1, **SIZES["triton"])
+    compiled = torch.compile(layer, fullgraph=True)
+    for T in (1, 4):
+        x = torch.randn(T, x.shape[1], device="cuda").to(x.dtype)
+        topk = random_topk(T, layer.config)
+        assert relative_error(compiled(x, topk), expected(x, topk)) < TOL[quant]
+
+
+@needs_gpu
+def test_decode_dispatched_fp8_codes():
+    """FP8 codes and group scales handed in (an FP8 wire) are used as they came: the same output as quantizing
+    inside from the bf16 tokens those codes came from."""
+    from moe_plugin_cuda.triton import decode, tuning_configs
+    from moe_plugin_cuda.weights import expert_weights
+
+    from moe_core.quant import quantize_fp8_per_token_group
+
+    layer, expected, x, topk = _gpu_case("triton", "fp8_block", 8, 3, **SIZES["triton"])
+    w = expert_weights(layer, True)
+    q, s = quantize_fp8_per_token_group(x)
+    c = layer.config
+    run = dict(fp8_block=True, activation="silu", routed_scaling_factor=c.routed_scaling_factor,
+               out_dtype=x.dtype, cfg=tuning_configs.decode_config(3, c.top_k, c.intermediate_size, c.hidden_size, True),
+               w13_interleaved=True)
+    inside, _ = decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids, **run)
+    given, _ = decode.decode_experts(q, s, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids, **run)
+    assert torch.equal(inside, given)
+    assert relative_error(given, expected(x, topk)) < TOL["fp8_block"]
+
+
+def test_decode_plan_reads_the_device_table(tmp_path):
+    """A shape in the device's decode table runs its measured launch up to its max_tokens; another shape the
+    heuristic's up to DECODE_MAX_TOKENS; the ``decode_max_tokens`` option overrides either limit."""
+    import json
+
+    from moe_plugin_cuda.triton import tuning_configs as tc
+
+    cfg = {"decode": dict(BLOCK_I=16, GROUPS=2, num_warps=4, num_stages=3),
+           "down": dict(BLOCK_H=8, GROUPS=4, FLAT=1, num_warps=8, num_stages=3), "PDL": 1}
+    table = {tc.decode_shape(128, 8, 768, 2048, "bf16"): {"max_tokens": 4, "config": cfg}}
+    (tmp_path / tc.decode_table_name("Some GPU")).write_text(json.dumps(table))
+    plan = [tc.decode_plan(T, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path)) for T in (1, 4, 5)]
+    assert plan[0] is plan[1] and plan[0] == cfg and plan[2] is None
+    assert tc.decode_plan(8, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=8) == cfg
+    assert tc.decode_plan(1, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=0) is None
+    for device in ("Some GPU", "Other GPU", None):  # not in the table: the heuristic's launch
+        other = tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path))
+        assert other == tc.decode_config(1, 6, 512, 1024, True)
+        assert tc.decode_plan(tc.DECODE_MAX_TOKENS + 1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path)) is None
+
+
+@needs_gpu
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+@pytest.mark.parametrize("flat", [0, 1])
+def test_decode_pdl_and_loop_variants(quant, flat):
+    """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
+    either loop form, several groups a step: eager, replayed, in a CUDA graph, against float64."""
+    cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
+           "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **SIZES["triton"])
+    for _ in range(3):  # records, then replays
+        assert relative_error(layer(x, topk), expected(x, topk)) < TOL[quant]
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+def test_shipped_decode_tables_are_launchable():
+    """Every entry of a shipped decode table: a decode launch the kernels take (both parts, FP8's BLOCK_H dividing
+    128), a shape key decode_plan finds, max_tokens >= 0."""
+    import json
+
+    from moe_plugin_cuda.triton import tuning_configs as tc
+
+    files = sorted(tc.CONFIG_DIR.glob(f"*kernel={tc.DECODE_TABLE}.json"))
+    assert files
+    for f in files:
+        for shape, entry in json.loads(f.read_text()).items():
+            E, K, N, H = (int(shape.split(f"{k}=")[1].split(",")[0]) for k in ("E", "K", "N", "H"))
+            dtype = shape.split("dtype=")[1]
+            assert tc.decode_shape(E, K, N, H, dtype) == shape and entry["max_tokens"] >= 0
+            cfg = entry["config"]
+            assert {"BLOCK_I", "GROUPS", "num_warps", "num_stages"} <= set(cfg["decode"]), (f.name, shape)
+            assert {"BLOCK_H", "GROUPS", "FLAT", "num_warps", "num_stages"} <= set(cfg["down"]), (f.name, shape)
+            assert dtype != "fp8_block" or 128 % cfg["down"]["BLOCK_H"] == 0, (f.name, shape)
+            device = f.name.split("device_name=")[1].split(",")[0].replace("_", " ")
+            want = cfg if entry["max_tokens"] >= 1 else None
+            assert tc.decode_plan(1, E, K, N, H, dtype, device) == want, (f.name, shape)
