@@ -133,3 +133,21 @@ def test_quantized_activations_is_a_frozen_dataclass_of_its_fields():
     assert r.ue8m0 is False and r.scale is s and q.ue8m0 is True
     with pytest.raises(ValueError, match="fp8 activations need a scale tensor"):
         dataclasses.replace(q, scale=None)
+
+
+def test_hand_written_contract_inits_trace_under_fullgraph_compile():
+    """QuantizedActivations and EPMaskedDispatch write their fields by hand (decisions 60, 61); under dynamo
+    they take the generated init's per-field path (torch 2.11's dynamo could not trace the eager one)."""
+    from moe_core.contracts import EPMaskedDispatch, QuantizedActivations, TopK, WireDtype
+
+    def build(x, s, counts, w, ids):
+        q = QuantizedActivations(x, WireDtype.FP8, s, ue8m0=True)
+        d = EPMaskedDispatch(q, counts, TopK(w, ids), None)
+        return d.hidden.data * d.hidden.scale[..., :1], d.masked_m + 1, d.topk.weights * 2, d.hidden.ue8m0
+
+    x, s, counts = torch.randn(2, 3, 256), torch.rand(2, 3, 2), torch.randint(0, 3, (2,), dtype=torch.int32)
+    w, ids = torch.rand(4, 2), torch.randint(-1, 4, (4, 2), dtype=torch.int32)
+    torch._dynamo.reset()
+    got = torch.compile(build, fullgraph=True, backend="eager")(x, s, counts, w, ids)
+    want = build(x, s, counts, w, ids)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])) and got[3] is True
