@@ -184,7 +184,8 @@ def test_decode_layer_matches_float64(backend, quant, T):
 
 @needs_gpu
 @pytest.mark.parametrize("backend", ["triton", "cutlass"])
-def test_decode_is_the_default_at_one_token(backend):
+def test_default_path_at_one_token(backend):
+    """Out of the decode table: bf16 token lists of one token run the two decode kernels, FP8 block the pipeline."""
     from moe_plugin_cuda.triton import tuning_configs
 
     if backend == "cutlass":
@@ -198,7 +199,8 @@ def test_decode_is_the_default_at_one_token(backend):
         topk = random_topk(1, layer.config)
         layer(x, topk)
         torch.cuda.synchronize()
-        for T, launches in ((1, 2), (tuning_configs.DECODE_MAX_TOKENS + 1, None)):
+        limit = tuning_configs.DECODE_MAX_TOKENS_FP8 if quant == "fp8_block" else tuning_configs.DECODE_MAX_TOKENS
+        for T, launches in ((1, 2 if limit else None), (limit + 1, None)):
             x = torch.randn(T, 256, device="cuda").to(torch.bfloat16)
             topk = random_topk(T, layer.config)
             layer(x, topk)
@@ -287,10 +289,13 @@ def test_decode_plan_reads_the_device_table(tmp_path):
     assert plan[0] is plan[1] and plan[0] == cfg and plan[2] is None
     assert tc.decode_plan(8, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=8) == cfg
     assert tc.decode_plan(1, 128, 8, 768, 2048, "bf16", "Some GPU", str(tmp_path), max_tokens=0) is None
-    for device in ("Some GPU", "Other GPU", None):  # not in the table: the heuristic's launch
-        other = tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path))
-        assert other == tc.decode_config(1, 6, 512, 1024, True)
-        assert tc.decode_plan(tc.DECODE_MAX_TOKENS + 1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path)) is None
+    for device in ("Some GPU", "Other GPU", None):  # not in the table: the heuristic's launch, bf16 only by default
+        other = tc.decode_plan(1, 64, 6, 512, 1024, "bf16", device, str(tmp_path))
+        assert other == tc.decode_config(1, 6, 512, 1024, False)
+        assert tc.decode_plan(tc.DECODE_MAX_TOKENS + 1, 64, 6, 512, 1024, "bf16", device, str(tmp_path)) is None
+        assert tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path)) is None  # the pipeline
+        fp8 = tc.decode_plan(1, 64, 6, 512, 1024, "fp8_block", device, str(tmp_path), max_tokens=1)
+        assert fp8 == tc.decode_config(1, 6, 512, 1024, True)
 
 
 @needs_gpu
