@@ -742,7 +742,7 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), recv_counts, send_counts, self.group)
 
         if self._local_of is None or self._local_of.device != dev:
-            self._local_of = _local_table(self.rank, el, e, dev)
+            self._local_of = _local_table(self.rank, el, self.num_experts, dev)
         scale, lids, weights = _normal_received(recv_meta, self.n_scale, self.top_k, self._local_of)
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)

@@ -53,6 +53,19 @@ def test_layer_matches_single_process(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_fused_normal_matches_torch(world):
+    """Exact normal mode with the cuda plugin's fused kernels (decision 61; Triton's interpreter on the CPU):
+    the received bytes, ids, weights and counts are the torch path's; combine's sums too."""
+    pytest.importorskip("moe_plugin_cuda.triton.a2a", exc_type=ImportError)
+    n = 0
+    for where, _name, case in _cases(run_ranks("comm_fused", world, TIMEOUT, seed=SEED)):
+        n += 1
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+    assert n == world * 3 * 5  # every rank, wire and routing
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_layout(world):
     """Dispatched layouts are exactly DeepEP's, and combine inverts them (stand-in float64 experts).
 

@@ -35,7 +35,8 @@ from moe_core.contracts import (  # noqa: E402
     Format,
     WireDtype,
 )
-from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.distributed import TorchA2ADispatcher, torch_a2a  # noqa: E402
+from moe_core.plugin_api import register_torch_a2a_kernels  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error  # noqa: E402
 
@@ -70,8 +71,9 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
     }
 
 
-def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None) -> MoEConfig:
-    return MoEConfig(backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {},
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None) -> MoEConfig:
+    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v}
+    return MoEConfig(backend_options={"torch_a2a": options} if options else {},
                      num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
                      ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
                      experts="reference", dispatch_dtype=wire, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -123,8 +125,8 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire, buffers=buffers)
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -234,6 +236,41 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                 results[key] = {"checks": checks, "data_err": data_err, "err": rel_error(out, ref),
                                 "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
                                 "tokens": x.shape[0]}
+    return results
+
+
+def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Exact normal mode with the cuda plugin's fused kernels (decision 61; on the CPU in Triton's interpreter)
+    against the torch path: the same received bytes, ids, weights and counts, the same combined rows."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
+    register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    gen = torch.Generator().manual_seed(seed + rank)
+    results = {}
+    for wire in WIRES:
+        fused = _make_dispatcher(world, rank, Format.EP_NORMAL, wire, "exact")
+        plain = _make_dispatcher(world, rank, Format.EP_NORMAL, wire, "exact", kernels="torch")
+        for name, (x, topk) in routing_cases(world, rank, seed).items():
+            x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
+            a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
+            checks = {
+                "fused": torch_a2a._kernels_for(device.type) is not None,  # the kernels loaded: the fused path ran
+                "data": a.hidden.data.dtype == b.hidden.data.dtype and a.hidden.data.is_contiguous()
+                and torch.equal(a.hidden.data.view(torch.uint8), b.hidden.data.view(torch.uint8)),
+                "scale": (a.hidden.scale is None) == (b.hidden.scale is None)
+                and (a.hidden.scale is None or torch.equal(a.hidden.scale.view(torch.int32),
+                                                           b.hidden.scale.view(torch.int32))),
+                "ids": a.topk.ids.dtype == b.topk.ids.dtype and torch.equal(a.topk.ids, b.topk.ids),
+                "weights": torch.equal(a.topk.weights.view(torch.int32), b.topk.weights.contiguous().view(torch.int32)),
+                "counts": a.expert_counts.dtype == b.expert_counts.dtype and torch.equal(a.expert_counts, b.expert_counts),
+                "counts_host": a.expert_counts_host == b.expert_counts_host,
+                "splits": (a.handle.send_counts, a.handle.recv_counts) == (b.handle.send_counts, b.handle.recv_counts),
+            }
+            y = make_hidden(a.hidden.data.shape[0], H, torch.bfloat16, gen).to(device)
+            out_a = fused.combine(EPNormalCombine(y, a.handle))
+            out_b = plain.combine(EPNormalCombine(y, b.handle))
+            results[f"{wire}/{name}"] = {"checks": checks, "combine_err": rel_error(out_a.float(), out_b.float()),
+                                         "combine_same": torch.equal(out_a, out_b), "tokens": x.shape[0]}
     return results
 
 
@@ -496,7 +533,8 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 
 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
-             "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+             "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
+             "comm_fused": scenario_comm_fused, "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 
