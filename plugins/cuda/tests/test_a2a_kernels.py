@@ -12,6 +12,8 @@ from moe_core.distributed import torch_a2a as ta
 from moe_core.testing.data import make_hidden
 
 a2a = pytest.importorskip("moe_plugin_cuda.triton.a2a")
+triton = pytest.importorskip("triton")
+tl = triton.language
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 WIRES = (WireDtype.BF16, WireDtype.FP8, WireDtype.INT8)
@@ -87,3 +89,24 @@ def test_reduce_matches_torch(t, h, world, dtype):
     table = torch.cat([back.new_zeros(1, h), back])
     ref = ta._reduce_pairs_loop(table, row, None).to(torch.bfloat16)
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@triton.jit
+def _e4m3_probe(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, a2a._e4m3_bits(tl.load(x_ptr + offs)))
+
+
+def test_e4m3_rounding_matches_torch():
+    """Every e4m3fn value, the midpoints between neighbours (ties to even) and one fp32 step either side."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values  # 0 .. 448
+    mids = (pos[1:] + pos[:-1]) / 2
+    near = torch.cat([pos, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                      torch.rand(2000) * 448, torch.rand(2000) / 64])
+    x = torch.cat([near, -near]).clamp(-448, 448)
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, x.new_zeros(n - x.numel())]).to(DEV)
+    out = torch.empty(n, dtype=torch.uint8, device=DEV)
+    _e4m3_probe[(1,)](x, out, N=n)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))

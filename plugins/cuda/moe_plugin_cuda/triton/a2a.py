@@ -42,23 +42,26 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                   EL: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, EL: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
     E: tl.constexpr = W * EL
     ranks = tl.arange(0, WP)
     bins = tl.zeros([NB], dtype=tl.int32)
     totals = tl.zeros([WP], dtype=tl.int32)
     # pass 1: histogram of the ids (bin 0 below -1, 1 for -1, 2.. the experts, E + 2 from E up, NB - 1 padding)
     # and the tokens each rank receives
+    kk = tl.arange(0, KP)
     for start in range(0, T, BT):
         tok = start + tl.arange(0, BT)
         ok = tok < T
+        pair = ok[:, None] & (kk < K)[None, :]
+        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=0)
+        key = tl.where(pair, (tl.minimum(tl.maximum(block, -2), E) + 2).to(tl.int32), NB - 1)
+        bins += tl.histogram(tl.reshape(key, [BT * KP]), NB)
         hit = tl.zeros([BT, WP], dtype=tl.int32)
         for k in tl.static_range(K):
-            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=0)
-            key = tl.where(ok, (tl.minimum(tl.maximum(ids, -2), E) + 2).to(tl.int32), NB - 1)
-            bins += tl.histogram(key, NB)
-            dest = tl.where(ok & (ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
             hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
         totals += tl.sum(hit, axis=0)
     # pass 2: row of (token, rank) = rows of the lower ranks + the rank's running count (from 1; 0: not sent)
@@ -250,7 +253,7 @@ def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor,
     ids = ids.contiguous()
     row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
     msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
-    _layout_kernel[(1,)](ids, row, msg, t, K=k, W=world, WP=_pow2(world), EL=num_local,
+    _layout_kernel[(1,)](ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
                          NB=_pow2(world * num_local + 4), BT=max(16, min(256, _pow2(t))), num_warps=4)
     return row.T, msg
 
