@@ -52,6 +52,9 @@ word, since both are chosen from the same row size). Combine moves the experts' 
 
 Layout math is a handful of whole-tensor ops (no loops over ranks or experts, no data-dependent
 shapes); ``tests/ep/opcount.py`` counts the kernels, collectives and host syncs of each stage.
+Where a plugin registered fused kernels for the device type (``register_torch_a2a_kernels``; the cuda
+plugin's Triton kernels on CUDA), exact normal mode runs them instead: three kernels, the count exchange,
+the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 61).
 
 Top-k ids of one token must be distinct (every router guarantees it): the masked slab holds
 at most one row per (token, expert).

@@ -6,10 +6,13 @@ names the case (``mode/wire/routing``), the rank and the seed (replay with MOE_E
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import pytest
+
+from moe_core import MoEConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import run_ranks  # noqa: E402
@@ -169,3 +172,26 @@ def test_every_dispatcher_takes_each_ranks_own_tokens():
     for res in run_ranks("input_rule", 2, TIMEOUT, seed=SEED):
         for name, c in res["cases"].items():
             assert c["shape_ok"] and c["err"] < TOL["bf16"], (res["rank"], name, c)
+
+
+def test_kernel_registry_and_option(monkeypatch):
+    """The fused-kernel seam (decision 61): a lazy registration that fails to import warns and leaves the torch
+    path; a bad registration or option is refused, naming what it got."""
+    from moe_core.distributed import torch_a2a as ta
+    from moe_core.plugin_api import register_torch_a2a_kernels
+
+    monkeypatch.setattr(ta, "_KERNELS", {})
+    register_torch_a2a_kernels("cpu", "no_such_module_xyz:KERNELS")
+    with pytest.warns(RuntimeWarning, match="no_such_module_xyz"):
+        assert ta._kernels_for("cpu") is None
+    assert ta._kernels_for("cpu") is None and ta._kernels_for("cuda") is None  # warned once, then the torch path
+    with pytest.raises(TypeError, match="TorchA2AKernels"):
+        register_torch_a2a_kernels("cpu", object())
+    kernels = ta.TorchA2AKernels(layout=ta._normal_layout, pack=None, unpack=None, reduce=None)
+    register_torch_a2a_kernels("cpu", kernels)
+    assert ta._kernels_for("cpu") is kernels
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
+                    backend_options={"torch_a2a": {"kernels": "triton"}})
+    with pytest.raises(ValueError, match=r"\['kernels'\] must be one of \('auto', 'torch'\), got 'triton'"):
+        ta.kernels_option(cfg)
+    assert ta.kernels_option(dataclasses.replace(cfg, backend_options={"torch_a2a": {"kernels": "torch"}})) == "torch"
