@@ -200,12 +200,22 @@ class TorchA2AKernels:
       counts message ``msg`` (``[W, 3 + E_local]``).
     - ``reduce(back, row, dtype) -> [T, H]``: combine's sum of each token's returned rows
       (``_reduce_pairs_loop`` over ``back`` with a zero row first, in ``dtype``); ``back`` has no zero row.
+
+    Optional, for the fixed-capacity exchange of worst-case normal and masked mode (None: the torch path):
+
+    - ``pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire) -> uint8 [W*C, B]``: send slot ``s`` holds
+      token ``src[s]``'s rows as ``_wire_rows`` and ``_gather_rows`` make them (``src[s] == T``: padding),
+      side block in-band counts included, so that one all-to-all moves data and side block.
+    - ``split_fixed(recv, wire, dtype, hidden, top_k) -> (data uint8 [W*C, D], side block int32 [W*C, M])``:
+      views of the received rows as ``_exchange_fixed`` returns them.
     """
 
     layout: Callable
     pack: Callable
     unpack: Callable
     reduce: Callable
+    pack_fixed: Optional[Callable] = None
+    split_fixed: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -813,6 +823,15 @@ class TorchA2ADispatcher(Dispatcher):
         t = x.shape[0]
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
         src = _sources(slot, cw, t)[1:]
+        kernels = _kernels_for(dev.type) if self.fused else None
+        if kernels is not None and kernels.pack_fixed is not None:  # one kernel, one all-to-all (decision 61)
+            send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            if overflow:
+                raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+            recv_data, recv_meta = kernels.split_fixed(recv, self.wire, x.dtype, self.hidden, self.top_k)
+            return recv_data, recv_meta, slot, src, t
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
         data = _bytes(q)
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])
@@ -833,6 +852,8 @@ class TorchA2ADispatcher(Dispatcher):
                                                                       self.num_local)
         scale, lids, weights, rbad, rtokens, counts = received
         self._check_senders(rtokens, rbad)
+        if not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it contiguous
+            recv_data = recv_data.contiguous()
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
 

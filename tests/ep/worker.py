@@ -239,38 +239,54 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
     return results
 
 
-def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int) -> dict:
-    """Exact normal mode with the cuda plugin's fused kernels (decision 61; on the CPU in Triton's interpreter)
-    against the torch path: the same received bytes, ids, weights and counts, the same combined rows."""
+def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS)) -> dict:
+    """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 61; on the CPU in Triton's interpreter) against
+    the torch path: the same received bytes, ids, weights and counts (masked: the slab's valid rows), the same
+    combined rows."""
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
     register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
-    for wire in WIRES:
-        fused = _make_dispatcher(world, rank, Format.EP_NORMAL, wire, "exact")
-        plain = _make_dispatcher(world, rank, Format.EP_NORMAL, wire, "exact", kernels="torch")
-        for name, (x, topk) in routing_cases(world, rank, seed).items():
-            x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
-            a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
-            checks = {
-                "fused": torch_a2a._kernels_for(device.type) is not None,  # the kernels loaded: the fused path ran
-                "data": a.hidden.data.dtype == b.hidden.data.dtype and a.hidden.data.is_contiguous()
-                and torch.equal(a.hidden.data.view(torch.uint8), b.hidden.data.view(torch.uint8)),
-                "scale": (a.hidden.scale is None) == (b.hidden.scale is None)
-                and (a.hidden.scale is None or torch.equal(a.hidden.scale.view(torch.int32),
-                                                           b.hidden.scale.view(torch.int32))),
-                "ids": a.topk.ids.dtype == b.topk.ids.dtype and torch.equal(a.topk.ids, b.topk.ids),
-                "weights": torch.equal(a.topk.weights.view(torch.int32), b.topk.weights.contiguous().view(torch.int32)),
-                "counts": a.expert_counts.dtype == b.expert_counts.dtype and torch.equal(a.expert_counts, b.expert_counts),
-                "counts_host": a.expert_counts_host == b.expert_counts_host,
-                "splits": (a.handle.send_counts, a.handle.recv_counts) == (b.handle.send_counts, b.handle.recv_counts),
-            }
-            y = make_hidden(a.hidden.data.shape[0], H, torch.bfloat16, gen).to(device)
-            out_a = fused.combine(EPNormalCombine(y, a.handle))
-            out_b = plain.combine(EPNormalCombine(y, b.handle))
-            results[f"{wire}/{name}"] = {"checks": checks, "combine_err": rel_error(out_a.float(), out_b.float()),
-                                         "combine_same": torch.equal(out_a, out_b), "tokens": x.shape[0]}
+
+    def same(a, b) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
+                                             and a.shape == b.shape
+                                             and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+    for mode in modes:
+        fmt, buffers = VARIANTS[mode]
+        for wire in WIRES:
+            fused = _make_dispatcher(world, rank, fmt, wire, buffers)
+            plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch")
+            for name, (x, topk) in routing_cases(world, rank, seed).items():
+                x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
+                a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
+                checks = {"fused": torch_a2a._kernels_for(device.type) is not None}  # the kernels loaded: the fused path ran
+                if fmt is Format.EP_NORMAL:
+                    checks.update({
+                        "data": a.hidden.data.is_contiguous() and same(a.hidden.data, b.hidden.data),
+                        "scale": same(a.hidden.scale, b.hidden.scale),
+                        "ids": same(a.topk.ids, b.topk.ids),
+                        "weights": same(a.topk.weights, b.topk.weights),
+                        "counts": same(a.expert_counts, b.expert_counts),
+                        "counts_host": a.expert_counts_host == b.expert_counts_host,
+                    })
+                    y = make_hidden(a.hidden.data.shape[0], H, torch.bfloat16, gen).to(device)
+                    ca, cb = EPNormalCombine(y, a.handle), EPNormalCombine(y, b.handle)
+                else:
+                    m = a.masked_m
+                    checks["masked_m"] = same(m, b.masked_m)
+                    valid = (torch.arange(a.hidden.data.shape[1], device=device) < m.unsqueeze(1))
+                    checks["slab"] = checks["masked_m"] and same(a.hidden.data[valid], b.hidden.data[valid])
+                    checks["slab_scale"] = (a.hidden.scale is None and b.hidden.scale is None) or (
+                        checks["masked_m"] and same(a.hidden.scale[valid], b.hidden.scale[valid]))
+                    y = make_hidden(a.hidden.data.shape[0] * a.hidden.data.shape[1], H, torch.bfloat16, gen)
+                    y = y.view(a.hidden.data.shape[0], a.hidden.data.shape[1], H).to(device)
+                    ca, cb = EPMaskedCombine(y, a.topk, a.handle), EPMaskedCombine(y, b.topk, b.handle)
+                out_a, out_b = fused.combine(ca), plain.combine(cb)
+                results[f"{mode}/{wire}/{name}"] = {"checks": checks, "combine_err": rel_error(out_a.float(), out_b.float()),
+                                                    "combine_same": torch.equal(out_a, out_b), "tokens": x.shape[0]}
     return results
 
 
@@ -534,7 +550,8 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
              "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
-             "comm_fused": scenario_comm_fused, "errors": scenario_errors, "graph": scenario_graph,
+             "comm_fused": scenario_comm_fused,
+             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)), "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 

@@ -110,3 +110,27 @@ def test_e4m3_rounding_matches_torch():
     out = torch.empty(n, dtype=torch.uint8, device=DEV)
     _e4m3_probe[(1,)](x, out, N=n)
     assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("t,h,k,world,el,cap,dtype", [(0, 256, 4, 2, 8, 5, torch.bfloat16),
+                                                      (1, 256, 4, 2, 8, 3, torch.bfloat16),
+                                                      (23, 200, 4, 2, 8, 23, torch.bfloat16),
+                                                      (17, 129, 3, 3, 4, 20, torch.float32)])
+def test_pack_fixed_matches_torch(wire, t, h, k, world, el, cap, dtype):
+    """The fixed-capacity send rows (worst-case normal and masked mode), padding slots and in-band counts included."""
+    gen = torch.Generator().manual_seed(t + h + cap)
+    x = make_hidden(t, h, dtype, gen).to(DEV)
+    ids = _ids(t, k, world * el, gen)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    slot, bad = ta._masked_layout(ids, world, el, cap, world * el, False)
+    src = ta._sources(slot, cap * world, t)[1:]
+    send = a2a.pack_fixed(x, ids, weights, src, t + 2, bad + 3, wire)
+    data, meta = a2a.split_fixed(send, wire, x.dtype, h, k)
+
+    m = ta._scale_words(wire, h) + 2 * k + 2
+    q, _, meta_ref = ta._wire_rows(x, ids, weights, wire, m, t + 2, bad + 3)
+    data_ref = ta._bytes(q)
+    data_ref = ta._gather_rows(data_ref, src.clamp(max=t - 1)) if t else data_ref.new_zeros(cap * world, data_ref.shape[1])
+    assert torch.equal(data, data_ref), "wire data"
+    assert torch.equal(meta, meta_ref.index_select(0, src)), "side blocks"

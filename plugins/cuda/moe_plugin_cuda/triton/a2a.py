@@ -111,57 +111,101 @@ def _e4m3_bits(q):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, send_ptr, T, H, B, DP, inv_qmax,
-                 K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIRE: tl.constexpr,
-                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr,
-                 QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    ranks = tl.arange(0, WP)
-    dst = tl.load(row_ptr + ranks.to(tl.int64) * T + t, mask=ranks < W, other=0)  # 1-based send rows, 0: none
-    sent = dst > 0
-    base = (dst - 1) * B  # byte offset of each send row
-    x_row = x_ptr + t * x_stride
-    side = send_ptr + base + DP  # the side block, at byte DP of the row
+def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl.constexpr, WIRE: tl.constexpr,
+                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
+                 FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """One token's wire data (its first ``HL`` channels, zeros past them) into the send rows at byte offsets
+    ``base [WP]`` where ``sent``, and its scales into their side blocks (byte ``DP``): 0 where not ``valid``
+    (padding rows)."""
+    side = send_ptr + base + DP
     if WIRE == 0:  # the activations' own dtype: copied
         for start in range(0, H, BH):
             offs = start + tl.arange(0, BH)
-            v = tl.load(x_row + offs, mask=offs < H)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0)
             out = (send_ptr + base[:, None]).to(tl.pointer_type(v.dtype))
             tl.store(out + offs[None, :], v[None, :], mask=sent[:, None] & (offs < H)[None, :])
     elif WIRE == 1:  # FP8 e4m3, one fp32 scale per GROUP channels
         for start in range(0, H, GB * GROUP):
             g = start // GROUP + tl.arange(0, GB)
             offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            v = tl.load(x_row + offs, mask=offs < H, other=0.0).to(tl.float32)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
             scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
             scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
             q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
             q = _e4m3_bits(q)
             tl.store(send_ptr + base[:, None, None] + offs[None, :, :], q[None, :, :],
                      mask=sent[:, None, None] & (offs < H)[None, :, :])
-            tl.store((side[:, None]).to(tl.pointer_type(tl.float32)) + g[None, :], scale[None, :],
-                     mask=sent[:, None] & (g < NS)[None, :])
+            tl.store((side[:, None]).to(tl.pointer_type(tl.float32)) + g[None, :],
+                     tl.where(valid[:, None], scale[None, :], 0.0), mask=sent[:, None] & (g < NS)[None, :])
     else:  # INT8, one fp32 scale per token
         amax = tl.zeros([BH], dtype=tl.float32)
         for start in range(0, H, BH):
             offs = start + tl.arange(0, BH)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < H, other=0.0).to(tl.float32)))
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
         scale = tl.maximum(tl.max(amax), FLOOR)
         scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
         for start in range(0, H, BH):
             offs = start + tl.arange(0, BH)
-            v = tl.load(x_row + offs, mask=offs < H, other=0.0).to(tl.float32)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
             q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
             q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
             tl.store((send_ptr + base[:, None]).to(tl.pointer_type(tl.int8)) + offs[None, :], q[None, :],
                      mask=sent[:, None] & (offs < H)[None, :])
-        tl.store(side.to(tl.pointer_type(tl.float32)), scale + tl.zeros([WP], dtype=tl.float32), mask=sent)
+        tl.store(side.to(tl.pointer_type(tl.float32)), tl.where(valid, scale, 0.0), mask=sent)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, send_ptr, T, H, B, DP, inv_qmax,
+                 K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIRE: tl.constexpr,
+                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr,
+                 QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Exact normal mode: one program per token, writing every send row of it (``row``: 1-based, 0 none)."""
+    t = tl.program_id(0).to(tl.int64)
+    ranks = tl.arange(0, WP)
+    dst = tl.load(row_ptr + ranks.to(tl.int64) * T + t, mask=ranks < W, other=0)  # 1-based send rows, 0: none
+    sent = dst > 0
+    base = (dst - 1) * B  # byte offset of each send row
+    _store_token(x_ptr + t * x_stride, H, send_ptr, base, sent, sent, H, DP, inv_qmax, WP, WIRE, NS, GROUP, GB, BH,
+                 QMAX, FLOOR, RECIPROCAL)
+    side = send_ptr + base + DP
     kk = tl.arange(0, KP)
     ids = tl.load(ids_ptr + t * K + kk, mask=kk < K, other=0).to(tl.int32)
     wts = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0).to(tl.float32)
     kmask = sent[:, None] & (kk < K)[None, :]
     tl.store((side[:, None] + 4 * NS).to(tl.pointer_type(tl.int32)) + kk[None, :], ids[None, :], mask=kmask)
     tl.store((side[:, None] + 4 * (NS + K)).to(tl.pointer_type(tl.float32)) + kk[None, :], wts[None, :], mask=kmask)
+
+
+@triton.jit
+def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, T, T_IN, H, HL, B, DP, inv_qmax,
+                       K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr,
+                       GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                       RECIPROCAL: tl.constexpr):
+    """The fixed-capacity modes: one program per send slot ``s`` (``src[s]``: its token, T for padding). A padding
+    slot holds the last token's data (zeros without tokens), scales 0, ids -1, weights 0, as ``_wire_rows`` +
+    ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count)."""
+    s = tl.program_id(0).to(tl.int64)
+    one = tl.arange(0, 1)
+    t_src = tl.load(src_ptr + s + one)
+    valid = t_src < T
+    t_load = tl.minimum(t_src, T - 1)
+    t_load = tl.maximum(t_load, 0)
+    base = s * B + one * 0
+    sent = one == 0
+    x_row = x_ptr + tl.sum(t_load) * x_stride
+    _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, 1, WIRE, NS, GROUP, GB,
+                 BH, QMAX, FLOOR, RECIPROCAL)
+    side = send_ptr + base + DP
+    kk = tl.arange(0, KP)
+    pick = valid[:, None] & (kk < K)[None, :]
+    ids = tl.load(ids_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=-1).to(tl.int32)
+    wts = tl.load(w_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=0.0).to(tl.float32)
+    kmask = (kk < K)[None, :] & sent[:, None]
+    tl.store((side[:, None] + 4 * NS).to(tl.pointer_type(tl.int32)) + kk[None, :], ids, mask=kmask)
+    tl.store((side[:, None] + 4 * (NS + K)).to(tl.pointer_type(tl.float32)) + kk[None, :], wts, mask=kmask)
+    counts = side + 4 * (NS + 2 * K)
+    tl.store(counts.to(tl.pointer_type(tl.int32)), tl.load(bad_ptr + one * 0).to(tl.int32))
+    tl.store((counts + 4).to(tl.pointer_type(tl.int32)), (T_IN + one * 0).to(tl.int32))
 
 
 @triton.jit
@@ -234,11 +278,13 @@ def _reciprocal(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _row_layout(wire: WireDtype, hidden: int, element_size: int, top_k: int) -> tuple[int, int, int]:
-    """(data bytes, byte offset of the side block, row bytes) of a send row."""
+def _row_layout(wire: WireDtype, hidden: int, element_size: int, top_k: int,
+                in_band: bool = False) -> tuple[int, int, int]:
+    """(data bytes, byte offset of the side block, row bytes) of a send row (``in_band``: the fixed-capacity
+    modes' side block, which ends with the sender's bad-id and token counts)."""
     data = hidden * (element_size if wire is WireDtype.BF16 else 1)
     dp = -(-data // 16) * 16
-    side = 4 * (_scale_words(wire, hidden) + 2 * top_k)
+    side = 4 * (_scale_words(wire, hidden) + 2 * top_k + (2 if in_band else 0))
     return data, dp, -(-(dp + side) // 16) * 16
 
 
@@ -280,6 +326,34 @@ def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.T
     return send
 
 
+def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+               bad_ids: torch.Tensor, wire: WireDtype) -> torch.Tensor:
+    t, h = x.shape
+    k = ids.shape[1]
+    _, dp, b = _row_layout(wire, h, x.element_size(), k, in_band=True)
+    send = torch.empty(src.shape[0], b, dtype=torch.uint8, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
+    floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
+    group = quant.FP8_GROUP
+    if src.shape[0]:
+        _pack_fixed_kernel[(src.shape[0],)](x, x.stride(0), ids.contiguous(), weights.contiguous(), src, bad_ids,
+                                            send, t, num_tokens, h, h if t else 0, b, dp,
+                                            float(torch.tensor(1.0, dtype=torch.float32) / qmax),
+                                            K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
+                                            GROUP=group, GB=max(1, min(8, _pow2(h) // group)), BH=min(2048, _pow2(h)),
+                                            QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
+    return send
+
+
+def split_fixed(recv: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int,
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data_bytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k, in_band=True)
+    words = _scale_words(wire, hidden) + 2 * top_k + 2
+    return recv[:, :data_bytes], recv[:, dp:dp + 4 * words].view(torch.int32)
+
+
 def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int, top_k: int,
            rank: int, num_local: int):
     r = recv.shape[0]
@@ -315,4 +389,5 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
     return out
 
 
-KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce)
+KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, pack_fixed=pack_fixed,
+                          split_fixed=split_fixed)
