@@ -37,6 +37,7 @@ from moe_core.contracts import (  # noqa: E402
 )
 from moe_core.distributed import TorchA2ADispatcher, torch_a2a  # noqa: E402
 from moe_core.plugin_api import register_torch_a2a_kernels  # noqa: E402
+from moe_core.plugins import get_plugin_manager  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error  # noqa: E402
 
@@ -559,6 +560,8 @@ def run_rank(rank: int, world: int, scenario: str, seed: int, backend: str) -> d
     """This rank's part of ``scenario`` (the process group exists): ``{"seed", "cases"}``, or
     ``{"seed", "error"}`` with the traceback."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":  # the installed plugins load, as under a layer (the cuda plugin's kernels: decision 61)
+        get_plugin_manager()
     result: dict = {"seed": seed}
     try:
         result["cases"] = SCENARIOS[scenario](world, rank, device, seed)

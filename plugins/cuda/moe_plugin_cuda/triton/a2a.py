@@ -6,8 +6,8 @@ time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three k
 
 1. ``layout`` (one program): per (token, rank) the 1-based row in the send buffer (0: not sent), and the
    counts message ``[W, 3 + E_local]`` of ``_normal_layout`` (ids below -1, ids from E up, rows per rank,
-   (token, expert) pairs per expert), from one pass over the ids for the histogram and the per-rank totals
-   and one for the rows (a scan along the tokens, the lower ranks' totals as base);
+   (token, expert) pairs per expert), from one pass over the ids for the counts (atomic adds) and the per-rank
+   totals and one for the rows (a scan along the tokens, the lower ranks' totals as base);
 2. ``pack`` (one program per token): the token's wire row quantized as the core quantizer does (FP8: the
    128-channel group scales; INT8: one per token; IEEE division as decision 57 asks, and the scalar
    divisions by 448 / 127 as torch does them on the device: times the fp32 reciprocal on CUDA, a division
@@ -18,6 +18,10 @@ time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three k
    with weight 0) and, in program 0, the per-local-expert counts from the received counts message.
 
 Combine's ``reduce``: per token the sum of its returned rows (fp32, ranks in order, as ``_reduce_pairs_loop``).
+``pack_fixed``: the fixed-capacity modes' send slots (one program per slot), in-band counts included.
+
+Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
+arguments that change per call are few (the token count), so its value-keyed cache hits.
 
 A send row is ``[data (H * element bytes, padded to 16) | side block (4 * (n_scale + 2K) bytes)]``, padded
 to 16 bytes; it is private to ``pack`` and ``unpack``. Everything here is checked byte for byte against the
@@ -30,11 +34,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_core.plugin_api import WireDtype, quant
-from moe_core.plugin_api import TorchA2AKernels
+from moe_core.plugin_api import TorchA2AKernels, WireDtype, quant
+from moe_plugin_cuda.triton.launch import launch
 
 _WIRE_CODE = {WireDtype.BF16: 0, WireDtype.FP8: 1, WireDtype.INT8: 2}
 _MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds an fp32 |v| < 2**22 to nearest, ties to even
+
+
+# fp32 1 / qmax as CUDA's torch computes a Python-scalar divisor's reciprocal (a kernel's float argument is fp32)
+_INV_QMAX = {WireDtype.BF16: 0.0, WireDtype.FP8: float(torch.tensor(1.0, dtype=torch.float32) / quant.FP8_MAX),
+             WireDtype.INT8: float(torch.tensor(1.0, dtype=torch.float32) / 127)}
 
 
 def _pow2(n: int) -> int:
@@ -43,21 +52,34 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
-                   WP: tl.constexpr, EL: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr):
+                   WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BT: tl.constexpr):
     E: tl.constexpr = W * EL
     ranks = tl.arange(0, WP)
-    bins = tl.zeros([NB], dtype=tl.int32)
+    rmask = ranks < W
+    mrow = ranks.to(tl.int64) * (3 + EL)
+    # the (token, expert) pairs per expert are counted by atomic adds into the message (relaxed: only this
+    # program adds, and the barrier orders them after the zeros; tl.histogram miscounted with 256 experts on
+    # H200, Triton 3.6)
+    j = tl.arange(0, ELP)
+    tl.store(msg_ptr + mrow[:, None] + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
+             mask=rmask[:, None] & (j < EL)[None, :])
+    tl.debug_barrier()
+    below = tl.zeros([BT, KP], dtype=tl.int64)
+    above = tl.zeros([BT, KP], dtype=tl.int64)
     totals = tl.zeros([WP], dtype=tl.int32)
-    # pass 1: histogram of the ids (bin 0 below -1, 1 for -1, 2.. the experts, E + 2 from E up, NB - 1 padding)
-    # and the tokens each rank receives
     kk = tl.arange(0, KP)
+    # pass 1: the counts, and the tokens each rank receives
     for start in range(0, T, BT):
         tok = start + tl.arange(0, BT)
         ok = tok < T
         pair = ok[:, None] & (kk < K)[None, :]
-        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=0)
-        key = tl.where(pair, (tl.minimum(tl.maximum(block, -2), E) + 2).to(tl.int32), NB - 1)
-        bins += tl.histogram(tl.reshape(key, [BT * KP]), NB)
+        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
+        below += (block < -1).to(tl.int64)
+        above += (block >= E).to(tl.int64)
+        expert = (block >= 0) & (block < E)
+        e = tl.where(expert, block, 0)
+        tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
+                      sem="relaxed")
         hit = tl.zeros([BT, WP], dtype=tl.int32)
         for k in tl.static_range(K):
             ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
@@ -78,19 +100,10 @@ def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constex
         tl.store(row_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
                  mask=ok[:, None] & (ranks[None, :] < W))
         carry += tl.sum(hit, axis=0)
-    # counts message: row r = [ids below -1, ids from E up, rows for r, pairs per expert of r]
-    b = tl.arange(0, NB)
-    below = tl.sum(tl.where(b == 0, bins, 0))
-    above = tl.sum(tl.where(b == E + 2, bins, 0))
-    mrow = ranks.to(tl.int64) * (3 + EL)
-    rmask = ranks < W
-    tl.store(msg_ptr + mrow, (below + totals * 0).to(tl.int64), mask=rmask)
-    tl.store(msg_ptr + mrow + 1, (above + totals * 0).to(tl.int64), mask=rmask)
+    # the rest of the counts message: row r = [ids below -1, ids from E up, rows for r, ...]
+    tl.store(msg_ptr + mrow, tl.sum(tl.sum(below, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
+    tl.store(msg_ptr + mrow + 1, tl.sum(tl.sum(above, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
     tl.store(msg_ptr + mrow + 2, totals.to(tl.int64), mask=rmask)
-    e = b - 2
-    expert = (e >= 0) & (e < E)
-    e = tl.where(expert, e, 0)
-    tl.store(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, bins.to(tl.int64), mask=expert)
 
 
 @triton.jit
@@ -155,14 +168,14 @@ def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl
 
 
 @triton.jit
-def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, send_ptr, T, H, B, DP, inv_qmax,
+def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, H, B, DP, inv_qmax,
                  K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIRE: tl.constexpr,
                  NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr,
                  QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
     """Exact normal mode: one program per token, writing every send row of it (``row``: 1-based, 0 none)."""
     t = tl.program_id(0).to(tl.int64)
     ranks = tl.arange(0, WP)
-    dst = tl.load(row_ptr + ranks.to(tl.int64) * T + t, mask=ranks < W, other=0)  # 1-based send rows, 0: none
+    dst = tl.load(row_ptr + t * row_s0 + ranks.to(tl.int64) * row_s1, mask=ranks < W, other=0)  # 1-based, 0: none
     sent = dst > 0
     base = (dst - 1) * B  # byte offset of each send row
     _store_token(x_ptr + t * x_stride, H, send_ptr, base, sent, sent, H, DP, inv_qmax, WP, WIRE, NS, GROUP, GB, BH,
@@ -209,8 +222,8 @@ def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_p
 
 
 @triton.jit
-def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, counts_ptr, R, B, DP, WORDS, first,
-                   NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, counts_ptr, B, DP, WORDS, first,
+                   ROWS: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                    W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BD: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # received (token, expert) pairs per local expert, from the counts message
@@ -219,7 +232,7 @@ def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, count
         m = tl.load(msg_ptr + ranks[:, None] * (3 + EL) + 3 + j[None, :],
                     mask=(ranks < W)[:, None] & (j < EL)[None, :], other=0)
         tl.store(counts_ptr + j, tl.sum(m, axis=0).to(tl.int32), mask=j < EL)
-    if pid < R:
+    if ROWS:  # (no rows: one program, for the counts; a value-keyed row count would miss launch's cache)
         r = pid.to(tl.int64)
         src = recv_ptr + r * B
         for start in range(0, WORDS, BD):
@@ -299,8 +312,8 @@ def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor,
     ids = ids.contiguous()
     row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
     msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
-    _layout_kernel[(1,)](ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
-                         NB=_pow2(world * num_local + 4), BT=max(16, min(256, _pow2(t))), num_warps=4)
+    launch(_layout_kernel, (1,), ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
+           ELP=_pow2(num_local), BT=max(16, min(256, _pow2(t))), num_warps=4)
     return row.T, msg
 
 
@@ -318,8 +331,9 @@ def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.T
     qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
     floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
     group = quant.FP8_GROUP
-    _pack_kernel[(t,)](x, x.stride(0), ids.contiguous(), weights.contiguous(), row.T, send, t, h, b, dp,
-                       float(torch.tensor(1.0, dtype=torch.float32) / qmax),  # fp32 1 / qmax, as CUDA's torch
+    launch(_pack_kernel, (t,), x, x.stride(0), ids.contiguous(), weights.contiguous(), row, row.stride(0),
+           row.stride(1), send, h, b, dp,
+                       _INV_QMAX[wire],
                        K=k, KP=_pow2(k), W=world, WP=_pow2(world), WIRE=_WIRE_CODE[wire],
                        NS=_scale_words(wire, h), GROUP=group, GB=max(1, min(8, _pow2(h) // group)),
                        BH=min(2048, _pow2(h)), QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
@@ -338,9 +352,9 @@ def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: t
     floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
     group = quant.FP8_GROUP
     if src.shape[0]:
-        _pack_fixed_kernel[(src.shape[0],)](x, x.stride(0), ids.contiguous(), weights.contiguous(), src, bad_ids,
+        launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src, bad_ids,
                                             send, t, num_tokens, h, h if t else 0, b, dp,
-                                            float(torch.tensor(1.0, dtype=torch.float32) / qmax),
+                                            _INV_QMAX[wire],
                                             K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
                                             GROUP=group, GB=max(1, min(8, _pow2(h) // group)), BH=min(2048, _pow2(h)),
                                             QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
@@ -371,8 +385,8 @@ def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.
     word = next(w for w in (4, 2, 1) if nbytes % w == 0)
     world = msg.shape[0]
     words = data.view(torch.uint8).view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
-    _unpack_kernel[(max(r, 1),)](recv, msg, words, scale if ns else weights, lids, weights, counts,
-                                 r, b, dp, nbytes // word, rank * num_local, NS=ns, NSP=_pow2(ns),
+    launch(_unpack_kernel, (max(r, 1),), recv, msg, words, scale if ns else weights, lids, weights, counts,
+                                 b, dp, nbytes // word, rank * num_local, ROWS=r > 0, NS=ns, NSP=_pow2(ns),
                                  K=top_k, KP=_pow2(top_k), W=world, WP=_pow2(world), EL=num_local,
                                  ELP=_pow2(num_local), BD=1024, num_warps=4)
     return data, scale, lids, weights, counts
@@ -384,8 +398,8 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
     out = torch.empty(t, h, dtype=dtype, device=back.device)
     if t:
         bh = min(4096, _pow2(h))
-        _reduce_kernel[(t, triton.cdiv(h, bh))](back, row, row.stride(0), row.stride(1), out, h, W=world, BH=bh,
-                                                num_warps=4)
+        launch(_reduce_kernel, (t, triton.cdiv(h, bh)), back, row, row.stride(0), row.stride(1), out, h, W=world,
+               BH=bh, num_warps=4)
     return out
 
 
