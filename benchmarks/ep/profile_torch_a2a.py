@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
             for wire in args.wires:
                 name = f"{mode}-{wire}-{tokens}"
                 d, x, topk = make(rank, world, tokens, mode, wire)
-                fn = lambda: d.dispatch(x, topk)  # noqa: E731
+                fn = lambda d=d, x=x, topk=topk: d.dispatch(x, topk)  # noqa: E731 (binds this case's inputs)
                 for _ in range(5):
                     fn()
                 torch.cuda.synchronize()
@@ -107,7 +107,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
                         with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
                             shutil.copyfileobj(f, g)
                         os.remove(raw)
-                del d, x, topk
+                del d, x, topk, fn
                 torch.cuda.empty_cache()
     if rank == 0:
         with open(os.path.join(args.out, "profile.md"), "w") as f:
