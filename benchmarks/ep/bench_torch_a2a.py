@@ -4,10 +4,11 @@
 
 DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random routing (distinct
 experts per token), 128 and 4096 tokens per rank, bf16 and fp8 wire. One GPU per rank. Modes
-(``--modes``): ``normal`` (exact buffers, eager: one host read per dispatch; a plugin's fused kernels where one
-registered them, decision 61), ``normal-torch`` (the same with the torch functions), ``normal-graph``
+(``--modes``): ``normal`` (exact buffers, eager: one host read per dispatch), ``normal-graph``
 (worst-case buffers, captured in CUDA graphs), ``masked`` (eager) and ``masked-graph`` (captured;
-one graph for dispatch, one for combine, each replayed). A case that fails is recorded with its
+one graph for dispatch, one for combine, each replayed), each with a plugin's fused kernels where one
+registered them (the installed plugins load, as under a layer; decision 61); ``normal-torch``,
+``normal-graph-torch`` and ``masked-graph-torch`` run the torch functions: the baselines in the same run. A case that fails is recorded with its
 error and the run goes on. ``--json PATH`` writes one row per (case, stage) as
 ``{"tokens_per_rank", "mode", "exec", "wire", "stage", "us", "gbps", "raw_gbps", "ratio", ...}``
 with ``"device"`` at the top level, rewritten after every case (a run cut short keeps what it measured).
@@ -254,8 +255,10 @@ MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, kern
     "normal": (Format.EP_NORMAL, "exact", False, "auto"), "normal-graph": (Format.EP_NORMAL, "worst_case", True, "auto"),
     "normal-worst-case": (Format.EP_NORMAL, "worst_case", False, "auto"),
     "masked": (Format.EP_MASKED, None, False, "auto"), "masked-graph": (Format.EP_MASKED, None, True, "auto"),
-    # the torch functions where a plugin registered fused kernels (decision 61): the baseline in the same run
-    "normal-torch": (Format.EP_NORMAL, "exact", False, "torch")}
+    # the torch functions where a plugin registered fused kernels (decision 61): the baselines in the same run
+    "normal-torch": (Format.EP_NORMAL, "exact", False, "torch"),
+    "normal-graph-torch": (Format.EP_NORMAL, "worst_case", True, "torch"),
+    "masked-graph-torch": (Format.EP_MASKED, None, True, "torch")}
 
 
 def torch_a2a_options(buffers, kernels: str) -> dict:

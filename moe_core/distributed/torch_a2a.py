@@ -203,6 +203,8 @@ class TorchA2AKernels:
 
     Optional, for the fixed-capacity exchange of worst-case normal and masked mode (None: the torch path):
 
+    - ``layout_fixed(ids, world, num_local, capacity, overflow) -> (slot [T, W], src [W*C], bad_ids)``: what
+      ``_masked_layout`` and ``_sources(slot, W*C, T)[1:]`` return.
     - ``pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire) -> uint8 [W*C, B]``: send slot ``s`` holds
       token ``src[s]``'s rows as ``_wire_rows`` and ``_gather_rows`` make them (``src[s] == T``: padding),
       side block in-band counts included, so that one all-to-all moves data and side block.
@@ -214,6 +216,7 @@ class TorchA2AKernels:
     pack: Callable
     unpack: Callable
     reduce: Callable
+    layout_fixed: Optional[Callable] = None
     pack_fixed: Optional[Callable] = None
     split_fixed: Optional[Callable] = None
 
@@ -821,10 +824,9 @@ class TorchA2ADispatcher(Dispatcher):
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
-        src = _sources(slot, cw, t)[1:]
         kernels = _kernels_for(dev.type) if self.fused else None
-        if kernels is not None and kernels.pack_fixed is not None:  # one kernel, one all-to-all (decision 61)
+        if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 61)
+            slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
             send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
             recv = torch.empty_like(send)
             dist.all_to_all_single(recv, send, group=self.group)
@@ -832,6 +834,8 @@ class TorchA2ADispatcher(Dispatcher):
                 raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
             recv_data, recv_meta = kernels.split_fixed(recv, self.wire, x.dtype, self.hidden, self.top_k)
             return recv_data, recv_meta, slot, src, t
+        slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
+        src = _sources(slot, cw, t)[1:]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
         data = _bytes(q)
         send_data = _gather_rows(data, src.clamp(max=t - 1)) if t else data.new_zeros(cw, data.shape[1])

@@ -134,3 +134,20 @@ def test_pack_fixed_matches_torch(wire, t, h, k, world, el, cap, dtype):
     data_ref = ta._gather_rows(data_ref, src.clamp(max=t - 1)) if t else data_ref.new_zeros(cap * world, data_ref.shape[1])
     assert torch.equal(data, data_ref), "wire data"
     assert torch.equal(meta, meta_ref.index_select(0, src)), "side blocks"
+
+
+@pytest.mark.parametrize("t,k,world,el,cap", [(0, 4, 2, 8, 5), (1, 4, 2, 8, 1), (37, 4, 2, 8, 40), (300, 8, 2, 128, 300),
+                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (12, 4, 2, 8, 9)])
+@pytest.mark.parametrize("bad", [False, True])
+def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
+    """Slots, source tokens (padding T) and bad-id count of the fixed-capacity modes; over capacity (the last case)
+    the rank sends no tokens and still counts its ids."""
+    gen = torch.Generator().manual_seed(t * 5 + k + cap)
+    ids = _ids(t, k, world * el, gen, bad)
+    overflow = t > cap
+    slot, src, nbad = a2a.layout_fixed(ids, world, el, cap, overflow)
+    slot_ref, bad_ref = ta._masked_layout(ids, world, el, cap, world * el, overflow)
+    src_ref = ta._sources(slot_ref, cap * world, 0 if overflow else t)[1:]
+    assert slot.shape == slot_ref.shape and torch.equal(slot, slot_ref)
+    assert torch.equal(src, src_ref)
+    assert nbad.dtype == bad_ref.dtype and nbad.shape == bad_ref.shape and torch.equal(nbad, bad_ref)

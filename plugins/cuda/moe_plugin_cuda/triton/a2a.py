@@ -18,7 +18,8 @@ time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three k
    with weight 0) and, in program 0, the per-local-expert counts from the received counts message.
 
 Combine's ``reduce``: per token the sum of its returned rows (fp32, ranks in order, as ``_reduce_pairs_loop``).
-``pack_fixed``: the fixed-capacity modes' send slots (one program per slot), in-band counts included.
+``layout_fixed`` (one program) and ``pack_fixed`` (one program per slot): the fixed-capacity modes' send slots,
+in-band counts included.
 
 Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
 arguments that change per call are few (the token count), so its value-keyed cache hits.
@@ -104,6 +105,44 @@ def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constex
     tl.store(msg_ptr + mrow, tl.sum(tl.sum(below, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
     tl.store(msg_ptr + mrow + 1, tl.sum(tl.sum(above, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
     tl.store(msg_ptr + mrow + 2, totals.to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def _layout_fixed_kernel(ids_ptr, slot_ptr, src_ptr, bad_ptr, T, T_IDS, C, K: tl.constexpr, KP: tl.constexpr,
+                         W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr):
+    """The fixed-capacity modes' send side (``_masked_layout`` + ``_sources``): slot of (token, rank) (rank r's
+    slots r*C + 1 ..., 0: not sent), the source token of each slot (T: padding) and the count of ids outside
+    [-1, E) over ``T_IDS`` tokens (an overflowing rank sends none: ``T`` = 0, and still counts its ids)."""
+    E: tl.constexpr = W * EL
+    ranks = tl.arange(0, WP)
+    kk = tl.arange(0, KP)
+    for start in range(0, W * C, BT):
+        s = start + tl.arange(0, BT)
+        tl.store(src_ptr + s, tl.zeros([BT], dtype=tl.int64) + T, mask=s < W * C)
+    bad = tl.zeros([BT, KP], dtype=tl.int32)
+    for start in range(0, T_IDS, BT):
+        tok = start + tl.arange(0, BT)
+        pair = (tok < T_IDS)[:, None] & (kk < K)[None, :]
+        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
+        bad += ((block < -1) | (block >= E)).to(tl.int32)
+    tl.store(bad_ptr, tl.sum(tl.sum(bad, axis=1), axis=0))
+    tl.debug_barrier()  # the padding fill above before the scatter below (the same addresses)
+    carry = ranks * C
+    for start in range(0, T, BT):
+        tok = start + tl.arange(0, BT)
+        ok = tok < T
+        hit = tl.zeros([BT, WP], dtype=tl.int32)
+        for k in tl.static_range(K):
+            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        row = carry[None, :] + tl.cumsum(hit, axis=0)
+        mine = ok[:, None] & (ranks[None, :] < W)
+        tl.store(slot_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
+                 mask=mine)
+        tl.store(src_ptr + (row - 1).to(tl.int64), tok[:, None].to(tl.int64) + tl.zeros([BT, WP], dtype=tl.int64),
+                 mask=mine & (hit > 0))
+        carry += tl.sum(hit, axis=0)
 
 
 @triton.jit
@@ -313,8 +352,31 @@ def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor,
     row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
     msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
     launch(_layout_kernel, (1,), ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
-           ELP=_pow2(num_local), BT=max(16, min(256, _pow2(t))), num_warps=4)
+           ELP=_pow2(num_local), BT=_layout_block(t), num_warps=_layout_warps(t))
     return row.T, msg
+
+
+def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
+                 overflow: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t_ids, k = ids.shape
+    t = 0 if overflow else t_ids
+    ids = ids.contiguous()
+    slot = torch.empty(world, t, dtype=torch.int64, device=ids.device)
+    src = torch.empty(world * capacity, dtype=torch.int64, device=ids.device)
+    bad = torch.empty((), dtype=torch.int32, device=ids.device)
+    launch(_layout_fixed_kernel, (1,), ids, slot, src, bad, t, t_ids, capacity, K=k, KP=_pow2(k), W=world,
+           WP=_pow2(world), EL=num_local, BT=_layout_block(max(t_ids, world * capacity)),
+           num_warps=_layout_warps(max(t_ids, world * capacity)))
+    return slot.T, src, bad
+
+
+def _layout_block(n: int) -> int:
+    """Tokens per step of the one-program layouts (more per step: fewer serial steps on large batches)."""
+    return max(16, min(1024, _pow2(n)))
+
+
+def _layout_warps(n: int) -> int:
+    return 8 if _layout_block(n) >= 512 else 4
 
 
 def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, wire: WireDtype,
@@ -403,5 +465,5 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
     return out
 
 
-KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, pack_fixed=pack_fixed,
-                          split_fixed=split_fixed)
+KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
+                          pack_fixed=pack_fixed, split_fixed=split_fixed)
