@@ -222,6 +222,12 @@ class TorchA2AKernels:
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
+# Worst-case normal mode takes the fused fixed-capacity exchange up to this capacity (max_tokens_per_rank), the
+# torch one above: on 2x H200 (2026-11-26 06:29 UTC, bench_torch_a2a.py, CUDA graphs) the fused dispatch took
+# 73 / 76 us (bf16 / fp8) against 98 / 111 us at 128 tokens a rank, but 623 / 443 us against 443 / 390 us at 4096
+# (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
+# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 61).
+FUSED_WORST_CASE_MAX_CAPACITY = 128
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -824,7 +830,7 @@ class TorchA2ADispatcher(Dispatcher):
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        kernels = _kernels_for(dev.type) if self.fused else None
+        kernels = _kernels_for(dev.type) if self.fused and (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY) else None
         if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 61)
             slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
             send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
