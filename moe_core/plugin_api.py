@@ -27,6 +27,7 @@ from moe_core.contracts import (
     WireDtype,
 )
 from moe_core.devices import DeviceKind, local_device_kind
+from moe_core.distributed.torch_a2a import TorchA2AKernels, register_torch_a2a_kernels
 from moe_core.dtype_chain import DtypeDecision, DtypeRequest
 from moe_core.hookspecs import HOOKSPEC_VERSION, hookimpl
 from moe_core.layer import MoELayer
@@ -39,6 +40,6 @@ __all__ = [
     "Dispatcher", "DtypeDecision", "DtypeRequest", "EPMaskedCombine", "EPSupport", "EPMaskedDispatch", "EPNormalCombine",
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "QuantScheme", "QuantizedActivations", "Reason", "Role", "RouterConfig", "StandardCombine", "StandardDispatch",
-    "TopK", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl", "local_device_kind",
-    "preset", "quant", "route", "unavailable",
+    "TopK", "TorchA2AKernels", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl", "local_device_kind",
+    "preset", "quant", "register_torch_a2a_kernels", "route", "unavailable",
 ]

@@ -40,10 +40,12 @@ __all__ = [
     "quantize_weights",
     "dequantize_weights",
     "weight_shapes",
+    "FP8_AMAX_FLOOR",
+    "INT_AMAX_FLOOR",
 ]
 
-_FP8_AMAX_FLOOR = 1e-4  # DeepEP's floor, so all-zero groups get a finite scale
-_INT_AMAX_FLOOR = 1e-10
+FP8_AMAX_FLOOR = 1e-4  # DeepEP's floor, so all-zero groups get a finite scale
+INT_AMAX_FLOOR = 1e-10
 E2M1_MAX = 6.0
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 
@@ -66,7 +68,7 @@ def quantize_fp8_per_token_group(
     """
     h = x.shape[-1]
     xf = x.float()
-    scale = _pad_last(xf, group).unflatten(-1, (-1, group)).abs().amax(dim=-1).clamp(min=_FP8_AMAX_FLOOR) / FP8_MAX
+    scale = _pad_last(xf, group).unflatten(-1, (-1, group)).abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR) / FP8_MAX
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     # each channel divided by its group's scale, indexed (torch_a2a compiles this function on CUDA;
@@ -95,7 +97,7 @@ def dequantize_fp8_per_token(q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def quantize_int_per_token(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row quantization to ``[-qmax, qmax]``: (int8 values, fp32 scale ``[..., 1]``)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_INT_AMAX_FLOOR) / qmax
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp(min=INT_AMAX_FLOOR) / qmax
     q = torch.round(xf / scale).clamp(-qmax, qmax).to(torch.int8)
     return q, scale
 
@@ -170,7 +172,7 @@ def quantize_activations(
         return QuantizedActivations(q, dtype, s)
     if global_scale is None:
         amax = x.abs().amax() if x.numel() else torch.ones((), device=x.device)  # T = 0: any scale will do
-        global_scale = nvfp4_global_scale(amax.clamp(min=_INT_AMAX_FLOOR))
+        global_scale = nvfp4_global_scale(amax.clamp(min=INT_AMAX_FLOOR))
     q, s = quantize_nvfp4(x, global_scale)
     return QuantizedActivations(q, dtype, s, global_scale=torch.as_tensor(global_scale, dtype=torch.float32))
 
@@ -192,7 +194,7 @@ def _blocks(w: torch.Tensor, b: int) -> torch.Tensor:
 def _quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     e, n, k = w.shape
     wb = _blocks(w, FP8_GROUP)
-    scale = wb.abs().amax(dim=(2, 4)).clamp(min=_INT_AMAX_FLOOR) / FP8_MAX  # [E, N/b, K/b]
+    scale = wb.abs().amax(dim=(2, 4)).clamp(min=INT_AMAX_FLOOR) / FP8_MAX  # [E, N/b, K/b]
     q = (wb / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.flatten(3, 4).flatten(1, 2)[:, :n, :k].contiguous(), scale
 
@@ -211,13 +213,13 @@ def _quantize_per_channel(w: torch.Tensor, qmax: int) -> tuple[torch.Tensor, tor
 def _quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[E, N, K]`` -> (e4m3fn, fp32 ``[E, N]``): ``scale = max(amax_row, 1e-10) / 448``."""
     wf = w.float()
-    scale = wf.abs().amax(dim=-1, keepdim=True).clamp(min=_INT_AMAX_FLOOR) / FP8_MAX
+    scale = wf.abs().amax(dim=-1, keepdim=True).clamp(min=INT_AMAX_FLOOR) / FP8_MAX
     q = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.squeeze(-1)
 
 
 def _quantize_nvfp4_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gs = nvfp4_global_scale(w.float().abs().amax(dim=(1, 2)).clamp(min=_INT_AMAX_FLOOR))  # [E]
+    gs = nvfp4_global_scale(w.float().abs().amax(dim=(1, 2)).clamp(min=INT_AMAX_FLOOR))  # [E]
     q, s = quantize_nvfp4(w, gs[:, None, None])
     return q, s, 1.0 / gs
 

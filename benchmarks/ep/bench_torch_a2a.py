@@ -6,7 +6,9 @@ DeepSeek-V3 sizes by default (H 7168, top-8 of 256 experts), uniform random rout
 experts per token), 128 and 4096 tokens per rank, bf16 and fp8 wire. One GPU per rank. Modes
 (``--modes``): ``normal`` (exact buffers, eager: one host read per dispatch), ``normal-graph``
 (worst-case buffers, captured in CUDA graphs), ``masked`` (eager) and ``masked-graph`` (captured;
-one graph for dispatch, one for combine, each replayed). A case that fails is recorded with its
+one graph for dispatch, one for combine, each replayed), each with a plugin's fused kernels where one
+registered them (the installed plugins load, as under a layer; decision 63); ``normal-torch``,
+``normal-graph-torch`` and ``masked-graph-torch`` run the torch functions: the baselines in the same run. A case that fails is recorded with its
 error and the run goes on. ``--json PATH`` writes one row per (case, stage) as
 ``{"tokens_per_rank", "mode", "exec", "wire", "stage", "us", "gbps", "raw_gbps", "ratio", ...}``
 with ``"device"`` at the top level, rewritten after every case (a run cut short keeps what it measured).
@@ -39,6 +41,7 @@ from moe_core import MoEConfig, TopK  # noqa: E402
 from moe_core.backends import BackendSpec, Role  # noqa: E402
 from moe_core.contracts import EPMaskedCombine, EPNormalCombine, Format, WireDtype  # noqa: E402
 from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.plugins import get_plugin_manager  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 
 DEVICE = "cuda"  # "cpu" with --cpu (a gloo smoke test of the script itself)
@@ -79,12 +82,12 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
 
 
 def bench_case(rank: int, world: int, tokens: int, mode: str, wire: str, args) -> dict:
-    fmt, buffers, graph = MODES[mode]
+    fmt, buffers, graph, kernels = MODES[mode]
     e, k, h = args.experts, args.top_k, args.hidden
     el = e // world
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
                     max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire,
-                    backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {})
+                    backend_options=torch_a2a_options(buffers, kernels))
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
     d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -216,6 +219,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
                                 device_id=torch.device("cuda", rank))
+    get_plugin_manager()  # the installed plugins load, as under a layer (the cuda plugin's kernels: decision 63)
     rows = []
     modes = [m for m in args.modes if not (args.cpu and MODES[m][2])]
     device = f"{world}x {torch.cuda.get_device_name(0)}" if DEVICE == "cuda" else f"{world}x cpu (gloo)"
@@ -247,10 +251,20 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs)
-    "normal": (Format.EP_NORMAL, "exact", False), "normal-graph": (Format.EP_NORMAL, "worst_case", True),
-    "normal-worst-case": (Format.EP_NORMAL, "worst_case", False),
-    "masked": (Format.EP_MASKED, None, False), "masked-graph": (Format.EP_MASKED, None, True)}
+MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, kernels option)
+    "normal": (Format.EP_NORMAL, "exact", False, "auto"), "normal-graph": (Format.EP_NORMAL, "worst_case", True, "auto"),
+    "normal-worst-case": (Format.EP_NORMAL, "worst_case", False, "auto"),
+    "masked": (Format.EP_MASKED, None, False, "auto"), "masked-graph": (Format.EP_MASKED, None, True, "auto"),
+    # the torch functions where a plugin registered fused kernels (decision 63): the baselines in the same run
+    "normal-torch": (Format.EP_NORMAL, "exact", False, "torch"),
+    "normal-graph-torch": (Format.EP_NORMAL, "worst_case", True, "torch"),
+    "masked-graph-torch": (Format.EP_MASKED, None, True, "torch")}
+
+
+def torch_a2a_options(buffers, kernels: str) -> dict:
+    """``backend_options`` of a mode: its normal-mode buffers and kernels."""
+    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v and v != "auto"}
+    return {"torch_a2a": options} if options else {}
 
 
 def stage_rows(rows: list[dict]) -> list[dict]:

@@ -26,22 +26,23 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_torch_a2a import MODES  # noqa: E402
+from bench_torch_a2a import MODES, torch_a2a_options  # noqa: E402
 
 from moe_core import MoEConfig, TopK  # noqa: E402
 from moe_core.backends import BackendSpec, Role  # noqa: E402
 from moe_core.contracts import Format, WireDtype  # noqa: E402
 from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.plugins import get_plugin_manager  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 
 E, K, H = 256, 8, 7168
 
 
 def make(rank: int, world: int, tokens: int, mode: str, wire: str):
-    fmt, buffers, _ = MODES[mode]
+    fmt, buffers, _, kernels = MODES[mode]
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=128, ep_size=world, ep_rank=rank,
                     max_tokens_per_rank=tokens, device="cuda", dispatcher="torch_a2a", dispatch_dtype=wire,
-                    backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {})
+                    backend_options=torch_a2a_options(buffers, kernels))
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
     d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -76,13 +77,15 @@ def worker(rank: int, world: int, port: int, args) -> None:
                             device_id=torch.device("cuda", rank))
     from torch.profiler import ProfilerActivity, profile
 
+    get_plugin_manager()  # the installed plugins load, as under a layer (the cuda plugin's kernels: decision 63)
+
     lines = [f"# torch_a2a eager profile, {world}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}", ""]
     for tokens in args.tokens:
         for mode in args.modes:
             for wire in args.wires:
                 name = f"{mode}-{wire}-{tokens}"
                 d, x, topk = make(rank, world, tokens, mode, wire)
-                fn = lambda: d.dispatch(x, topk)  # noqa: E731
+                fn = lambda d=d, x=x, topk=topk: d.dispatch(x, topk)  # noqa: E731 (binds this case's inputs)
                 for _ in range(5):
                     fn()
                 torch.cuda.synchronize()
@@ -104,7 +107,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
                         with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
                             shutil.copyfileobj(f, g)
                         os.remove(raw)
-                del d, x, topk
+                del d, x, topk, fn
                 torch.cuda.empty_cache()
     if rank == 0:
         with open(os.path.join(args.out, "profile.md"), "w") as f:

@@ -52,6 +52,9 @@ word, since both are chosen from the same row size). Combine moves the experts' 
 
 Layout math is a handful of whole-tensor ops (no loops over ranks or experts, no data-dependent
 shapes); ``tests/ep/opcount.py`` counts the kernels, collectives and host syncs of each stage.
+Where a plugin registered fused kernels for the device type (``register_torch_a2a_kernels``; the cuda
+plugin's Triton kernels on CUDA), exact normal mode runs them instead: three kernels, the count exchange,
+the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 63).
 
 Top-k ids of one token must be distinct (every router guarantees it): the masked slab holds
 at most one row per (token, expert).
@@ -60,10 +63,11 @@ at most one row per (token, expert).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,7 +93,7 @@ if TYPE_CHECKING:
     from moe_core.backends import BackendSpec
     from moe_core.config import MoEConfig
 
-__all__ = ["TorchA2ADispatcher", "probe", "check"]
+__all__ = ["TorchA2ADispatcher", "TorchA2AKernels", "register_torch_a2a_kernels", "probe", "check"]
 
 WIRE_DTYPES = (WireDtype.BF16, WireDtype.FP8, WireDtype.INT8)
 
@@ -119,9 +123,10 @@ def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
     Raises ``ValueError`` naming the option for a choice that cannot work."""
     options = dict(config.options(name))
     choice = options.pop("normal_buffers", "worst_case" if config.cuda_graph else "exact")
+    options.pop("kernels", None)  # checked by kernels_option
     if options:
         raise ValueError(f"backend_options[{name!r}] has unknown keys {sorted(options)}; "
-                         "torch_a2a takes only 'normal_buffers'")
+                         "torch_a2a takes 'normal_buffers' and 'kernels'")
     if choice not in NORMAL_BUFFERS:
         raise ValueError(f"backend_options[{name!r}]['normal_buffers'] must be one of {NORMAL_BUFFERS}, got {choice!r}")
     if choice == "exact" and config.cuda_graph:
@@ -130,6 +135,18 @@ def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
     if choice == "worst_case" and config.max_tokens_per_rank is None:
         raise ValueError("torch_a2a's graph-safe normal mode ('worst_case' buffers) sends max_tokens_per_rank row "
                          "slots to every rank; max_tokens_per_rank is None: set it")
+    return choice
+
+
+KERNEL_CHOICES = ("auto", "torch")
+
+
+def kernels_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
+    """``backend_options[name]["kernels"]``: ``"auto"`` (the default: a plugin's fused kernels for the
+    device where one registered them, decision 63) or ``"torch"`` (always the torch functions)."""
+    choice = config.options(name).get("kernels", "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"backend_options[{name!r}]['kernels'] must be one of {KERNEL_CHOICES}, got {choice!r}")
     return choice
 
 
@@ -143,6 +160,7 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     """
     try:
         normal_buffers(config, spec.name)
+        kernels_option(config, spec.name)
     except ValueError as exc:
         code = Code.UNSUPPORTED_SHAPE if config.max_tokens_per_rank is None else Code.UNSUPPORTED_FEATURE
         return [unavailable(code, str(exc), "set max_tokens_per_rank, or fix backend_options for torch_a2a")]
@@ -160,6 +178,81 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
                             f"{config.ep_size} ep_rank={config.ep_rank}",
                             "set ep_size/ep_rank from the group (or pass the right ep_group)")]
     return []
+
+
+# --------------------------------------------------------------------------- fused kernels (decision 63)
+
+
+@dataclass(frozen=True)
+class TorchA2AKernels:
+    """Fused kernels of exact normal mode for one device type, registered by a plugin with
+    ``register_torch_a2a_kernels`` (``moe_core.plugin_api``). What each must return, byte for byte
+    the torch path's (its functions named):
+
+    - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, 3 + E_local])``: ``_normal_layout``'s
+      row (int64, the transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]``.
+    - ``pack(x, ids, weights, row, wire, n_send) -> uint8 [n_send, B]``: send row ``row[t, r] - 1`` holds
+      token ``t``'s wire data and side block (scales, ids, weights) in the kernels' own row format, so
+      that one all-to-all moves both.
+    - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local) -> (data [R, H], scales or None,
+      local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
+      ``_normal_received`` leaves them (data contiguous), and the per-local-expert counts of the received
+      counts message ``msg`` (``[W, 3 + E_local]``).
+    - ``reduce(back, row, dtype) -> [T, H]``: combine's sum of each token's returned rows
+      (``_reduce_pairs_loop`` over ``back`` with a zero row first, in ``dtype``); ``back`` has no zero row.
+
+    Optional, for the fixed-capacity exchange of worst-case normal and masked mode (None: the torch path):
+
+    - ``layout_fixed(ids, world, num_local, capacity, overflow) -> (slot [T, W], src [W*C], bad_ids)``: what
+      ``_masked_layout`` and ``_sources(slot, W*C, T)[1:]`` return.
+    - ``pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire) -> uint8 [W*C, B]``: send slot ``s`` holds
+      token ``src[s]``'s rows as ``_wire_rows`` and ``_gather_rows`` make them (``src[s] == T``: padding),
+      side block in-band counts included, so that one all-to-all moves data and side block.
+    - ``split_fixed(recv, wire, dtype, hidden, top_k) -> (data uint8 [W*C, D], side block int32 [W*C, M])``:
+      views of the received rows as ``_exchange_fixed`` returns them.
+    """
+
+    layout: Callable
+    pack: Callable
+    unpack: Callable
+    reduce: Callable
+    layout_fixed: Optional[Callable] = None
+    pack_fixed: Optional[Callable] = None
+    split_fixed: Optional[Callable] = None
+
+
+_KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
+# Worst-case normal mode takes the fused fixed-capacity exchange up to this capacity (max_tokens_per_rank), the
+# torch one above: on 2x H200 (2026-11-26 06:29 UTC, bench_torch_a2a.py, CUDA graphs) the fused dispatch took
+# 73 / 76 us (bf16 / fp8) against 98 / 111 us at 128 tokens a rank, but 623 / 443 us against 443 / 390 us at 4096
+# (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
+# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
+FUSED_WORST_CASE_MAX_CAPACITY = 128
+
+
+def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
+    """Use ``kernels`` (a ``TorchA2AKernels``, or ``"module:attr"`` naming one, imported at the first
+    dispatch on ``device_type``) for ``torch_a2a``'s exact normal mode on devices of ``device_type``.
+    A plugin calls it when it loads; the last registration for a device type wins."""
+    if not isinstance(kernels, (TorchA2AKernels, str)):
+        raise TypeError(f"kernels must be a TorchA2AKernels or a 'module:attr' string, got {type(kernels).__name__}")
+    _KERNELS[device_type] = kernels
+
+
+def _kernels_for(device_type: str) -> Optional[TorchA2AKernels]:
+    """The kernels registered for ``device_type`` (imported now if named lazily), or None. An import that
+    fails warns once and leaves the torch path (same results)."""
+    kernels = _KERNELS.get(device_type)
+    if isinstance(kernels, str):
+        module, _, attr = kernels.partition(":")
+        try:
+            kernels = getattr(importlib.import_module(module), attr)
+        except Exception as exc:  # a broken kernel module must not break dispatch
+            warnings.warn(f"torch_a2a: loading the fused kernels {_KERNELS[device_type]!r} for {device_type} failed "
+                          f"({exc!r}); the torch path runs (same results, more host time)", RuntimeWarning, stacklevel=3)
+            kernels = None
+        _KERNELS[device_type] = kernels
+    return kernels
 
 
 # --------------------------------------------------------------------------- wire helpers
@@ -595,6 +688,7 @@ class TorchA2ADispatcher(Dispatcher):
         self.n_scale = _scale_words(self.wire, self.hidden)
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
         self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
+        self.fused = kernels_option(cfg, ctx.spec.name) == "auto"  # a plugin's kernels where registered (decision 63)
 
     # ----------------------------------------------------------------- common
 
@@ -633,8 +727,24 @@ class TorchA2ADispatcher(Dispatcher):
 
     # ----------------------------------------------------------------- normal mode
 
+    def _read_counts(self, msg: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...]]:
+        """The one host sync of exact normal mode: the counts message (``_normal_layout``), exchanged, read
+        in one ``tolist`` -> (rows sent to each rank, rows received from each, pairs per local expert).
+        Raises ``ValueError`` on every rank alike when any rank has ids outside ``[-1, E)``."""
+        sent_msg, recv_msg = msg.tolist()
+        bad_by_rank = [m[0] + m[1] for m in recv_msg]
+        if any(bad_by_rank):  # every rank learns it from the same message, so all raise together
+            ranks = [r for r, b in enumerate(bad_by_rank) if b]
+            raise ValueError(f"topk.ids out of range [-1, {self.num_experts}) on EP rank(s) {ranks} "
+                             f"({bad_by_rank[self.rank]} on this rank {self.rank})")
+        counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(self.num_local))
+        return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host
+
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
-        dev, t, w, el, e = x.device, x.shape[0], self.world, self.num_local, self.num_experts
+        kernels = _kernels_for(x.device.type) if self.fused else None
+        if kernels is not None:
+            return self._dispatch_normal_fused(x, topk, kernels)
+        dev, t, w, el = x.device, x.shape[0], self.world, self.num_local
         row, msg = _normal_layout(topk.ids, w, el)
         src = _sources(row, w * t, None)
         dist.all_to_all_single(msg[1], msg[0], group=self.group)
@@ -643,16 +753,7 @@ class TorchA2ADispatcher(Dispatcher):
         # the one cat of the BF16 side block (decision 56)
         wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
         q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
-        # the one host sync of normal mode: everything the host needs, in one read
-        sent_msg, recv_msg = msg.tolist()
-        send_counts = [m[2] for m in sent_msg]
-        recv_counts = [m[2] for m in recv_msg]
-        bad_by_rank = [m[0] + m[1] for m in recv_msg]
-        counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(el))
-        if any(bad_by_rank):  # every rank learns it from the same message, so all raise together
-            ranks = [r for r, b in enumerate(bad_by_rank) if b]
-            raise ValueError(f"topk.ids out of range [-1, {e}) on EP rank(s) {ranks} "
-                             f"({bad_by_rank[self.rank]} on this rank {self.rank})")
+        send_counts, recv_counts, counts_host = self._read_counts(msg)
 
         n_send, n_recv = sum(send_counts), sum(recv_counts)
         data = _bytes(q)
@@ -663,10 +764,25 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), recv_counts, send_counts, self.group)
 
         if self._local_of is None or self._local_of.device != dev:
-            self._local_of = _local_table(self.rank, el, e, dev)
+            self._local_of = _local_table(self.rank, el, self.num_experts, dev)
         scale, lids, weights = _normal_received(recv_meta, self.n_scale, self.top_k, self._local_of)
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, t, x.dtype)
+        return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
+
+    def _dispatch_normal_fused(self, x: torch.Tensor, topk: TopK, kernels: TorchA2AKernels) -> EPNormalDispatch:
+        """Exact normal dispatch with a plugin's kernels (decision 63): layout, the count exchange, the host
+        read, pack, ONE all-to-all of data and side block, unpack."""
+        row, msg = kernels.layout(topk.ids, self.world, self.num_local)
+        dist.all_to_all_single(msg[1], msg[0], group=self.group)
+        send_counts, recv_counts, counts_host = self._read_counts(msg)
+        send = kernels.pack(x, topk.ids, topk.weights, row, self.wire, sum(send_counts))
+        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+        data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
+                                                            self.top_k, self.rank, self.num_local)
+        hidden = QuantizedActivations(data, self.wire, scale)
+        handle = _NormalHandle(row, send_counts, recv_counts, x.shape[0], x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _combine_normal(self, ci: EPNormalCombine) -> torch.Tensor:
@@ -690,6 +806,11 @@ class TorchA2ADispatcher(Dispatcher):
         """Send ``y`` back to the ranks its rows came from (``n_back`` rows return, after a zero row);
         sum each token's rows (``row [T, W]`` from ``_send_rows``: 0, the zero row, where the token was
         not sent to a rank). The sum accumulates in fp32."""
+        kernels = _kernels_for(y.device.type) if self.fused else None
+        if kernels is not None:  # one kernel sums the rows (decision 63); no zero row needed
+            back = torch.empty(n_back, self.hidden, dtype=y.dtype, device=y.device)
+            _a2a(back, y, back_counts, y_counts, self.group)
+            return kernels.reduce(back, row, dtype)
         back = torch.empty(n_back + 1, self.hidden, dtype=y.dtype, device=y.device)
         back[0].zero_()
         _a2a(back[1:], y, back_counts, y_counts, self.group)
@@ -709,6 +830,16 @@ class TorchA2ADispatcher(Dispatcher):
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
+        kernels = _kernels_for(dev.type) if self.fused and (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY) else None
+        if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 63)
+            slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
+            send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=self.group)
+            if overflow:
+                raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+            recv_data, recv_meta = kernels.split_fixed(recv, self.wire, x.dtype, self.hidden, self.top_k)
+            return recv_data, recv_meta, slot, src, t
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
         src = _sources(slot, cw, t)[1:]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
@@ -731,6 +862,8 @@ class TorchA2ADispatcher(Dispatcher):
                                                                       self.num_local)
         scale, lids, weights, rbad, rtokens, counts = received
         self._check_senders(rtokens, rbad)
+        if not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it contiguous
+            recv_data = recv_data.contiguous()
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
 

@@ -6,10 +6,13 @@ names the case (``mode/wire/routing``), the rank and the seed (replay with MOE_E
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import pytest
+
+from moe_core import MoEConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import run_ranks  # noqa: E402
@@ -50,6 +53,23 @@ def test_layer_matches_single_process(world):
     tokens = {(res["rank"], n): c["tokens"] for res in results for n, c in res["cases"].items()}
     assert tokens[(1, "ep_normal/bf16/zero_ranks")] == 0 and tokens[(0, "ep_normal/bf16/zero_ranks")] == 1
     assert all(tokens[(r, "ep_masked/int8/idle")] == 0 for r in range(world))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_normal_matches_torch(world):
+    """Every mode with the cuda plugin's fused kernels (decision 63; Triton's interpreter on the CPU): the
+    received bytes, ids, weights and counts are the torch path's (masked: the slab's valid rows); combine's too."""
+    pytest.importorskip("moe_plugin_cuda.triton.a2a", exc_type=ImportError)
+    # world 4: the exact mode only (its rows depend on the world in the kernels; the fixed-capacity modes' slots
+    # come from the torch layout), the interpreter being slow
+    n = 0
+    # (the interpreter runs every program in Python: ~2 minutes on two loaded cores)
+    for where, _name, case in _cases(run_ranks("comm_fused" if world == 2 else "comm_fused_exact", world,
+                                               3 * TIMEOUT, seed=SEED)):
+        n += 1
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+    assert n == world * (3 if world == 2 else 1) * 3 * 5  # every rank, mode, wire and routing
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -156,3 +176,26 @@ def test_every_dispatcher_takes_each_ranks_own_tokens():
     for res in run_ranks("input_rule", 2, TIMEOUT, seed=SEED):
         for name, c in res["cases"].items():
             assert c["shape_ok"] and c["err"] < TOL["bf16"], (res["rank"], name, c)
+
+
+def test_kernel_registry_and_option(monkeypatch):
+    """The fused-kernel seam (decision 63): a lazy registration that fails to import warns and leaves the torch
+    path; a bad registration or option is refused, naming what it got."""
+    from moe_core.distributed import torch_a2a as ta
+    from moe_core.plugin_api import register_torch_a2a_kernels
+
+    monkeypatch.setattr(ta, "_KERNELS", {})
+    register_torch_a2a_kernels("cpu", "no_such_module_xyz:KERNELS")
+    with pytest.warns(RuntimeWarning, match="no_such_module_xyz"):
+        assert ta._kernels_for("cpu") is None
+    assert ta._kernels_for("cpu") is None and ta._kernels_for("cuda") is None  # warned once, then the torch path
+    with pytest.raises(TypeError, match="TorchA2AKernels"):
+        register_torch_a2a_kernels("cpu", object())
+    kernels = ta.TorchA2AKernels(layout=ta._normal_layout, pack=None, unpack=None, reduce=None)
+    register_torch_a2a_kernels("cpu", kernels)
+    assert ta._kernels_for("cpu") is kernels
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
+                    backend_options={"torch_a2a": {"kernels": "triton"}})
+    with pytest.raises(ValueError, match=r"\['kernels'\] must be one of \('auto', 'torch'\), got 'triton'"):
+        ta.kernels_option(cfg)
+    assert ta.kernels_option(dataclasses.replace(cfg, backend_options={"torch_a2a": {"kernels": "torch"}})) == "torch"

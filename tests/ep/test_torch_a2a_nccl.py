@@ -40,6 +40,13 @@ def test_dispatch_layout_nccl(world):
         assert case["data_err"] <= 1e-6 and case["err"] <= 1e-2, f"{where}: {case}"
 
 
+def test_fused_normal_nccl():
+    """The cuda plugin's fused exact-normal kernels (decision 63), compiled, against the torch path: same bytes."""
+    for where, _name, case in _cases(run_ranks("comm_fused", 2, TIMEOUT, backend="nccl")):
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+
+
 def test_errors_nccl():
     for res in run_ranks("errors", 2, TIMEOUT, backend="nccl"):
         c = res["cases"]

@@ -35,7 +35,9 @@ from moe_core.contracts import (  # noqa: E402
     Format,
     WireDtype,
 )
-from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.distributed import TorchA2ADispatcher, torch_a2a  # noqa: E402
+from moe_core.plugin_api import register_torch_a2a_kernels  # noqa: E402
+from moe_core.plugins import get_plugin_manager  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error  # noqa: E402
 
@@ -70,8 +72,9 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
     }
 
 
-def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None) -> MoEConfig:
-    return MoEConfig(backend_options={"torch_a2a": {"normal_buffers": buffers}} if buffers else {},
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None) -> MoEConfig:
+    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v}
+    return MoEConfig(backend_options={"torch_a2a": options} if options else {},
                      num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
                      ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
                      experts="reference", dispatch_dtype=wire, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -123,8 +126,8 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire, buffers=buffers)
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -234,6 +237,57 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
                 results[key] = {"checks": checks, "data_err": data_err, "err": rel_error(out, ref),
                                 "shape_ok": list(out.shape) == list(x.shape) and out.dtype == x.dtype,
                                 "tokens": x.shape[0]}
+    return results
+
+
+def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS)) -> dict:
+    """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
+    the torch path: the same received bytes, ids, weights and counts (masked: the slab's valid rows), the same
+    combined rows."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
+    register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    gen = torch.Generator().manual_seed(seed + rank)
+    results = {}
+
+    def same(a, b) -> bool:
+        return (a is None and b is None) or (a is not None and b is not None and a.dtype == b.dtype
+                                             and a.shape == b.shape
+                                             and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+    for mode in modes:
+        fmt, buffers = VARIANTS[mode]
+        for wire in WIRES:
+            fused = _make_dispatcher(world, rank, fmt, wire, buffers)
+            plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch")
+            for name, (x, topk) in routing_cases(world, rank, seed).items():
+                x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
+                a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
+                checks = {"fused": torch_a2a._kernels_for(device.type) is not None}  # the kernels loaded: the fused path ran
+                if fmt is Format.EP_NORMAL:
+                    checks.update({
+                        "data": a.hidden.data.is_contiguous() and same(a.hidden.data, b.hidden.data),
+                        "scale": same(a.hidden.scale, b.hidden.scale),
+                        "ids": same(a.topk.ids, b.topk.ids),
+                        "weights": same(a.topk.weights, b.topk.weights),
+                        "counts": same(a.expert_counts, b.expert_counts),
+                        "counts_host": a.expert_counts_host == b.expert_counts_host,
+                    })
+                    y = make_hidden(a.hidden.data.shape[0], H, torch.bfloat16, gen).to(device)
+                    ca, cb = EPNormalCombine(y, a.handle), EPNormalCombine(y, b.handle)
+                else:
+                    m = a.masked_m
+                    checks["masked_m"] = same(m, b.masked_m)
+                    valid = (torch.arange(a.hidden.data.shape[1], device=device) < m.unsqueeze(1))
+                    checks["slab"] = checks["masked_m"] and same(a.hidden.data[valid], b.hidden.data[valid])
+                    checks["slab_scale"] = (a.hidden.scale is None and b.hidden.scale is None) or (
+                        checks["masked_m"] and same(a.hidden.scale[valid], b.hidden.scale[valid]))
+                    y = make_hidden(a.hidden.data.shape[0] * a.hidden.data.shape[1], H, torch.bfloat16, gen)
+                    y = y.view(a.hidden.data.shape[0], a.hidden.data.shape[1], H).to(device)
+                    ca, cb = EPMaskedCombine(y, a.topk, a.handle), EPMaskedCombine(y, b.topk, b.handle)
+                out_a, out_b = fused.combine(ca), plain.combine(cb)
+                results[f"{mode}/{wire}/{name}"] = {"checks": checks, "combine_err": rel_error(out_a.float(), out_b.float()),
+                                                    "combine_same": torch.equal(out_a, out_b), "tokens": x.shape[0]}
     return results
 
 
@@ -496,7 +550,9 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 
 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
-             "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm, "errors": scenario_errors, "graph": scenario_graph,
+             "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
+             "comm_fused": scenario_comm_fused,
+             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)), "errors": scenario_errors, "graph": scenario_graph,
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 
@@ -504,6 +560,8 @@ def run_rank(rank: int, world: int, scenario: str, seed: int, backend: str) -> d
     """This rank's part of ``scenario`` (the process group exists): ``{"seed", "cases"}``, or
     ``{"seed", "error"}`` with the traceback."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":  # the installed plugins load, as under a layer (the cuda plugin's kernels: decision 63)
+        get_plugin_manager()
     result: dict = {"seed": seed}
     try:
         result["cases"] = SCENARIOS[scenario](world, rank, device, seed)

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from moe_core.plugin_api import Activation, BackendPlugin, BackendSpec, Format, QuantScheme, Role, WireDtype, hookimpl
+from moe_core.plugin_api import (
+    Activation,
+    BackendPlugin,
+    BackendSpec,
+    Format,
+    QuantScheme,
+    Role,
+    WireDtype,
+    hookimpl,
+    register_torch_a2a_kernels,
+)
 
 PACKAGE = "moe_plugin_cuda"  # where the specs' impl / probe / check live
 _ALL_ACTS = frozenset({Activation.SILU, Activation.GELU})
@@ -128,3 +138,5 @@ class CudaPlugin(BackendPlugin):
 
 
 plugin = CudaPlugin()
+# torch_a2a's exact normal mode on CUDA runs these Triton kernels (decision 63); imported at its first dispatch
+register_torch_a2a_kernels("cuda", f"{PACKAGE}.triton.a2a:KERNELS")

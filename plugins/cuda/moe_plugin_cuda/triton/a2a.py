@@ -1,0 +1,469 @@
+"""Fused Triton kernels of ``torch_a2a``'s exact normal mode (docs/decisions.md 63), registered with the core
+by the plugin (``plugin.py``) and imported at the first dispatch on a CUDA device.
+
+The torch path (``moe_core.distributed.torch_a2a``) spends ~70 host operations a dispatch (~1.1 ms of host
+time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three kernels and two collectives:
+
+1. ``layout`` (one program): per (token, rank) the 1-based row in the send buffer (0: not sent), and the
+   counts message ``[W, 3 + E_local]`` of ``_normal_layout`` (ids below -1, ids from E up, rows per rank,
+   (token, expert) pairs per expert), from one pass over the ids for the counts (atomic adds) and the per-rank
+   totals and one for the rows (a scan along the tokens, the lower ranks' totals as base);
+2. ``pack`` (one program per token): the token's wire row quantized as the core quantizer does (FP8: the
+   128-channel group scales; INT8: one per token; IEEE division as decision 57 asks, and the scalar
+   divisions by 448 / 127 as torch does them on the device: times the fp32 reciprocal on CUDA, a division
+   elsewhere), written with its side block ``[scales | K ids (int32) | K weights (fp32)]`` into every send
+   row of the token: one byte row per (token, rank), so ONE all-to-all moves data and side block;
+3. ``unpack`` (one program per received row): the wire data to a contiguous ``[R, H]`` (the experts read
+   it contiguous), the scales to ``[R, n_scale]``, the ids made local (-1 where the expert is elsewhere,
+   with weight 0) and, in program 0, the per-local-expert counts from the received counts message.
+
+Combine's ``reduce``: per token the sum of its returned rows (fp32, ranks in order, as ``_reduce_pairs_loop``).
+``layout_fixed`` (one program) and ``pack_fixed`` (one program per slot): the fixed-capacity modes' send slots,
+in-band counts included.
+
+Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
+arguments that change per call are few (the token count), so its value-keyed cache hits.
+
+A send row is ``[data (H * element bytes, padded to 16) | side block (4 * (n_scale + 2K) bytes)]``, padded
+to 16 bytes; it is private to ``pack`` and ``unpack``. Everything here is checked byte for byte against the
+torch functions in ``tests/test_a2a_kernels.py`` (Triton's interpreter on the CPU) and on NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_core.plugin_api import TorchA2AKernels, WireDtype, quant
+from moe_plugin_cuda.triton.launch import launch
+
+_WIRE_CODE = {WireDtype.BF16: 0, WireDtype.FP8: 1, WireDtype.INT8: 2}
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds an fp32 |v| < 2**22 to nearest, ties to even
+
+
+# fp32 1 / qmax as CUDA's torch computes a Python-scalar divisor's reciprocal (a kernel's float argument is fp32)
+_INV_QMAX = {WireDtype.BF16: 0.0, WireDtype.FP8: float(torch.tensor(1.0, dtype=torch.float32) / quant.FP8_MAX),
+             WireDtype.INT8: float(torch.tensor(1.0, dtype=torch.float32) / 127)}
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
+                   WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BT: tl.constexpr):
+    E: tl.constexpr = W * EL
+    ranks = tl.arange(0, WP)
+    rmask = ranks < W
+    mrow = ranks.to(tl.int64) * (3 + EL)
+    # the (token, expert) pairs per expert are counted by atomic adds into the message (relaxed: only this
+    # program adds, and the barrier orders them after the zeros; tl.histogram miscounted with 256 experts on
+    # H200, Triton 3.6)
+    j = tl.arange(0, ELP)
+    tl.store(msg_ptr + mrow[:, None] + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
+             mask=rmask[:, None] & (j < EL)[None, :])
+    tl.debug_barrier()
+    below = tl.zeros([BT, KP], dtype=tl.int64)
+    above = tl.zeros([BT, KP], dtype=tl.int64)
+    totals = tl.zeros([WP], dtype=tl.int32)
+    kk = tl.arange(0, KP)
+    # pass 1: the counts, and the tokens each rank receives
+    for start in range(0, T, BT):
+        tok = start + tl.arange(0, BT)
+        ok = tok < T
+        pair = ok[:, None] & (kk < K)[None, :]
+        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
+        below += (block < -1).to(tl.int64)
+        above += (block >= E).to(tl.int64)
+        expert = (block >= 0) & (block < E)
+        e = tl.where(expert, block, 0)
+        tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
+                      sem="relaxed")
+        hit = tl.zeros([BT, WP], dtype=tl.int32)
+        for k in tl.static_range(K):
+            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        totals += tl.sum(hit, axis=0)
+    # pass 2: row of (token, rank) = rows of the lower ranks + the rank's running count (from 1; 0: not sent)
+    carry = tl.cumsum(totals, axis=0) - totals
+    for start in range(0, T, BT):
+        tok = start + tl.arange(0, BT)
+        ok = tok < T
+        hit = tl.zeros([BT, WP], dtype=tl.int32)
+        for k in tl.static_range(K):
+            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        row = carry[None, :] + tl.cumsum(hit, axis=0)
+        tl.store(row_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
+                 mask=ok[:, None] & (ranks[None, :] < W))
+        carry += tl.sum(hit, axis=0)
+    # the rest of the counts message: row r = [ids below -1, ids from E up, rows for r, ...]
+    tl.store(msg_ptr + mrow, tl.sum(tl.sum(below, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
+    tl.store(msg_ptr + mrow + 1, tl.sum(tl.sum(above, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
+    tl.store(msg_ptr + mrow + 2, totals.to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def _layout_fixed_kernel(ids_ptr, slot_ptr, src_ptr, bad_ptr, T, T_IDS, C, K: tl.constexpr, KP: tl.constexpr,
+                         W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr):
+    """The fixed-capacity modes' send side (``_masked_layout`` + ``_sources``): slot of (token, rank) (rank r's
+    slots r*C + 1 ..., 0: not sent), the source token of each slot (T: padding) and the count of ids outside
+    [-1, E) over ``T_IDS`` tokens (an overflowing rank sends none: ``T`` = 0, and still counts its ids)."""
+    E: tl.constexpr = W * EL
+    ranks = tl.arange(0, WP)
+    kk = tl.arange(0, KP)
+    for start in range(0, W * C, BT):
+        s = start + tl.arange(0, BT)
+        tl.store(src_ptr + s, tl.zeros([BT], dtype=tl.int64) + T, mask=s < W * C)
+    bad = tl.zeros([BT, KP], dtype=tl.int32)
+    for start in range(0, T_IDS, BT):
+        tok = start + tl.arange(0, BT)
+        pair = (tok < T_IDS)[:, None] & (kk < K)[None, :]
+        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
+        bad += ((block < -1) | (block >= E)).to(tl.int32)
+    tl.store(bad_ptr, tl.sum(tl.sum(bad, axis=1), axis=0))
+    tl.debug_barrier()  # the padding fill above before the scatter below (the same addresses)
+    carry = ranks * C
+    for start in range(0, T, BT):
+        tok = start + tl.arange(0, BT)
+        ok = tok < T
+        hit = tl.zeros([BT, WP], dtype=tl.int32)
+        for k in tl.static_range(K):
+            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        row = carry[None, :] + tl.cumsum(hit, axis=0)
+        mine = ok[:, None] & (ranks[None, :] < W)
+        tl.store(slot_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
+                 mask=mine)
+        tl.store(src_ptr + (row - 1).to(tl.int64), tok[:, None].to(tl.int64) + tl.zeros([BT, WP], dtype=tl.int64),
+                 mask=mine & (hit > 0))
+        carry += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """fp32 ``q`` (``|q| <= 448``) -> its e4m3fn code as uint8, rounded to nearest, ties to even (as torch's
+    ``.to(float8_e4m3fn)``). Integer arithmetic rather than ``.to(tl.float8e4nv)``: the same on the GPU, and
+    Triton's interpreter rounds that cast wrongly where the mantissa carries into the exponent."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(q)
+    # normal (|q| >= 2**-6): keep 3 of the 23 mantissa bits, rounding the 20 dropped ones to nearest even
+    ab = a.to(tl.int32, bitcast=True)
+    r = (ab + 0x7FFFF + ((ab >> 20) & 1)) & ~0xFFFFF
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    # subnormal: a multiple of 2**-9 (code = the multiple; 8 is the smallest normal, code 8 too)
+    sub = ((a * 512.0 + _MAGIC) - _MAGIC).to(tl.int32)
+    return (tl.where(a >= 0.015625, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl.constexpr, WIRE: tl.constexpr,
+                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
+                 FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """One token's wire data (its first ``HL`` channels, zeros past them) into the send rows at byte offsets
+    ``base [WP]`` where ``sent``, and its scales into their side blocks (byte ``DP``): 0 where not ``valid``
+    (padding rows)."""
+    side = send_ptr + base + DP
+    if WIRE == 0:  # the activations' own dtype: copied
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0)
+            out = (send_ptr + base[:, None]).to(tl.pointer_type(v.dtype))
+            tl.store(out + offs[None, :], v[None, :], mask=sent[:, None] & (offs < H)[None, :])
+    elif WIRE == 1:  # FP8 e4m3, one fp32 scale per GROUP channels
+        for start in range(0, H, GB * GROUP):
+            g = start // GROUP + tl.arange(0, GB)
+            offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
+            scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
+            q = _e4m3_bits(q)
+            tl.store(send_ptr + base[:, None, None] + offs[None, :, :], q[None, :, :],
+                     mask=sent[:, None, None] & (offs < H)[None, :, :])
+            tl.store((side[:, None]).to(tl.pointer_type(tl.float32)) + g[None, :],
+                     tl.where(valid[:, None], scale[None, :], 0.0), mask=sent[:, None] & (g < NS)[None, :])
+    else:  # INT8, one fp32 scale per token
+        amax = tl.zeros([BH], dtype=tl.float32)
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax), FLOOR)
+        scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
+            q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+            tl.store((send_ptr + base[:, None]).to(tl.pointer_type(tl.int8)) + offs[None, :], q[None, :],
+                     mask=sent[:, None] & (offs < H)[None, :])
+        tl.store(side.to(tl.pointer_type(tl.float32)), tl.where(valid, scale, 0.0), mask=sent)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, H, B, DP, inv_qmax,
+                 K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIRE: tl.constexpr,
+                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr,
+                 QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """Exact normal mode: one program per token, writing every send row of it (``row``: 1-based, 0 none)."""
+    t = tl.program_id(0).to(tl.int64)
+    ranks = tl.arange(0, WP)
+    dst = tl.load(row_ptr + t * row_s0 + ranks.to(tl.int64) * row_s1, mask=ranks < W, other=0)  # 1-based, 0: none
+    sent = dst > 0
+    base = (dst - 1) * B  # byte offset of each send row
+    _store_token(x_ptr + t * x_stride, H, send_ptr, base, sent, sent, H, DP, inv_qmax, WP, WIRE, NS, GROUP, GB, BH,
+                 QMAX, FLOOR, RECIPROCAL)
+    side = send_ptr + base + DP
+    kk = tl.arange(0, KP)
+    ids = tl.load(ids_ptr + t * K + kk, mask=kk < K, other=0).to(tl.int32)
+    wts = tl.load(w_ptr + t * K + kk, mask=kk < K, other=0.0).to(tl.float32)
+    kmask = sent[:, None] & (kk < K)[None, :]
+    tl.store((side[:, None] + 4 * NS).to(tl.pointer_type(tl.int32)) + kk[None, :], ids[None, :], mask=kmask)
+    tl.store((side[:, None] + 4 * (NS + K)).to(tl.pointer_type(tl.float32)) + kk[None, :], wts[None, :], mask=kmask)
+
+
+@triton.jit
+def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, T, T_IN, H, HL, B, DP, inv_qmax,
+                       K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr,
+                       GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                       RECIPROCAL: tl.constexpr):
+    """The fixed-capacity modes: one program per send slot ``s`` (``src[s]``: its token, T for padding). A padding
+    slot holds the last token's data (zeros without tokens), scales 0, ids -1, weights 0, as ``_wire_rows`` +
+    ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count)."""
+    s = tl.program_id(0).to(tl.int64)
+    one = tl.arange(0, 1)
+    t_src = tl.load(src_ptr + s + one)
+    valid = t_src < T
+    t_load = tl.minimum(t_src, T - 1)
+    t_load = tl.maximum(t_load, 0)
+    base = s * B + one * 0
+    sent = one == 0
+    x_row = x_ptr + tl.sum(t_load) * x_stride
+    _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, 1, WIRE, NS, GROUP, GB,
+                 BH, QMAX, FLOOR, RECIPROCAL)
+    side = send_ptr + base + DP
+    kk = tl.arange(0, KP)
+    pick = valid[:, None] & (kk < K)[None, :]
+    ids = tl.load(ids_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=-1).to(tl.int32)
+    wts = tl.load(w_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=0.0).to(tl.float32)
+    kmask = (kk < K)[None, :] & sent[:, None]
+    tl.store((side[:, None] + 4 * NS).to(tl.pointer_type(tl.int32)) + kk[None, :], ids, mask=kmask)
+    tl.store((side[:, None] + 4 * (NS + K)).to(tl.pointer_type(tl.float32)) + kk[None, :], wts, mask=kmask)
+    counts = side + 4 * (NS + 2 * K)
+    tl.store(counts.to(tl.pointer_type(tl.int32)), tl.load(bad_ptr + one * 0).to(tl.int32))
+    tl.store((counts + 4).to(tl.pointer_type(tl.int32)), (T_IN + one * 0).to(tl.int32))
+
+
+@triton.jit
+def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, counts_ptr, B, DP, WORDS, first,
+                   ROWS: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                   W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BD: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid == 0:  # received (token, expert) pairs per local expert, from the counts message
+        ranks = tl.arange(0, WP)
+        j = tl.arange(0, ELP)
+        m = tl.load(msg_ptr + ranks[:, None] * (3 + EL) + 3 + j[None, :],
+                    mask=(ranks < W)[:, None] & (j < EL)[None, :], other=0)
+        tl.store(counts_ptr + j, tl.sum(m, axis=0).to(tl.int32), mask=j < EL)
+    if ROWS:  # (no rows: one program, for the counts; a value-keyed row count would miss launch's cache)
+        r = pid.to(tl.int64)
+        src = recv_ptr + r * B
+        for start in range(0, WORDS, BD):
+            offs = start + tl.arange(0, BD)
+            v = tl.load(src.to(data_ptr.dtype) + offs, mask=offs < WORDS)  # data words (data_ptr's type)
+            tl.store(data_ptr + r * WORDS + offs, v, mask=offs < WORDS)
+        side = src + DP
+        if NS > 0:
+            s = tl.arange(0, NSP)
+            tl.store(scale_ptr + r * NS + s, tl.load(side.to(tl.pointer_type(tl.float32)) + s, mask=s < NS),
+                     mask=s < NS)
+        kk = tl.arange(0, KP)
+        ids = tl.load((side + 4 * NS).to(tl.pointer_type(tl.int32)) + kk, mask=kk < K, other=-1)
+        wts = tl.load((side + 4 * (NS + K)).to(tl.pointer_type(tl.float32)) + kk, mask=kk < K, other=0.0)
+        mine = (ids >= first) & (ids < first + EL)
+        tl.store(lid_ptr + r * K + kk, tl.where(mine, ids - first, -1), mask=kk < K)
+        tl.store(w_ptr + r * K + kk, tl.where(mine, wts, 0.0), mask=kk < K)
+
+
+@triton.jit
+def _reduce_kernel(back_ptr, row_ptr, row_s0, row_s1, out_ptr, H, W: tl.constexpr, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for r in tl.static_range(W):
+        src = tl.load(row_ptr + t * row_s0 + r * row_s1)  # 1-based returned row, 0: not sent there (a zero row)
+        v = tl.load(back_ptr + (src - 1) * H + offs, mask=ok & (offs * 0 + src > 0), other=0.0).to(tl.float32)
+        acc = v if r == 0 else acc + v
+    res = _round_to(acc, back_ptr.dtype.element_ty)  # as torch: in the rows' dtype, then the tokens'
+    if out_ptr.dtype.element_ty != back_ptr.dtype.element_ty:
+        res = _round_to(res.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + offs, res, mask=ok)
+
+
+@triton.jit
+def _round_to(v, dtype: tl.constexpr):
+    """fp32 ``v`` in ``dtype``, rounded to nearest even as torch's ``.to()``. bf16 by its bits: Triton's
+    interpreter truncates an fp32 -> bf16 cast (the GPU rounds; the two now agree)."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float32:
+        return v
+    else:
+        return v.to(dtype)
+
+
+# --------------------------------------------------------------------------- the launches
+
+
+def _reciprocal(device: torch.device) -> bool:
+    """Whether torch divides a tensor by a Python scalar as a multiplication by its fp32 reciprocal on
+    ``device`` (CUDA does; the CPU divides): the scale's ``amax / 448`` must round as the core quantizer's."""
+    return device.type == "cuda"
+
+
+def _row_layout(wire: WireDtype, hidden: int, element_size: int, top_k: int,
+                in_band: bool = False) -> tuple[int, int, int]:
+    """(data bytes, byte offset of the side block, row bytes) of a send row (``in_band``: the fixed-capacity
+    modes' side block, which ends with the sender's bad-id and token counts)."""
+    data = hidden * (element_size if wire is WireDtype.BF16 else 1)
+    dp = -(-data // 16) * 16
+    side = 4 * (_scale_words(wire, hidden) + 2 * top_k + (2 if in_band else 0))
+    return data, dp, -(-(dp + side) // 16) * 16
+
+
+def _scale_words(wire: WireDtype, hidden: int) -> int:
+    if wire is WireDtype.FP8:
+        return -(-hidden // quant.FP8_GROUP)
+    return 1 if wire is WireDtype.INT8 else 0
+
+
+def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    t, k = ids.shape
+    ids = ids.contiguous()
+    row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
+    msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
+    launch(_layout_kernel, (1,), ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
+           ELP=_pow2(num_local), BT=_layout_block(t), num_warps=_layout_warps(t))
+    return row.T, msg
+
+
+def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
+                 overflow: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    t_ids, k = ids.shape
+    t = 0 if overflow else t_ids
+    ids = ids.contiguous()
+    slot = torch.empty(world, t, dtype=torch.int64, device=ids.device)
+    src = torch.empty(world * capacity, dtype=torch.int64, device=ids.device)
+    bad = torch.empty((), dtype=torch.int32, device=ids.device)
+    launch(_layout_fixed_kernel, (1,), ids, slot, src, bad, t, t_ids, capacity, K=k, KP=_pow2(k), W=world,
+           WP=_pow2(world), EL=num_local, BT=_layout_block(max(t_ids, world * capacity)),
+           num_warps=_layout_warps(max(t_ids, world * capacity)))
+    return slot.T, src, bad
+
+
+def _layout_block(n: int) -> int:
+    """Tokens per step of the one-program layouts (more per step: fewer serial steps on large batches)."""
+    return max(16, min(1024, _pow2(n)))
+
+
+def _layout_warps(n: int) -> int:
+    return 8 if _layout_block(n) >= 512 else 4
+
+
+def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, wire: WireDtype,
+         n_send: int) -> torch.Tensor:
+    t, h = x.shape
+    k = ids.shape[1]
+    world = row.shape[1]
+    _, dp, b = _row_layout(wire, h, x.element_size(), k)
+    send = torch.empty(n_send, b, dtype=torch.uint8, device=x.device)
+    if t == 0:
+        return send
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
+    floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
+    group = quant.FP8_GROUP
+    launch(_pack_kernel, (t,), x, x.stride(0), ids.contiguous(), weights.contiguous(), row, row.stride(0),
+           row.stride(1), send, h, b, dp,
+                       _INV_QMAX[wire],
+                       K=k, KP=_pow2(k), W=world, WP=_pow2(world), WIRE=_WIRE_CODE[wire],
+                       NS=_scale_words(wire, h), GROUP=group, GB=max(1, min(8, _pow2(h) // group)),
+                       BH=min(2048, _pow2(h)), QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
+    return send
+
+
+def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+               bad_ids: torch.Tensor, wire: WireDtype) -> torch.Tensor:
+    t, h = x.shape
+    k = ids.shape[1]
+    _, dp, b = _row_layout(wire, h, x.element_size(), k, in_band=True)
+    send = torch.empty(src.shape[0], b, dtype=torch.uint8, device=x.device)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
+    floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
+    group = quant.FP8_GROUP
+    if src.shape[0]:
+        launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src, bad_ids,
+                                            send, t, num_tokens, h, h if t else 0, b, dp,
+                                            _INV_QMAX[wire],
+                                            K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
+                                            GROUP=group, GB=max(1, min(8, _pow2(h) // group)), BH=min(2048, _pow2(h)),
+                                            QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
+    return send
+
+
+def split_fixed(recv: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int,
+                top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data_bytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k, in_band=True)
+    words = _scale_words(wire, hidden) + 2 * top_k + 2
+    return recv[:, :data_bytes], recv[:, dp:dp + 4 * words].view(torch.int32)
+
+
+def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int, top_k: int,
+           rank: int, num_local: int):
+    r = recv.shape[0]
+    dev = recv.device
+    data_dtype = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
+    nbytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k)
+    if recv.shape[1] != b:
+        raise ValueError(f"received rows of {recv.shape[1]} bytes, expected {b} (a send row of this layer)")
+    ns = _scale_words(wire, hidden)
+    data = torch.empty(r, hidden, dtype=data_dtype, device=dev)
+    scale = torch.empty(r, ns, dtype=torch.float32, device=dev) if ns else None
+    lids = torch.empty(r, top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(r, top_k, dtype=torch.float32, device=dev)
+    counts = torch.empty(num_local, dtype=torch.int32, device=dev)
+    word = next(w for w in (4, 2, 1) if nbytes % w == 0)
+    world = msg.shape[0]
+    words = data.view(torch.uint8).view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
+    launch(_unpack_kernel, (max(r, 1),), recv, msg, words, scale if ns else weights, lids, weights, counts,
+                                 b, dp, nbytes // word, rank * num_local, ROWS=r > 0, NS=ns, NSP=_pow2(ns),
+                                 K=top_k, KP=_pow2(top_k), W=world, WP=_pow2(world), EL=num_local,
+                                 ELP=_pow2(num_local), BD=1024, num_warps=4)
+    return data, scale, lids, weights, counts
+
+
+def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t, world = row.shape
+    h = back.shape[1]
+    out = torch.empty(t, h, dtype=dtype, device=back.device)
+    if t:
+        bh = min(4096, _pow2(h))
+        launch(_reduce_kernel, (t, triton.cdiv(h, bh)), back, row, row.stride(0), row.stride(1), out, h, W=world,
+               BH=bh, num_warps=4)
+    return out
+
+
+KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
+                          pack_fixed=pack_fixed, split_fixed=split_fixed)

@@ -1,0 +1,153 @@
+"""torch_a2a's fused exact-normal kernels (decision 63) against the torch functions they replace, byte for byte:
+the layout (rows, counts message), pack + unpack (wire codes, scales, ids made local, weights, counts) and
+combine's reduce. On the CPU the kernels run in Triton's interpreter (conftest); on a GPU, compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_core.contracts import WireDtype
+from moe_core.distributed import torch_a2a as ta
+from moe_core.testing.data import make_hidden
+
+a2a = pytest.importorskip("moe_plugin_cuda.triton.a2a")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+WIRES = (WireDtype.BF16, WireDtype.FP8, WireDtype.INT8)
+
+
+def _ids(t: int, k: int, e: int, gen: torch.Generator, bad: bool = False) -> torch.Tensor:
+    """Distinct experts per token, some -1, and (``bad``) a few ids outside [-1, E)."""
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]) if t else torch.empty(0, k, dtype=torch.int64)
+    ids[torch.rand(t, k, generator=gen) < 0.15] = -1
+    if bad and t:
+        ids[0, 0] = e + 3
+        ids[-1, -1] = -5
+    return ids.to(DEV)
+
+
+CASES = [(0, 4, 2, 8), (1, 4, 2, 8), (37, 4, 2, 8), (300, 8, 2, 128), (5, 3, 3, 4), (129, 6, 4, 16), (64, 2, 1, 8)]
+
+
+@pytest.mark.parametrize("t,k,world,el", CASES)
+@pytest.mark.parametrize("bad", [False, True])
+def test_layout_matches_torch(t, k, world, el, bad):
+    gen = torch.Generator().manual_seed(t * 7 + k + world)
+    ids = _ids(t, k, world * el, gen, bad)
+    row, msg = a2a.layout(ids, world, el)
+    row_ref, msg_ref = ta._normal_layout(ids, world, el)
+    assert row.shape == (t, world) and torch.equal(row, row_ref)
+    assert torch.equal(msg[0], msg_ref[0])
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("t,h,k,world,el,dtype", [(0, 256, 4, 2, 8, torch.bfloat16), (1, 256, 4, 2, 8, torch.bfloat16),
+                                                  (23, 200, 4, 2, 8, torch.bfloat16), (17, 129, 3, 3, 4, torch.float32),
+                                                  (40, 384, 8, 4, 4, torch.bfloat16)])
+def test_pack_unpack_match_torch(wire, t, h, k, world, el, dtype):
+    gen = torch.Generator().manual_seed(t + h + k)
+    x = make_hidden(t, h, dtype, gen).to(DEV)
+    if t:  # an all-zero row (the quantizers' scale floor) and one large outlier
+        x[0] = 0
+        x[-1, h // 2] = 300.0
+    ids = _ids(t, k, world * el, gen)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    row, msg = a2a.layout(ids, world, el)
+    n_send = int((row > 0).sum())
+    send = a2a.pack(x, ids, weights, row, wire, n_send)
+
+    # the torch path's rows, in send-buffer order
+    q, scale, meta = ta._normal_wire_rows(x, ids, weights, wire)
+    src = ta._sources(row, world * t, None)[1:n_send + 1]
+    for rank in range(world):  # unpack the send buffer as if every row came to ``rank``
+        data, sc, lids, w, counts = a2a.unpack(send, msg[0], wire, x.dtype, h, k, rank, el)
+        assert torch.equal(ta._bytes(data), ta._gather_rows(ta._bytes(q), src)), "wire data"
+        sc_ref, lids_ref, w_ref = ta._normal_received(meta.index_select(0, src), ta._scale_words(wire, h), k,
+                                                      ta._local_table(rank, el, world * el, x.device))
+        if sc_ref is None:
+            assert sc is None
+        else:
+            assert torch.equal(sc.view(torch.int32), sc_ref.view(torch.int32)), "scales"
+        assert lids.dtype == lids_ref.dtype and torch.equal(lids, lids_ref), "local ids"
+        assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32)), "weights"
+        assert torch.equal(counts, msg[0, :, 3:].sum(0, dtype=torch.int32)), "per-expert counts"
+
+
+@pytest.mark.parametrize("t,h,world,dtype", [(0, 64, 2, torch.bfloat16), (1, 64, 2, torch.bfloat16),
+                                             (33, 200, 2, torch.bfloat16), (9, 100, 4, torch.float32),
+                                             (12, 96, 3, torch.float16)])
+def test_reduce_matches_torch(t, h, world, dtype):
+    gen = torch.Generator().manual_seed(t + h)
+    ids = _ids(t, 4, world * 4, gen)
+    row, _ = a2a.layout(ids, world, 4)
+    n = int((row > 0).sum())
+    back = make_hidden(n, h, dtype, gen).to(DEV)
+    out = a2a.reduce(back, row, torch.bfloat16)
+    table = torch.cat([back.new_zeros(1, h), back])
+    ref = ta._reduce_pairs_loop(table, row, None).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+@triton.jit
+def _e4m3_probe(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, a2a._e4m3_bits(tl.load(x_ptr + offs)))
+
+
+def test_e4m3_rounding_matches_torch():
+    """Every e4m3fn value, the midpoints between neighbours (ties to even) and one fp32 step either side."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = codes[torch.isfinite(codes) & (codes >= 0)].unique().sort().values  # 0 .. 448
+    mids = (pos[1:] + pos[:-1]) / 2
+    near = torch.cat([pos, mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)),
+                      torch.rand(2000) * 448, torch.rand(2000) / 64])
+    x = torch.cat([near, -near]).clamp(-448, 448)
+    n = triton.next_power_of_2(x.numel())
+    x = torch.cat([x, x.new_zeros(n - x.numel())]).to(DEV)
+    out = torch.empty(n, dtype=torch.uint8, device=DEV)
+    _e4m3_probe[(1,)](x, out, N=n)
+    assert torch.equal(out, x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("t,h,k,world,el,cap,dtype", [(0, 256, 4, 2, 8, 5, torch.bfloat16),
+                                                      (1, 256, 4, 2, 8, 3, torch.bfloat16),
+                                                      (23, 200, 4, 2, 8, 23, torch.bfloat16),
+                                                      (17, 129, 3, 3, 4, 20, torch.float32)])
+def test_pack_fixed_matches_torch(wire, t, h, k, world, el, cap, dtype):
+    """The fixed-capacity send rows (worst-case normal and masked mode), padding slots and in-band counts included."""
+    gen = torch.Generator().manual_seed(t + h + cap)
+    x = make_hidden(t, h, dtype, gen).to(DEV)
+    ids = _ids(t, k, world * el, gen)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    slot, bad = ta._masked_layout(ids, world, el, cap, world * el, False)
+    src = ta._sources(slot, cap * world, t)[1:]
+    send = a2a.pack_fixed(x, ids, weights, src, t + 2, bad + 3, wire)
+    data, meta = a2a.split_fixed(send, wire, x.dtype, h, k)
+
+    m = ta._scale_words(wire, h) + 2 * k + 2
+    q, _, meta_ref = ta._wire_rows(x, ids, weights, wire, m, t + 2, bad + 3)
+    data_ref = ta._bytes(q)
+    data_ref = ta._gather_rows(data_ref, src.clamp(max=t - 1)) if t else data_ref.new_zeros(cap * world, data_ref.shape[1])
+    assert torch.equal(data, data_ref), "wire data"
+    assert torch.equal(meta, meta_ref.index_select(0, src)), "side blocks"
+
+
+@pytest.mark.parametrize("t,k,world,el,cap", [(0, 4, 2, 8, 5), (1, 4, 2, 8, 1), (37, 4, 2, 8, 40), (300, 8, 2, 128, 300),
+                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (12, 4, 2, 8, 9)])
+@pytest.mark.parametrize("bad", [False, True])
+def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
+    """Slots, source tokens (padding T) and bad-id count of the fixed-capacity modes; over capacity (the last case)
+    the rank sends no tokens and still counts its ids."""
+    gen = torch.Generator().manual_seed(t * 5 + k + cap)
+    ids = _ids(t, k, world * el, gen, bad)
+    overflow = t > cap
+    slot, src, nbad = a2a.layout_fixed(ids, world, el, cap, overflow)
+    slot_ref, bad_ref = ta._masked_layout(ids, world, el, cap, world * el, overflow)
+    src_ref = ta._sources(slot_ref, cap * world, 0 if overflow else t)[1:]
+    assert slot.shape == slot_ref.shape and torch.equal(slot, slot_ref)
+    assert torch.equal(src, src_ref)
+    assert nbad.dtype == bad_ref.dtype and nbad.shape == bad_ref.shape and torch.equal(nbad, bad_ref)
