@@ -150,4 +150,4 @@ def test_hand_written_contract_inits_trace_under_fullgraph_compile():
     torch._dynamo.reset()
     got = torch.compile(build, fullgraph=True, backend="eager")(x, s, counts, w, ids)
     want = build(x, s, counts, w, ids)
-    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])) and got[3] is True
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)) and got[3] is True

@@ -110,7 +110,13 @@ def check_graph_replay(backend, quant, options):
     assert layer.plan.graph_safe
     T = 96
     x = torch.randn(T, cfg.hidden_size, device="cuda").to(cfg.params_dtype)
-    topk = random_topk(T, cfg)
+    replay_on_new_inputs(layer, x, random_topk(T, cfg), ref, TOL[quant])
+
+
+def replay_on_new_inputs(layer, x, topk, expected, tol):
+    """One forward of ``layer`` captured in a CUDA graph (after a warm-up on a side stream), then replayed twice
+    on new tokens and routing written into the captured ``x`` and ``topk``: each replay against
+    ``expected(x, topk)`` within ``tol``."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -119,14 +125,14 @@ def check_graph_replay(backend, quant, options):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = layer(x, topk)
-    for _ in range(2):  # new inputs in the captured buffers, replay, compare
+    for _ in range(2):
         x.copy_(torch.randn_like(x))
-        new = random_topk(T, cfg)
+        new = random_topk(x.shape[0], layer.config)
         topk.weights.copy_(new.weights)
         topk.ids.copy_(new.ids)
         g.replay()
         torch.cuda.synchronize()
-        assert relative_error(out, ref(x, topk)) < TOL[quant]
+        assert relative_error(out, expected(x, topk)) < tol
 
 
 def check_compiled(backend, quant, options):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from cuda_layer_cases import TOL, layers, needs_gpu, random_topk
+from cuda_layer_cases import TOL, layers, needs_gpu, random_topk, replay_on_new_inputs
 
 from moe_core.reference.oracle import moe_float64, relative_error
 
@@ -222,22 +222,7 @@ def test_decode_cuda_graph_capture_replay(backend, quant):
         need_cutlass()
     for T in (1, 5):
         layer, expected, x, topk = _gpu_case(backend, quant, 8, T, cuda_graph=True, **SIZES[backend])
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            layer(x, topk)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = layer(x, topk)
-        for _ in range(2):  # new inputs in the captured buffers, replay, compare
-            x.copy_(torch.randn_like(x))
-            new = random_topk(T, layer.config)
-            topk.weights.copy_(new.weights)
-            topk.ids.copy_(new.ids)
-            g.replay()
-            torch.cuda.synchronize()
-            assert relative_error(out, expected(x, topk)) < TOL[quant]
+        replay_on_new_inputs(layer, x, topk, expected, TOL[quant])
 
 
 @needs_gpu

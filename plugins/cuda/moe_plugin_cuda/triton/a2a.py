@@ -52,6 +52,18 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
+def _rank_hits(ids_ptr, tok, ok, ranks, K: tl.constexpr, E: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr,
+               WP: tl.constexpr):
+    """int32 ``[BT, WP]``: 1 where token ``tok`` has an expert (id in [0, E)) on rank ``ranks``, else 0."""
+    hit = tl.zeros([BT, WP], dtype=tl.int32)
+    for k in tl.static_range(K):
+        ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
+        dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
+        hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+    return hit
+
+
+@triton.jit
 def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
                    WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BT: tl.constexpr):
     E: tl.constexpr = W * EL
@@ -81,22 +93,14 @@ def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constex
         e = tl.where(expert, block, 0)
         tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
                       sem="relaxed")
-        hit = tl.zeros([BT, WP], dtype=tl.int32)
-        for k in tl.static_range(K):
-            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
-            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
-            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
         totals += tl.sum(hit, axis=0)
     # pass 2: row of (token, rank) = rows of the lower ranks + the rank's running count (from 1; 0: not sent)
     carry = tl.cumsum(totals, axis=0) - totals
     for start in range(0, T, BT):
         tok = start + tl.arange(0, BT)
         ok = tok < T
-        hit = tl.zeros([BT, WP], dtype=tl.int32)
-        for k in tl.static_range(K):
-            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
-            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
-            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
         row = carry[None, :] + tl.cumsum(hit, axis=0)
         tl.store(row_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
                  mask=ok[:, None] & (ranks[None, :] < W))
@@ -131,11 +135,7 @@ def _layout_fixed_kernel(ids_ptr, slot_ptr, src_ptr, bad_ptr, T, T_IDS, C, K: tl
     for start in range(0, T, BT):
         tok = start + tl.arange(0, BT)
         ok = tok < T
-        hit = tl.zeros([BT, WP], dtype=tl.int32)
-        for k in tl.static_range(K):
-            ids = tl.load(ids_ptr + tok.to(tl.int64) * K + k, mask=ok, other=-1)
-            dest = tl.where((ids >= 0) & (ids < E), ids // EL, -1).to(tl.int32)
-            hit = tl.maximum(hit, (dest[:, None] == ranks[None, :]).to(tl.int32))
+        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
         row = carry[None, :] + tl.cumsum(hit, axis=0)
         mine = ok[:, None] & (ranks[None, :] < W)
         tl.store(slot_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
