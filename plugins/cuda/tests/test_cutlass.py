@@ -208,7 +208,9 @@ def test_unquantized_pipeline_interpreter(T, E, K, H, inter, dtype, interleaved,
                                     w13_interleaved=interleaved)
     assert out.shape == (T, H) and out.dtype == dtype
     ref = moe_float64(x, w, ids, w13, w2, routed_scaling_factor=1.5)
-    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # bf16: five roundings of 2^-8 each; at T = 1 (one token, 3 slots) the error over 60 draws had median 0.7% and
+    # max 1.0% (a CI run drew 1.03% against an earlier 1e-2), so 2e-2; a wrong result is off by O(1)
+    assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
