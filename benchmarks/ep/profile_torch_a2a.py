@@ -18,7 +18,6 @@ import shutil
 import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_deepep import Timer  # noqa: E402
 from bench_torch_a2a import MODES, torch_a2a_options  # noqa: E402
 
 from moe_core import MoEConfig, TopK  # noqa: E402
@@ -54,20 +54,14 @@ def make(rank: int, world: int, tokens: int, mode: str, wire: str):
 
 
 def times(fn, iters: int) -> tuple[float, float]:
-    """(device us, host us) medians, each call from an idle GPU after a barrier."""
-    dev, host = [], []
+    """(device us, host us) medians, each call from an idle GPU after a barrier (``bench_deepep.Timer``)."""
+    timer, dev, host = Timer(), [], []
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        b.record()
-        b.synchronize()
-        dev.append(a.elapsed_time(b) * 1e3)
-        host.append((t1 - t0) * 1e6)
+        us, host_us = timer(fn)
+        dev.append(us)
+        host.append(host_us)
     return statistics.median(dev), statistics.median(host)
 
 
