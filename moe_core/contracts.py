@@ -47,6 +47,7 @@ __all__ = [
     "E2M1_GRID",
     "dequantize_fp8_per_token_group",
     "dequantize_nvfp4",
+    "masked_dispatch_unchecked",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -106,7 +107,11 @@ _BF16, _NVFP4 = WireDtype.BF16, WireDtype.NVFP4
 # identity); eager, it is one frame returning False, where is_compiling() is two and reads a flag that is True
 # beyond dynamo only while export or a compile session runs Python for real, on tensors whose version
 # counters move as in eager code (docs/decisions.md, entry 61)
-_dynamo_tracing, _cuda_capturing = torch.compiler.is_dynamo_compiling, torch.cuda.is_current_stream_capturing
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+# the capture query without torch.cuda's Python wrapper around it (one frame fewer: the dearest check of a
+# low-latency dispatch, docs/decisions.md entry 64); a CPU-only torch has no such binding (nor CUDA tensors)
+_cuda_capturing = (torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_CudaStreamBase")
+                   else torch.cuda.is_current_stream_capturing)
 
 
 def _set_fields(obj: Any, **fields: Any) -> None:
@@ -355,6 +360,28 @@ class EPMaskedDispatch(DispatchOutput):
             _set_fields(self, hidden=hidden, masked_m=masked_m, topk=topk, handle=handle)
         else:
             self.__dict__.update(hidden=hidden, masked_m=masked_m, topk=topk, handle=handle)
+
+
+_new = object.__new__
+
+
+def masked_dispatch_unchecked(data: torch.Tensor, dtype: WireDtype, scale: Optional[torch.Tensor], ue8m0: bool,
+                              masked_m: torch.Tensor, topk: TopK, handle: Any) -> EPMaskedDispatch:
+    """``EPMaskedDispatch(QuantizedActivations(data, dtype, scale, None, ue8m0), masked_m, topk, handle)``
+    without ``QuantizedActivations``' checks, for a dispatcher whose results are valid by construction: the
+    caller guarantees ``dtype`` is bf16 with ``scale=None`` or FP8 / INT8 with a scale (no NVFP4: no global
+    scale here). The same objects, equal to the checked ones, at about the cost of one (both ``__dict__``s
+    filled directly; one is made per low-latency dispatch, after its launch: docs/decisions.md entry 64).
+    While dynamo traces, the public constructors build them."""
+    if _dynamo_tracing():
+        return EPMaskedDispatch(QuantizedActivations(data, dtype, scale, None, ue8m0), masked_m, topk, handle)
+    hidden = _new(QuantizedActivations)
+    f = hidden.__dict__
+    f["data"], f["dtype"], f["scale"], f["global_scale"], f["ue8m0"] = data, dtype, scale, None, ue8m0
+    out = _new(EPMaskedDispatch)
+    f = out.__dict__
+    f["hidden"], f["masked_m"], f["topk"], f["handle"] = hidden, masked_m, topk, handle
+    return out
 
 
 # --------------------------------------------------------------------------- combine inputs

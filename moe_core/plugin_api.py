@@ -25,6 +25,7 @@ from moe_core.contracts import (
     StandardDispatch,
     TopK,
     WireDtype,
+    masked_dispatch_unchecked,
 )
 from moe_core.devices import DeviceKind, local_device_kind
 from moe_core.distributed.torch_a2a import TorchA2AKernels, register_torch_a2a_kernels
@@ -41,5 +42,6 @@ __all__ = [
     "EPNormalDispatch", "Experts", "Format", "FusedMoE", "HOOKSPEC_VERSION", "MoEConfig", "MoELayer", "PRESETS",
     "QuantScheme", "QuantizedActivations", "Reason", "Role", "RouterConfig", "StandardCombine", "StandardDispatch",
     "TopK", "TorchA2AKernels", "WireDtype", "available", "balanced_correction_bias", "from_exception", "hookimpl", "local_device_kind",
+    "masked_dispatch_unchecked",
     "preset", "quant", "register_torch_a2a_kernels", "route", "unavailable",
 ]

@@ -180,6 +180,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
         "Python bytecodes: moe-core / direct (before DeepEP's first call) | "
         "torch ops outside DeepEP: moe-core / direct |\n|---|---|---|---|---|---|---|")
     for mode, tokens in (("normal", args.normal_tokens), ("low_latency", 128)):
+        if mode not in args.modes:
+            continue
         for wire in ("bf16", "fp8"):
             for stage, (mc, direct) in case(mode, wire, tokens, args).items():
                 (m_us, m_pre), (d_us, d_pre) = host_us(mc, args.iters), host_us(direct, args.iters)
@@ -205,6 +207,7 @@ def main() -> int:
                     help="normal mode's tokens a rank (the bench's 4096 makes the CPU's own op time dominate)")
     ap.add_argument("--int32-ids", dest="int64_ids", action="store_false",
                     help="moe-core's TopK made from int32 ids (default: int64, as a router hands them over)")
+    ap.add_argument("--modes", nargs="+", choices=("normal", "low_latency"), default=("normal", "low_latency"))
     ap.add_argument("--profile", action="store_true", help="cProfile's top functions of each moe-core call")
     args = ap.parse_args()
     with socket.socket() as s:

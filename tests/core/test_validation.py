@@ -151,3 +151,41 @@ def test_hand_written_contract_inits_trace_under_fullgraph_compile():
     got = torch.compile(build, fullgraph=True, backend="eager")(x, s, counts, w, ids)
     want = build(x, s, counts, w, ids)
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)) and got[3] is True
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp8"])
+def test_masked_dispatch_unchecked_is_the_checked_result(wire):
+    """``masked_dispatch_unchecked`` (a dispatcher's hot path, decision 64) builds the same public objects as
+    the checked constructors: equal, the same fields in ``__dict__``, frozen, replaceable (which checks again),
+    picklable; and it traces under ``torch.compile(fullgraph=True)``."""
+    import dataclasses
+    import pickle
+
+    from moe_core.contracts import EPMaskedDispatch, QuantizedActivations, TopK, WireDtype, masked_dispatch_unchecked
+
+    fp8 = wire == "fp8"
+    x, counts = torch.randn(2, 5, 256), torch.randint(0, 5, (2,), dtype=torch.int32)
+    s = torch.rand(2, 5, 2) if fp8 else None
+    topk = TopK(torch.rand(3, 2), torch.randint(-1, 4, (3, 2)))
+    dtype = WireDtype.FP8 if fp8 else WireDtype.BF16
+    fast = masked_dispatch_unchecked(x, dtype, s, fp8, counts, topk, ("handle",))
+    slow = EPMaskedDispatch(QuantizedActivations(x, dtype, s, None, fp8), counts, topk, ("handle",))
+    assert type(fast) is EPMaskedDispatch and type(fast.hidden) is QuantizedActivations
+    assert fast == slow and fast.hidden == slow.hidden and fast.handle == ("handle",)
+    assert vars(fast) == vars(slow) and vars(fast.hidden) == vars(slow.hidden)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.hidden.data = x
+    if fp8:
+        with pytest.raises(ValueError, match="fp8 activations need a scale tensor"):
+            dataclasses.replace(fast.hidden, scale=None)
+    back = pickle.loads(pickle.dumps(fast))
+    assert torch.equal(back.hidden.data, x) and back.hidden.dtype is dtype and back.masked_m.tolist() == counts.tolist()
+
+    def build(x, s, counts, w, ids):
+        d = masked_dispatch_unchecked(x, dtype, s, fp8, counts, TopK(w, ids), None)
+        return d.hidden.data * 2, d.masked_m + 1, d.topk.weights * 2, d.hidden.ue8m0
+
+    torch._dynamo.reset()
+    got = torch.compile(build, fullgraph=True, backend="eager")(x, s, counts, topk.weights, topk.ids)
+    want = build(x, s, counts, topk.weights, topk.ids)
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3], strict=True)) and got[3] is fp8

@@ -55,6 +55,7 @@ from moe_core.plugin_api import (
     QuantizedActivations,
     TopK,
     WireDtype,
+    masked_dispatch_unchecked,
     quant,
 )
 from moe_plugin_cuda.probes import deepep_num_max, deepep_problems
@@ -63,6 +64,8 @@ __all__ = ["DeepEPDispatcher", "BufferRegistry", "BUFFERS", "Pending", "unpack_u
 
 WIRE_DTYPES = (WireDtype.BF16, WireDtype.FP8)
 _Tensor, _BF16 = torch.Tensor, torch.bfloat16  # (global reads on the hot paths)
+# a named tuple made from its fields' tuple in one C call: its generated __new__ is a Python frame around it
+_new_tuple = tuple.__new__
 # DeepEP's low-latency buffer has two halves used in turn: a third call issued before the first was
 # received would overwrite data still being read (DeepEP #166, #513). Enforced on the async API.
 MAX_LOW_LATENCY_IN_FLIGHT = 2
@@ -260,6 +263,10 @@ class DeepEPDispatcher(Dispatcher):
         # one lookup (docs/decisions.md, entry 61)
         tokens = range(self.max_tokens + 1) if self.low_latency else ()
         self._ll_x_shapes = frozenset((t, self.hidden) for t in tokens)
+        # low_latency_dispatch's arguments after (x, topk_idx, num_max, num_experts), positionally in v1.2.1's
+        # order: no stats tensors, use_fp8, round_scale, use_ue8m0, async_finish / return_recv_hook at DeepEP's
+        # defaults (False): a call with keywords costs ~2x (a ** call 3x)
+        self._ll_dispatch_args = (self.num_max, self.num_experts, None, None, self.fp8, self.ue8m0, self.ue8m0)
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -285,23 +292,30 @@ class DeepEPDispatcher(Dispatcher):
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         if self.low_latency:
             # the hot path (decode; the GPU idles until DeepEP's launch): the buffer's state, TopK's int64
-            # ids, a few compares and one set lookup of x's shape, then the launch; the ids' top_k is checked
-            # and the results are built after it. Anything else (a cast, a refusal, the buffer's bookkeeping)
-            # takes the checked path.
+            # ids, the input's class and dtype and one set lookup of its shape, then the launch; the ids'
+            # top_k is checked and the results are built after it, at about a tuple's cost each. Anything
+            # else (a cast, a refusal, the buffer's bookkeeping) takes the checked path (docs/decisions.md,
+            # entries 61 and 64).
             x, buf, idx = hidden_states, self._entry.low_latency_ready, topk.ids_int64(False)
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
-                    and x.is_contiguous() and x.shape in self._ll_x_shapes):
-                try:  # DeepEP checks the ids against x (2-D, as many rows) before it launches anything
-                    # (async_finish and return_recv_hook at DeepEP's defaults, False: a ** call costs 3x as much)
-                    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(
-                        x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
-                        use_ue8m0=self.ue8m0)
+                    and x.shape in self._ll_x_shapes):
+                try:  # DeepEP checks x's layout and the ids against x (2-D, as many rows) before it launches
+                    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, *self._ll_dispatch_args)
                 except Exception:
-                    self._validate(x, topk)  # raises the contract's error if the input is at fault
-                    raise
-                if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
-                    self._validate(x, topk)
-                return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, x.dtype)
+                    if x.is_contiguous():
+                        self._validate(x, topk)  # raises the contract's error if the input is at fault
+                        raise
+                    # refused before the launch for its layout: the checked path below makes x contiguous
+                else:
+                    if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
+                        self._validate(x, topk)
+                    handle = _new_tuple(_LowLatencyHandle, (handle, idx, _BF16))
+                    if self.fp8:
+                        data, scale = recv_x
+                        if self.ue8m0:
+                            scale = unpack_ue8m0(scale, self.hidden // 128)
+                        return masked_dispatch_unchecked(data, self.wire, scale, self.ue8m0, recv_count, topk, handle)
+                    return masked_dispatch_unchecked(recv_x, self.wire, None, False, recv_count, topk, handle)
             launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)
         return self._dispatch_normal(hidden_states, topk, None, False).wait()
@@ -310,15 +324,18 @@ class DeepEPDispatcher(Dispatcher):
         if self.low_latency:
             ci, buf = combine_input, self._entry.low_latency_ready  # the hot path, as in dispatch
             if buf is not None and ci.__class__ is EPMaskedCombine:
-                h, y, weights = ci.handle, ci.hidden, ci.topk.weights
+                h, y = ci.handle, ci.hidden
                 if (h.__class__ is _LowLatencyHandle and y.__class__ is _Tensor and y.dtype is _BF16
-                        and y.is_contiguous() and y.shape == self.slab_shape):
-                    try:  # DeepEP checks the weights against the ids itself, before it launches anything
-                        out = buf.low_latency_combine(y, h.topk_idx, weights, h.deepep)[0]
+                        and y.shape == self.slab_shape):
+                    try:  # DeepEP checks y's layout and the weights against the ids before it launches anything
+                        out = buf.low_latency_combine(y, h.topk_idx, ci.topk.weights, h.deepep)[0]
                     except Exception:
-                        self._validate_combine(ci)  # raises the contract's error if the input is at fault
-                        raise
-                    return out if h.dtype is _BF16 else out.to(h.dtype)
+                        if y.is_contiguous():
+                            self._validate_combine(ci)  # raises the contract's error if the input is at fault
+                            raise
+                        # refused before the launch for its layout: the checked path makes y contiguous
+                    else:
+                        return out if h.dtype is _BF16 else out.to(h.dtype)
             out, dtype, _ = self._launch_low_latency_combine(ci, False)
             return _as_dtype(out, dtype)
         return self._combine_normal(combine_input, None, False).wait()
@@ -484,14 +501,13 @@ class DeepEPDispatcher(Dispatcher):
     def _masked_dispatch(self, recv_x: Any, recv_count: torch.Tensor, handle: tuple, topk: TopK,
                          idx: torch.Tensor, dtype: torch.dtype) -> EPMaskedDispatch:
         """The contract's result of a received low-latency dispatch (no tensor op unless UE8M0)."""
+        handle = _new_tuple(_LowLatencyHandle, (handle, idx, dtype))
         if self.fp8:
             data, scale = recv_x
             if self.ue8m0:
                 scale = unpack_ue8m0(scale, self.hidden // 128)
-            hidden = QuantizedActivations(data, self.wire, scale, None, self.ue8m0)
-        else:
-            hidden = QuantizedActivations(recv_x)
-        return EPMaskedDispatch(hidden, recv_count, topk, _LowLatencyHandle(handle, idx, dtype))
+            return masked_dispatch_unchecked(data, self.wire, scale, self.ue8m0, recv_count, topk, handle)
+        return masked_dispatch_unchecked(recv_x, self.wire, None, False, recv_count, topk, handle)
 
     def _launch_low_latency_combine(self, ci: CombineInput, return_recv_hook: bool
                                     ) -> tuple[torch.Tensor, torch.dtype, Optional[Callable[[], None]]]:

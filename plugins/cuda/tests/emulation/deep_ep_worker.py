@@ -329,7 +329,7 @@ def part_in_flight(rank: int, world: int, seed: int) -> dict:
 
 def part_hot_path(rank: int, world: int, seed: int) -> dict:
     """Synchronous low-latency calls, on the hot path (a TopK from int64 ids, contiguous bf16 input) and
-    off it (int32 ids: a cast; fp32 or strided input: a copy; a bad shape: the contract's refusal), give the
+    off it (int32 ids: a cast; fp32 or strided input, a strided slab: a copy; a bad shape: the contract's refusal), give the
     same results; a combine whose weights DeepEP refuses raises the contract's error, not the library's."""
     if str(SCRIPTS) not in sys.path:
         sys.path.insert(0, str(SCRIPTS))
@@ -375,6 +375,9 @@ def part_hot_path(rank: int, world: int, seed: int) -> dict:
     except ValueError as exc:
         errors["weights"] = str(exc)
     y_after = d.combine(ci).float()  # the buffer still serves the hot path after a refusal
+    # a strided slab: DeepEP refuses it before launching anything, the checked path copies it
+    strided = type(ci)(ci.hidden.transpose(0, 1).contiguous().transpose(0, 1), ci.topk, ci.handle)
+    same["strided_slab"] = bool(torch.allclose(d.combine(strided).float(), y_after, rtol=0, atol=0))
     return {"same": same, "errors": errors, "after_refusal": bool(torch.allclose(y_after, ref_y, rtol=1e-2, atol=1e-2)),
             "hot_path_ready": d._entry.low_latency_ready is not None}
 
