@@ -6,8 +6,10 @@
   combination the planner refuses is reported with its reason, not counted as run;
 - ``graph``: a low-latency (EP_MASKED, triton experts) layer captured in a CUDA graph and replayed on
   fresh tokens, against eager and the reference;
-- ``overlap``: ``dispatch_async`` / ``combine_async`` (DeepEP's receive hook) with a matmul between
-  issue and ``wait()``, against the same steps in sequence.
+- ``overlap``: ``dispatch_async`` / ``combine_async`` with a matmul between issue and ``wait()``, against the
+  same steps in sequence: low latency (DeepEP's receive hook) with a late peer, whose wait is what the hook
+  can hide on one node (``check_overlap`` says why), and normal mode (DeepEP's comm stream), where the
+  transfer itself runs beside the matmul.
 
 Prints one ``RESULT {json}`` line per check on rank 0 and exits non-zero if any ran and failed.
 """
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from moe_core import quant
 from moe_core.config import MoEConfig
-from moe_core.contracts import EPMaskedCombine, TopK
+from moe_core.contracts import EPMaskedCombine, EPNormalCombine, TopK
 from moe_core.layer import MoELayer
 from moe_core.planner import PlanError
 from moe_core.testing.data import make_float_weights, make_hidden, make_topk, rel_error, tolerance
@@ -122,11 +124,85 @@ def check_graph(rank: int, world: int) -> dict:
                 errs=[[float(f"{a:.3g}"), float(f"{b:.3g}")] for a, b in errs], replays=3)
 
 
+def _step_us(fns: list, steps: int = 15, warmup: int = 3) -> list[float]:
+    """This rank's us per step of each fn, every step started together on all ranks (synchronize, barrier) and
+    ended by a synchronize: the median of ``steps``, the fns taking turns (drift hits them alike)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(warmup + steps):
+        for fn, out in zip(fns, times, strict=True):
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e6)
+    return [statistics.median(t) for t in times]
+
+
 def check_overlap(rank: int, world: int) -> dict:
+    """DeepEP's receive hook (low latency) overlapping compute, where there is something to overlap.
+
+    Intranode, the low-latency send kernel writes every byte into the peer's buffer with NVLink stores and
+    sets the peer's flag before it ends (``internode_ll.cu``: ``nvshmemi_get_p2p_ptr`` != 0 takes
+    ``UNROLLED_WARP_COPY``, not an IBGDA put), so no transfer is left in flight for the hook to hide, unlike
+    over RDMA; what it can hide is the wait for a late peer. So the last rank is made late by one matmul
+    before each dispatch (a straggler), and on the other ranks a step (dispatch, matmul, combine, matmul)
+    with the hook deferred past the matmul must hide at least half of that wait against the same step with
+    synchronous calls, with the same result. Without the skew both are reported (no gain expected)."""
     ckpt = _ckpt("unquantized")
     layer = _layer(_config("triton", "ep_masked", "unquantized", "bf16", rank, world), ckpt)
     d = layer.dispatcher
     x, topk = _tokens(rank, 9, 64)
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    late = [rank == world - 1]
+
+    def mm():
+        return a @ a
+
+    def straggle():
+        if late[0]:
+            mm()
+
+    def seq():
+        straggle()
+        out = d.dispatch(x, topk)
+        mm()
+        y = d.combine(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        mm()
+        return y
+
+    def overlapped():
+        straggle()
+        p = d.dispatch_async(x, topk)
+        mm()  # runs while this rank waits for the late peer's tokens (the hook receives after it)
+        out = p.wait()
+        c = d.combine_async(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        mm()
+        return c.wait()
+
+    t_seq, t_ovl, t_mm = _step_us([seq, overlapped, mm])
+    same = rel_error(overlapped(), seq()) <= 1e-3
+    late[0] = False
+    t_seq0, t_ovl0 = _step_us([seq, overlapped])
+    hidden = (t_seq - t_ovl) / t_mm  # of the one-matmul wait for the late peer
+    early = rank != world - 1
+    ok = same and (hidden >= 0.5 if early else True)
+    return dict(check="async_overlap", status="passed" if ok else "failed", role="early" if early else "late",
+                skewed_sequential_us=round(t_seq, 1), skewed_overlapped_us=round(t_ovl, 1), matmul_us=round(t_mm, 1),
+                late_peer_wait_hidden=round(hidden, 3), unskewed_sequential_us=round(t_seq0, 1),
+                unskewed_overlapped_us=round(t_ovl0, 1), same_result=same)
+
+
+def check_overlap_normal(rank: int, world: int) -> dict:
+    """Normal mode's async calls (``async_finish``: DeepEP's kernels on its comm stream) overlapping a matmul on
+    the compute stream: the transfer itself runs beside compute (on DeepEP's own SMs). A dispatch of 4096 tokens
+    then a matmul, the combine then a matmul, against the same in sequence: at least a quarter of the shorter of
+    (communication, matmuls) must be hidden, with the same result."""
+    ckpt = _ckpt("unquantized")
+    layer = _layer(_config("triton", "ep_normal", "unquantized", "bf16", rank, world), ckpt)
+    d = layer.dispatcher
+    x, topk = _tokens(rank, 11, 4096)
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
     def mm():
@@ -135,42 +211,24 @@ def check_overlap(rank: int, world: int) -> dict:
     def seq():
         out = d.dispatch(x, topk)
         mm()
-        y = d.combine(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        y = d.combine(EPNormalCombine(out.hidden.data, out.handle))
         mm()
         return y
 
     def overlapped():
-        p = d.dispatch_async(x, topk)
-        mm()  # runs while the tokens travel
-        out = p.wait()
-        c = d.combine_async(EPMaskedCombine(out.hidden.data, out.topk, out.handle))
+        out = d.dispatch_async(x, topk)
+        mm()
+        out = out.wait()
+        c = d.combine_async(EPNormalCombine(out.hidden.data, out.handle))
         mm()
         return c.wait()
 
-    def bench(fns, n=10, rounds=7):
-        """us per call of each fn: the median of ``rounds`` means of ``n`` calls, the fns taking turns
-        (the difference sought is a few percent: clock or load drift must hit all of them alike)."""
-        for fn in fns:
-            for _ in range(3):
-                fn()
-        means = [[] for _ in fns]
-        for _ in range(rounds):
-            for fn, out in zip(fns, means, strict=True):
-                torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                torch.cuda.synchronize()
-                out.append((time.perf_counter() - t0) / n * 1e6)
-        return [statistics.median(m) for m in means]
-
-    t_seq, t_ovl, t_mm = bench([seq, overlapped, lambda: (mm(), mm())])
+    t_seq, t_ovl, t_mm = _step_us([seq, overlapped, lambda: (mm(), mm())])
     same = rel_error(overlapped(), seq()) <= 1e-3
-    hidden = (t_seq - t_ovl) / max(t_seq - t_mm, 1e-9)
-    return dict(check="async_overlap", status="passed" if same and t_ovl < t_seq else "failed",
+    hidden = (t_seq - t_ovl) / max(min(t_seq - t_mm, t_mm), 1e-9)
+    return dict(check="async_overlap_normal", status="passed" if same and hidden >= 0.25 else "failed",
                 sequential_us=round(t_seq, 1), overlapped_us=round(t_ovl, 1), two_matmuls_us=round(t_mm, 1),
-                comm_hidden_fraction=round(hidden, 3), same_result=same)
+                hidden_fraction=round(hidden, 3), same_result=same)
 
 
 def _gather_json(obj: object, world: int) -> list:
@@ -189,7 +247,8 @@ def main() -> int:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
     cases = [("layer", check_layer, case) for case in layer_cases()]
-    checks = cases[:4] + [("cuda_graph", check_graph, ()), ("async_overlap", check_overlap, ())] + cases[4:]
+    checks = cases[:4] + [("cuda_graph", check_graph, ()), ("async_overlap", check_overlap, ()),
+                          ("async_overlap_normal", check_overlap_normal, ())] + cases[4:]
     results = []
     for name, fn, args in checks:  # results printed as they come (a step killed at its limit keeps them)
         try:
