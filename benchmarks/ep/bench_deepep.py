@@ -5,15 +5,23 @@ same buffer with the same tokens, ``torch_a2a``, and a raw ``all_to_all_single``
 
 Cases (issue #30): normal mode, 4096 tokens a rank, hidden 7168, top-8 of 256, BF16 and FP8 wire;
 low latency, 128 tokens a rank, same shape, BF16 and FP8. Each stage is timed with CUDA events
-around one call from an idle GPU (synchronized after each call). moe-core and the direct call alternate
-call by call, in pairs whose order alternates too (A B, B A, ...), ``--pairs`` of them after
-``--warmup``, with Python's garbage collector off: drift and the previous call's after-effects hit both
-columns alike. A call's time is the slower rank's (the collective's: both ranks make the same calls in
-step), and each column is the median of those; ``pair_ratio`` is the median of the per-pair ratios
-moe-core / direct of the same times. The bar reads the columns (issue #30); ``pair_ratio`` shows whether
-their ratio holds pair by pair or is drift. ``torch_a2a`` and the raw all-to-all are timed on their own,
-``--pairs`` calls each. Diagnostics: each column's host time per call and its host time until DeepEP's
-first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by rank). "direct"
+around one call from an idle GPU (synchronized after each call): the latency of a call when the GPU waits
+for it, where every us of host work before DeepEP's launch counts in full. Host work after the launch
+counts only where the host returns after the kernel ended (``*_host_us`` against the column: in the
+2026-11-26 runs the low-latency host time, ~20-40 us, ended well inside the ~50-80 us window); an eager
+loop bound by the host pays the whole host time instead (the ``*_host_us`` columns). moe-core and the
+direct call alternate call by call, in pairs whose order alternates too (A B, B A, ...), ``--pairs``
+(normal mode) or ``--ll-pairs`` (low latency) of them after ``--warmup``, with Python's garbage collector
+off: drift and the previous call's after-effects hit both columns alike. A call's time is the slower rank's
+(the collective's: both ranks make the same calls in step, and a kernel waits for the later rank's launch),
+and each column is the median of those; ``pair_ratio`` is the median of the per-pair ratios moe-core /
+direct of the same times, ``pair_ratio_blocks`` the least and most of it over 4 consecutive blocks of the
+pairs (the spread within the run). The bar reads the columns (issue #30); ``pair_ratio`` shows whether
+their ratio holds pair by pair or is drift. Each rank's Python thread runs alone on a core
+(``pin_main_thread``): the slower rank's host decides each call. ``torch_a2a`` and the raw all-to-all are
+timed on their own, up to 400 calls each. Diagnostics: each column's host time per call and its host time
+until DeepEP's first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by
+rank). "direct"
 does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
 ``get_dispatch_layout`` + ``dispatch``; low latency calls ``low_latency_dispatch`` / ``_combine``.
@@ -37,6 +45,7 @@ import os
 import pathlib
 import statistics
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -172,6 +181,29 @@ def per_rank(value: float) -> list[float]:
     return [round(v, 2) for v in t.tolist()]
 
 
+def pin_main_thread(local_rank: int) -> dict:
+    """This rank's Python thread alone on one core, the process's other threads (NCCL's, NVSHMEM's proxies,
+    torch's) off the ranks' cores: a quiet host for both columns alike. moe-core's extra cost is host time
+    before DeepEP's launch and the slower rank's decides a collective's time, so a rank whose thread shared a
+    core ran the same calls up to 2x slower (run 2's repeat, 2026-11-26: pre-launch 5.2 vs 2.6 us by rank).
+    The run script keeps the CUTLASS build off these cores too. Returns what it did (for the JSON)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return {"pinned": False}
+    allowed = sorted(os.sched_getaffinity(0))
+    world_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if len(allowed) < 2 * world_local + 2:
+        return {"pinned": False, "cores": len(allowed)}
+    reserved = allowed[2:2 + world_local]  # (cores 0-1: interrupts, the run script's other work)
+    core, rest = reserved[local_rank], [c for c in allowed if c not in reserved]
+    main = threading.get_native_id()
+    for tid in map(int, os.listdir("/proc/self/task")):
+        try:
+            os.sched_setaffinity(tid, {core} if tid == main else rest)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return {"pinned": True, "core": core, "other_threads_on": f"{rest[0]}-{rest[-1]} less the ranks' cores"}
+
+
 def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: int):
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=256,
                     quant="fp8_block" if wire == "fp8" else "unquantized", ep_size=world, ep_rank=rank,
@@ -260,11 +292,14 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
         try:
             mc_t, dir_t, mc_host, dir_host = timed_pairs(mc, direct, pairs, warmup)
             mc_pre, dir_pre = pre_launch_pairs(mc, direct, buf, max(pairs // 2, 1))
-            ta_t = timed(ta, pairs, warmup)
-            raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), pairs, warmup)
+            ta_t = timed(ta, min(pairs, 400), warmup)
+            raw_t = timed(lambda r=recv_raw, s=send: dist.all_to_all_single(r, s), min(pairs, 400), warmup)
         finally:
             gc.enable()
         mc_t, dir_t, ta_t, raw_t = map(slowest_rank, (mc_t, dir_t, ta_t, raw_t))
+        ratios = [m / d for m, d in zip(mc_t, dir_t, strict=True)]
+        n = len(ratios) // 4
+        blocks = [statistics.median(ratios[i * n:(i + 1) * n]) for i in range(4)] if n else [statistics.median(ratios)]
         results.append({"mode": mode, "wire": wire, "tokens_per_rank": tokens, "stage": stage,
                         "moe_core_us": round(statistics.median(mc_t), 2),
                         "deepep_direct_us": round(statistics.median(dir_t), 2),
@@ -273,7 +308,9 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
                         # diagnostics: the median of the per-pair ratios (robust to drift), the pairs
                         # timed, how long each call kept the host (a moe-core - direct gap as large here
                         # as in the *_us columns is host time, not GPU work)
-                        "pair_ratio": round(statistics.median([m / d for m, d in zip(mc_t, dir_t, strict=True)]), 4),
+                        "pair_ratio": round(statistics.median(ratios), 4),
+                        # the pairs' ratio in 4 consecutive blocks (least, most): drift within the run
+                        "pair_ratio_blocks": [round(min(blocks), 4), round(max(blocks), 4)],
                         "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
                         "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
@@ -295,6 +332,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=400,
                     help="(moe-core, direct) pairs timed per stage, alternated call by call; also the calls "
                          "timed for torch_a2a and the raw all-to-all")
+    ap.add_argument("--ll-pairs", type=int, default=2000,
+                    help="pairs timed per low-latency stage (a call is ~60 us: more pairs for the same seconds)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--cases-passed", type=int, default=None)
     ap.add_argument("--cases-total", type=int, default=None)
@@ -322,17 +361,20 @@ def main() -> int:
     prelude = [dispatcher("deepep", mode, "bf16", tokens, rank, world) for mode, tokens in sizes]
     built = prelude[0].buffer
     dist.barrier()
+    pinning = pin_main_thread(int(os.environ.get("LOCAL_RANK", rank)))
     time.sleep(0 if args.smoke else 2)
     del prelude, built
     rows = []
     for mode, tokens in sizes:
         for wire in ("bf16", "fp8"):
-            rows += run_case(mode, wire, tokens, rank, world, args.pairs, args.warmup)
+            pairs = args.pairs if mode == "normal" else args.ll_pairs
+            rows += run_case(mode, wire, tokens, rank, world, pairs, args.warmup)
     if rank == 0:
         version = getattr(deep_ep, "__version__", None) or "1.2.1 (built from source, tag commit 9af0e0d)"
         name = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "CPU (emulated deep_ep, smoke)"
         doc = {"device": f"{world}x {name}, torch {torch.__version__}",
                "deep_ep_version": version, "cases_passed": args.cases_passed, "cases_total": args.cases_total,
+               "host_pinning_rank0": pinning,
                "rows": rows}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
