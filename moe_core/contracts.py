@@ -108,10 +108,18 @@ _BF16, _NVFP4 = WireDtype.BF16, WireDtype.NVFP4
 # beyond dynamo only while export or a compile session runs Python for real, on tensors whose version
 # counters move as in eager code (docs/decisions.md, entry 61)
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
-# the capture query without torch.cuda's Python wrapper around it (one frame fewer: the dearest check of a
-# low-latency dispatch, docs/decisions.md entry 64); a CPU-only torch has no such binding (nor CUDA tensors)
-_cuda_capturing = (torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_CudaStreamBase")
-                   else torch.cuda.is_current_stream_capturing)
+# The capture query, asked only off the default stream: CUDA cannot capture the legacy default stream (and
+# torch.cuda.graph refuses to), whose handle torch gives as 0, and the handle is a thread-local read where the
+# query is a CUDA call, 0.3-0.6 us on the lent hosts: the dearest check of a low-latency dispatch (entry 64).
+# Both are torch's bindings without the Python frame of torch.cuda's wrappers; a CPU-only torch has neither
+# (nor CUDA tensors, so they are never asked there).
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # a CUDA (or ROCm) build
+    _current_raw_stream, _cuda_capturing = torch._C._cuda_getCurrentRawStream, torch._C._cuda_isCurrentStreamCapturing
+else:
+    def _current_raw_stream(device: int) -> int:
+        return 1  # (no handle to read: ask the query)
+
+    _cuda_capturing = torch.cuda.is_current_stream_capturing
 
 
 def _set_fields(obj: Any, **fields: Any) -> None:
@@ -223,12 +231,13 @@ class TopK:
         cast: a kernel launch fewer per call; docs/decisions.md "int64 ids kept"), else ``ids``
         cast (``cast=False``: ``None`` instead). While a CUDA graph is captured (or dynamo traces)
         it is always the cast, so that replays read ``ids``, which graph users update in place."""
-        # on a dispatcher's hot path: two counter reads, a compare and two queries (docs/decisions.md,
-        # entry 61). Version counters only grow, so the sum is unchanged only if both are.
+        # on a dispatcher's hot path: two counter reads, a compare and two queries, the capture query only off
+        # the default stream (docs/decisions.md, entries 61 and 64). Version counters only grow, so the sum is
+        # unchanged only if both are.
         source = self._int64
         if (source is not None and not _dynamo_tracing()  # (first: traced, a version is a data-dependent value)
                 and source._version + self.ids._version == self._int64_versions
-                and not (self._int64_cuda and _cuda_capturing())):
+                and not (self._int64_cuda and _current_raw_stream(-1) and _cuda_capturing())):
             return source
         return self.ids.to(torch.int64) if cast else None
 

@@ -157,6 +157,8 @@ def host_probe(x: torch.Tensor, topk: TopK) -> dict:
            "empty_lambda": lambda: None}
     if x.is_cuda:
         ops["is_current_stream_capturing"] = torch.cuda.is_current_stream_capturing
+        ops["_cuda_isCurrentStreamCapturing"] = torch._C._cuda_isCurrentStreamCapturing
+        ops["_cuda_getCurrentRawStream(-1)"] = lambda: torch._C._cuda_getCurrentRawStream(-1)
     return {k: round(min(timeit.repeat(f, number=2000, repeat=5)) / 2000 * 1e9, 1) for k, f in ops.items()}
 
 

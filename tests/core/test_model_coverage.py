@@ -262,3 +262,24 @@ def test_from_hf_config_families():
         mc.MoEConfig.from_hf_config(_hf("dbrx"))
     with pytest.raises(ValueError, match="hidden_act='relu'"):
         mc.MoEConfig.from_hf_config(_hf("mixtral", num_local_experts=4, intermediate_size=8, hidden_act="relu"))
+
+
+def test_topk_ids_int64_asks_the_capture_query_off_the_default_stream_only(monkeypatch):
+    """On CUDA tensors ``ids_int64`` asks whether a graph is being captured only when the current stream is not
+    the default one (whose handle is 0: CUDA cannot capture it), and casts while capturing (decisions 53, 64)."""
+    import moe_core.contracts as contracts
+
+    ids64 = random_topk(6, E, K).ids.long()
+    topk = mc.TopK(torch.rand(6, K), ids64)
+    object.__setattr__(topk, "_int64_cuda", True)  # as if made on a GPU (the queries are faked below)
+    asked, state = [], {"stream": 0, "capturing": False}
+    monkeypatch.setattr(contracts, "_current_raw_stream", lambda device: (asked.append(("stream", device)), state["stream"])[1])
+    monkeypatch.setattr(contracts, "_cuda_capturing", lambda: (asked.append("capture"), state["capturing"])[1])
+    assert topk.ids_int64(cast=False) is ids64 and asked == [("stream", -1)]  # the default stream: no query
+    asked.clear()
+    state["stream"] = 0x7F00
+    assert topk.ids_int64(cast=False) is ids64 and asked == [("stream", -1), "capture"]  # a side stream: asked
+    state["capturing"] = True
+    assert topk.ids_int64(cast=False) is None  # captured: the graph must read ids, which users refill in place
+    got = topk.ids_int64()
+    assert got is not ids64 and torch.equal(got, ids64)
