@@ -19,9 +19,18 @@ else:
     pytest.importorskip("triton")
 
 
-def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1):
+def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0):
+    """A decode config: form 1 (``flat``: the down kernel's loop form) or form 2 (``split``: one down program per
+    slot, partials reduced by the last)."""
+    if form == 2:
+        return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, num_warps=4, num_stages=2),
+                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
+
+
+# (form, loop or split) of the interpreter cases: form 1 flat and per slot, form 2 in registers and split
+FORMS = [(1, 1), (1, 0), (2, 0), (2, 1)]
 
 
 def _ids(T, E, K):
@@ -34,11 +43,12 @@ def _ids(T, E, K):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path (the GPU tests cover the device)")
-@pytest.mark.parametrize("interleaved,groups,flat", [(True, 1, 1), (False, 2, 0)])
+@pytest.mark.parametrize("interleaved,groups", [(True, 1), (False, 2)])
+@pytest.mark.parametrize("form,flat", FORMS)
 @pytest.mark.parametrize("T,E,K,H,inter,dtype,act", [
     (0, 4, 2, 32, 32, torch.float32, "silu"), (1, 8, 3, 64, 32, torch.float16, "silu"),
     (1, 5, 2, 70, 37, torch.float32, "gelu"), (3, 6, 4, 300, 140, torch.float32, "silu")])
-def test_decode_experts_interpreter(interleaved, groups, flat, T, E, K, H, inter, dtype, act):
+def test_decode_experts_interpreter(interleaved, groups, form, flat, T, E, K, H, inter, dtype, act):
     from moe_plugin_cuda.triton import ops as triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
@@ -49,7 +59,8 @@ def test_decode_experts_interpreter(interleaved, groups, flat, T, E, K, H, inter
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
     out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                    fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
-                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat), w13_interleaved=interleaved)
+                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat),
+                                   w13_interleaved=interleaved)
     assert out.shape == (T, H) and out.dtype == dtype
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-5)
 
@@ -67,9 +78,10 @@ def _groups(v, fn):
 
 
 @pytest.mark.skipif(cuda, reason="interpreter path")
-@pytest.mark.parametrize("interleaved,groups,flat,inter", [(True, 1, 1, 200), (False, 2, 0, 256), (True, 4, 1, 256)])
+@pytest.mark.parametrize("interleaved,groups,inter", [(True, 1, 200), (False, 2, 256), (True, 4, 256)])
+@pytest.mark.parametrize("form,flat", FORMS)
 @pytest.mark.parametrize("given_codes", [False, True])
-def test_decode_fp8_scales_interpreter(interleaved, groups, flat, inter, given_codes):
+def test_decode_fp8_scales_interpreter(interleaved, groups, form, flat, inter, given_codes):
     """The FP8 decode math with fp32 stand-in codes (the interpreter's fp8 casts are unreliable; the GPU tests
     compare e4m3): the token and h are scaled per 128-column group by max|.| / 448 (so the kernels' codes of a
     group reach +-448), weight block scales follow interleaved rows back to their checkpoint rows, I and H not
@@ -90,7 +102,8 @@ def test_decode_fp8_scales_interpreter(interleaved, groups, flat, inter, given_c
         x_full = x.double() * x_scale.double().repeat_interleave(128, 1)[:, :H]
     out = triton_ops.fused_experts(x, x_scale, interleave_gate_up(w13) if interleaved else w13, w2, s13, s2, w, ids,
                                    fp8_block=True, activation="silu", routed_scaling_factor=1.5,
-                                   out_dtype=torch.float32, cfg=_cfg(groups=groups, groups2=groups, flat=flat),
+                                   out_dtype=torch.float32,
+                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat),
                                    w13_interleaved=interleaved)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
