@@ -298,15 +298,22 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("flat", [0, 1])
-def test_decode_pdl_and_loop_variants(quant, flat):
+@pytest.mark.parametrize("form,flat", FORMS)
+def test_decode_pdl_and_loop_variants(quant, form, flat):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
-    either loop form, several groups a step: eager, replayed, in a CUDA graph, against float64."""
-    cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
-           "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
+    either loop form (form 1) or split and not (form 2), several groups a step: eager, replayed, in a CUDA graph,
+    against float64; the same bytes every call (deterministic, the split's last-program reduction included)."""
+    if form == 2:
+        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, num_warps=2, num_stages=1),
+               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=1), "PDL": 1}
+    else:
+        cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
+               "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
     layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **SIZES["triton"])
+    first = layer(x, topk)
+    assert relative_error(first, expected(x, topk)) < TOL[quant]
     for _ in range(3):  # records, then replays
-        assert relative_error(layer(x, topk), expected(x, topk)) < TOL[quant]
+        assert torch.equal(layer(x, topk), first)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -337,7 +344,9 @@ def test_shipped_decode_tables_are_launchable():
             assert tc.decode_shape(E, K, N, H, dtype) == shape and entry["max_tokens"] >= 0
             cfg = entry["config"]
             assert {"BLOCK_I", "GROUPS", "num_warps", "num_stages"} <= set(cfg["decode"]), (f.name, shape)
-            assert {"BLOCK_H", "GROUPS", "FLAT", "num_warps", "num_stages"} <= set(cfg["down"]), (f.name, shape)
+            down_keys = {"SPLIT", "FORM"} if cfg["down"].get("FORM", 1) == 2 else {"FLAT"}
+            assert {"BLOCK_H", "GROUPS", "num_warps", "num_stages"} | down_keys <= set(cfg["down"]), (f.name, shape)
+            assert not cfg["down"].get("SPLIT") or cfg["decode"].get("FORM") == 2, (f.name, shape)
             assert dtype != "fp8_block" or 128 % cfg["down"]["BLOCK_H"] == 0, (f.name, shape)
             device = f.name.split("device_name=")[1].split(",")[0].replace("_", " ")
             want = cfg if entry["max_tokens"] >= 1 else None

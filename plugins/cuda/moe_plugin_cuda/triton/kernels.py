@@ -886,6 +886,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         tl.debug_barrier()  # (every thread's partial stored before the counter moves)
         arrived = tl.atomic_add(cnt_ptr + t * n_cnt + hb, 1, sem="acq_rel", scope="gpu")
         if arrived == TOP_K - 1:  # the token's last slot for this H-block: reduce in slot order
+            tl.store(cnt_ptr + t * n_cnt + hb, 0)  # (back to zero: a buffer zeroed once serves every launch)
             total = tl.zeros((BLOCK_H,), dtype=tl.float32)
             for k in tl.static_range(TOP_K):
                 e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
