@@ -239,6 +239,41 @@ def test_decode_cuda_graph_capture_replay(backend, quant):
 
 
 @needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cutlass"])
+@pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
+def test_decode_graph_replay_is_the_eager_call(backend, quant):
+    """A decode forward captured in a CUDA graph and replayed on new tokens and routing gives, byte for byte, what
+    the same layer computes eagerly on them (the kernels are deterministic: any stale buffer across replays would
+    show), 20 times; the worst error against float64 is printed (the FP8 tolerance case of decision 62)."""
+    if backend == "cutlass":
+        from cuda_layer_cases import need_cutlass
+
+        need_cutlass()
+    layer, expected, x, topk = _gpu_case(backend, quant, 8, 1, cuda_graph=True, **SIZES[backend])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = layer(x, topk)
+    errors = []
+    for _ in range(20):
+        x.copy_(torch.randn_like(x))
+        new = random_topk(x.shape[0], layer.config)
+        topk.weights.copy_(new.weights)
+        topk.ids.copy_(new.ids)
+        g.replay()
+        eager = layer(x, topk)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        errors.append(relative_error(out, expected(x, topk)))
+    print(f"decode graph replay {backend} {quant} T=1: error vs float64 max {max(errors):.4f} "
+          f"median {sorted(errors)[10]:.4f}")
+
+
+@needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 def test_decode_torch_compile(quant):
     torch._dynamo.reset()  # (see cuda_layer_cases.check_compiled)
