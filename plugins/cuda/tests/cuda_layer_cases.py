@@ -208,7 +208,7 @@ def fp8_scheme_reference(x, weights, ids, w13, w2, routed_scaling_factor, rel=1e
     for call, i, value in ambiguous:
         seen = [0]
 
-        def flip(v, where, e, call=call, i=i, value=value):
+        def flip(v, where, e, call=call, i=i, value=value, seen=seen):
             seen[0] += 1
             out = _quantize_fp32(v)
             if seen[0] == call:

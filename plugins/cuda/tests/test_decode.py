@@ -9,8 +9,15 @@ import warnings
 
 import pytest
 import torch
-from cuda_layer_cases import (TOL, fp8_scheme_reference, layers, needs_gpu, random_topk, replay_on_new_inputs,
-                              within_fp8_scheme)
+from cuda_layer_cases import (
+    TOL,
+    fp8_scheme_reference,
+    layers,
+    needs_gpu,
+    random_topk,
+    replay_on_new_inputs,
+    within_fp8_scheme,
+)
 
 from moe_core.reference.oracle import moe_float64, relative_error
 
