@@ -28,11 +28,11 @@ else:
     pytest.importorskip("triton")
 
 
-def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0):
+def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, slots=1):
     """A decode config: form 1 (``flat``: the down kernel's loop form) or form 2 (``split``: one down program per
-    slot, partials reduced by the last)."""
+    slot, partials reduced by the last; ``slots``: gate/up slots a program)."""
     if form == 2:
-        return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, num_warps=4, num_stages=2),
+        return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, num_warps=4, num_stages=2),
                 "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
@@ -68,8 +68,8 @@ def test_decode_experts_interpreter(interleaved, groups, form, flat, T, E, K, H,
     ref = moe_float64(x, w, ids, w13, w2, activation=act, routed_scaling_factor=1.5)
     out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                    fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
-                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat),
-                                   w13_interleaved=interleaved)
+                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat,
+                                            slots=2 if K % 2 == 0 and flat else 1), w13_interleaved=interleaved)
     assert out.shape == (T, H) and out.dtype == dtype
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-5)
 
@@ -99,7 +99,7 @@ def test_decode_fp8_scales_interpreter(interleaved, groups, form, flat, inter, g
     from moe_plugin_cuda.triton import ops as triton_ops
     from moe_plugin_cuda.weights import interleave_gate_up
 
-    T, E, K, H = 2, 5, 3, 300
+    T, E, K, H = 2, 6, 4, 300
     w13, s13, w13_full = _block_scaled(E, 2 * inter, H)
     w2, s2, w2_full = _block_scaled(E, H, inter)
     x = torch.randn(T, H)
@@ -112,8 +112,8 @@ def test_decode_fp8_scales_interpreter(interleaved, groups, form, flat, inter, g
     out = triton_ops.fused_experts(x, x_scale, interleave_gate_up(w13) if interleaved else w13, w2, s13, s2, w, ids,
                                    fp8_block=True, activation="silu", routed_scaling_factor=1.5,
                                    out_dtype=torch.float32,
-                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat),
-                                   w13_interleaved=interleaved)
+                                   cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat,
+                                            slots=4 if flat else 1), w13_interleaved=interleaved)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -357,7 +357,7 @@ def test_decode_pdl_and_loop_variants(quant, form, flat):
     either loop form (form 1) or split and not (form 2), several groups a step: eager, replayed, in a CUDA graph,
     against float64; the same bytes every call (deterministic, the split's last-program reduction included)."""
     if form == 2:
-        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, num_warps=2, num_stages=1),
+        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=1),
                "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=1), "PDL": 1}
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),

@@ -85,27 +85,32 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
             cfg: dict, pdl: bool = False, cnt: Optional[torch.Tensor] = None) -> None:
     """``kernels._decode_gate_up_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_gate_up_v2_kernel`` (2) into
     ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``: the down kernel follows with programmatic
-    dependent launch; ``cnt``: [T, H-blocks] int32 counters of the split down kernel, zeroed here, form 2)."""
+    dependent launch; ``cnt``: [T, H-blocks] int32 counters of the split down kernel, zeroed here, form 2; form 2's
+    ``SLOTS``: slots a program, default 1)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
     inter, top_k = n1 // 2, topk_ids.shape[1]
     quant_x = fp8_block and a_scale is None  # (else the dispatched codes and their group scales)
     xs = a_scale if a_scale is not None else hidden  # (unread pointers: any tensor of the call)
     s13 = w13_scale if fp8_block else w13
-    fold = fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0
     if cfg.get("FORM", 1) == 2:
         zero = cnt is not None
         cnt_t = cnt if zero else h  # (unread pointer)
-        launch(kernels._decode_gate_up_v2_kernel, (T * top_k, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs, w13, s13,
-               topk_ids, h, cnt_t, H, inter, E, cnt.shape[1] if zero else 0, hidden.stride(0), xs.stride(0),
+        slots = cfg.get("SLOTS", 1)
+        if top_k % slots or (slots * cfg["BLOCK_I"]) & (slots * cfg["BLOCK_I"] - 1):
+            raise ValueError(f"decode gate/up: SLOTS must divide top_k {top_k} and SLOTS x BLOCK_I be a power of "
+                             f"two, got SLOTS {slots}, BLOCK_I {cfg['BLOCK_I']}")
+        launch(kernels._decode_gate_up_v2_kernel, (T * top_k // slots, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs,
+               w13, s13, topk_ids, h, cnt_t, H, inter, E, cnt.shape[1] if zero else 0, hidden.stride(0), xs.stride(0),
                xs.stride(1), topk_ids.stride(0), topk_ids.stride(1), w13.stride(0), w13.stride(1), s13.stride(0),
                s13.stride(1), s13.stride(2), h.stride(0), TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
-               QUANT_X=quant_x, INTERLEAVED=w13_interleaved, BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"],
-               VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, FOLD=fold, ZERO_CNT=zero, PDL=pdl,
+               QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
+               GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     if cnt is not None:
         raise ValueError("decode gate/up: counters to zero need the form-2 kernel (cfg FORM 2)")
+    fold = fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0
     launch(kernels._decode_gate_up_kernel, (T * top_k, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs, w13, s13, topk_ids,
            h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),

@@ -739,28 +739,31 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                               stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn,
                               stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
-                              BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
-                              FOLD: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
-    """``_decode_gate_up_kernel``'s math in form 2: program (slot, I-block) writes h[slot, I-block] = act(gate) * up
-    in fp32. FP8: the token quantized per 128-column group each step (QUANT_X) or its dispatched codes x scales; the
-    weight block scales multiply the step's per-(row, group) sums (FOLD: one scale row for the gate rows and one for
-    the up rows). ZERO_CNT: the programs (slot K*t, 0) zero token t's ``n_cnt`` counters of the split down kernel
-    (which runs after this one)."""
-    slot = tl.program_id(0)
-    t = slot // TOP_K
+                              SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
+                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
+    """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
+    I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
+    with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
+    share the token's values of a step and, in FP8, its per-128-column quantization (QUANT_X), whose IEEE divisions
+    would otherwise dominate the ALU; dispatched codes are scaled as they came. The weight block scales multiply the
+    step's per-(row, group) sums. ZERO_CNT: the programs (first slot group of token t, 0) zero token t's ``n_cnt``
+    counters of the split down kernel (which runs after this one)."""
+    GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
+    t = tl.program_id(0) // GROUPS_PER_T
+    k0 = (tl.program_id(0) % GROUPS_PER_T) * SLOTS
     if ZERO_CNT:
-        if (slot % TOP_K == 0) & (tl.program_id(1) == 0):
+        if (k0 == 0) & (tl.program_id(1) == 0):
             for c in range(0, n_cnt, 128):
                 offs_c = c + tl.arange(0, 128)
                 tl.store(cnt_ptr + t * n_cnt + offs_c, tl.zeros((128,), tl.int32), mask=offs_c < n_cnt)
-    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
-    if (e < 0) | (e >= E):
-        return
-    e = e.to(tl.int64)
     t = t.to(tl.int64)
     LANES: tl.constexpr = 128 // VEC
-    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_mask = offs_i < inter
+    rows = tl.arange(0, SLOTS * BLOCK_I)
+    slot = t * TOP_K + k0 + rows // BLOCK_I  # [R]: each row's slot
+    offs_i = tl.program_id(1) * BLOCK_I + rows % BLOCK_I  # [R]: its row of I
+    e = tl.load(ids_ptr + t * stride_it + (k0 + rows // BLOCK_I) * stride_ik)
+    ok = (e >= 0) & (e < E) & (offs_i < inter)
+    e = tl.where(ok, e, 0).to(tl.int64)
     if INTERLEAVED:
         g_rows = 2 * offs_i
         u_rows = g_rows + 1
@@ -770,28 +773,23 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     grp = tl.arange(0, GROUPS)
     offs_k = (grp[:, None, None] * 128 + tl.arange(0, LANES)[None, :, None] * VEC
               + tl.arange(0, VEC)[None, None, :])  # [GROUPS, LANES, VEC]: this step's columns
-    w_base = w_ptr + e * stride_we
-    g_ptrs = w_base + g_rows.to(tl.int64)[:, None, None, None] * stride_wn + offs_k[None, :, :, :]
-    u_ptrs = w_base + u_rows.to(tl.int64)[:, None, None, None] * stride_wn + offs_k[None, :, :, :]
+    w_rows = w_ptr + e * stride_we  # [R]
+    g_ptrs = (w_rows + g_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
+    u_ptrs = (w_rows + u_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
     x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :, :]
-    if FP8:
-        if FOLD:
-            i0 = tl.program_id(1) * BLOCK_I
-            gs_ptrs = w_scale_ptr + e * stride_wse + (i0 // 128) * stride_wsn + grp[None, :] * stride_wsk
-            us_ptrs = w_scale_ptr + e * stride_wse + ((i0 + inter) // 128) * stride_wsn + grp[None, :] * stride_wsk
-        else:
-            gs_ptrs = w_scale_ptr + e * stride_wse + (offs_i // 128)[:, None] * stride_wsn + grp[None, :] * stride_wsk
-            us_ptrs = (w_scale_ptr + e * stride_wse + ((offs_i + inter) // 128)[:, None] * stride_wsn
-                       + grp[None, :] * stride_wsk)
+    if FP8:  # each row's weight scale row (its expert's, its checkpoint row's block): [R, GROUPS]
+        s_rows = w_scale_ptr + e * stride_wse
+        gs_ptrs = (s_rows + (offs_i // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
+        us_ptrs = (s_rows + ((offs_i + inter) // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
         xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
-    acc_g = tl.zeros((BLOCK_I, GROUPS, LANES), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_I, GROUPS, LANES), dtype=tl.float32)
+    acc_g = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
+    acc_u = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
     for k in range(0, tl.cdiv(H, GROUPS * 128)):
         if EVEN_K:
             k_mask = tl.full((GROUPS, LANES, VEC), 1, tl.int1)
         else:
             k_mask = offs_k < H - k * GROUPS * 128
-        w_mask = i_mask[:, None, None, None] & k_mask[None, :, :, :]
+        w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
         g = tl.load(g_ptrs, mask=w_mask, other=0.0)
         u = tl.load(u_ptrs, mask=w_mask, other=0.0)
         x = tl.load(x_ptrs, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, LANES, VEC]
@@ -801,12 +799,9 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                 x = _quant_groups_4d(x, w_ptr.dtype.element_ty)
             else:
                 x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=g_ok, other=0.0)[:, :, None, None]
-            if FOLD:
-                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
-                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=g_ok, other=0.0)
-            else:
-                g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=i_mask[:, None] & g_ok, other=0.0)
-                u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=i_mask[:, None] & g_ok, other=0.0)
+            s_mask = ok[:, None] & g_ok
+            g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
             acc_g += tl.sum(g.to(tl.float32) * x, axis=3) * g_s[:, :, None]
             acc_u += tl.sum(u.to(tl.float32) * x, axis=3) * u_s[:, :, None]
         else:
@@ -823,7 +818,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         h = gate * tl.sigmoid(gate) * up
     else:  # exact gelu(gate) * up
         h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
-    tl.store(h_ptr + slot.to(tl.int64) * stride_h + offs_i, h, mask=i_mask)
+    tl.store(h_ptr + slot * stride_h + offs_i, h, mask=ok)
 
 
 @triton.jit
