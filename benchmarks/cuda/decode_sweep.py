@@ -42,8 +42,9 @@ LAUNCHES_2 = ((1, 1), (2, 1), (4, 1), (4, 3))
 def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) -> list[dict[str, int]]:
     """Form 1: rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up:
     two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread. Form 2
-    (``FORM`` 2; down also with ``SPLIT``): rows x groups x launch where the step's columns need at least half the
-    threads (16-byte loads: 8 threads a group in FP8, 16 in bf16) and a thread holds at most 128 weights a step."""
+    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x launch, at most 256 weights a
+    thread a step; down rows x groups x launch x ``SPLIT``, at most 128 weights a thread a step; the step's columns
+    need at least half the threads (16-byte loads: 8 threads a group in FP8, 16 in bf16)."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
     out = []
     if 1 in forms:
@@ -54,16 +55,26 @@ def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) ->
                 if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
     if 2 in forms:
         lanes = 8 if fp8 else 16  # threads over one 128-column group
-        tiles = 2 if part == "decode" else 1  # (gate and up)
-        for b in ((2, 4, 8, 16) if part == "decode" else (4, 8, 16, 32)):
-            for g in (2, 4, 8, 16):
-                for warps, stages in LAUNCHES_2:
-                    threads = 32 * warps
-                    if g * lanes * 2 < threads or tiles * b * g * 128 > 128 * threads:
-                        continue
-                    for split in ((0,) if part == "decode" else (0, 1)):
-                        out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps, "num_stages": stages,
-                                    **({"SPLIT": split} if part == "down" else {})})
+        if part == "decode":  # (rows: SLOTS x BLOCK_I (slot, I-row) pairs; SLOTS must divide the preset's top_k)
+            for slots in (1, 2, 4, 8):
+                for b in (1, 2, 4, 8):
+                    for g in (2, 4, 8):
+                        for warps, stages in LAUNCHES_2[:3]:
+                            threads, rows = 32 * warps, slots * b
+                            if not 2 <= rows <= 16 or g * lanes * 2 < threads or 2 * rows * g * 128 > 256 * threads:
+                                continue
+                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "num_warps": warps,
+                                        "num_stages": stages})
+        else:
+            for b in (4, 8, 16, 32):
+                for g in (2, 4, 8, 16):
+                    for warps, stages in LAUNCHES_2:
+                        threads = 32 * warps
+                        if g * lanes * 2 < threads or b * g * 128 > 128 * threads:
+                            continue
+                        for split in (0, 1):
+                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps, "num_stages": stages,
+                                        "SPLIT": split})
     return out
 
 
@@ -99,7 +110,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     tops = {}
     for part in ("decode", "down"):
         timed = []
-        cands = candidates(part, fp8, forms)
+        cands = [c for c in candidates(part, fp8, forms) if top_k % c.get("SLOTS", 1) == 0]
         if current and current.get(part) and current[part] not in cands:
             cands.append(current[part])
         for c in cands[shard[0]::shard[1]]:
@@ -115,10 +126,6 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
                                 routed_scaling_factor=1.0, cfg=c, part=part_buf, cnt=cnt)
             try:
                 call()
-                if warm_only and part == "decode" and c.get("FORM") == 2:  # (the variant that zeroes counters)
-                    decode.gate_up(x, None, w.w13, w.w13_scale, ids(), h, fp8_block=fp8, activation="silu",
-                                   w13_interleaved=interleaved, cfg=c, cnt=torch.zeros(T, 8, dtype=torch.int32,
-                                                                                      device=dev))
                 torch.cuda.synchronize(dev)
                 if not warm_only:
                     timed.append((graph_time(call, dev, reps) * 1e6, c))
