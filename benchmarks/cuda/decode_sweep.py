@@ -43,8 +43,8 @@ def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) ->
     """Form 1: rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up:
     two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread. Form 2
     (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x launch, at most 256 weights a
-    thread a step; down rows x groups x launch x ``SPLIT`` (x ``HQ`` in FP8), at most 128 weights a thread a step;
-    the step's columns need at least half the threads (16-byte loads: 8 threads a group in FP8, 16 in bf16)."""
+    thread a step; down rows x groups x launch x ``SPLIT``, at most 128 weights a thread a step; the step's columns
+    need at least half the threads (16-byte loads: 8 threads a group in FP8, 16 in bf16)."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
     out = []
     if 1 in forms:
@@ -73,9 +73,8 @@ def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) ->
                         if g * lanes * 2 < threads or b * g * 128 > 128 * threads:
                             continue
                         for split in (0, 1):
-                            for hq in ((0, 1) if fp8 and stages == 1 else (0,)):  # (HQ: h quantized once first)
-                                out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps,
-                                            "num_stages": stages, "SPLIT": split, **({"HQ": hq} if fp8 else {})})
+                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps, "num_stages": stages,
+                                        "SPLIT": split})
     return out
 
 

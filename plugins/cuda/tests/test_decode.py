@@ -28,14 +28,12 @@ else:
     pytest.importorskip("triton")
 
 
-def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, slots=1, hq=0):
+def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, slots=1):
     """A decode config: form 1 (``flat``: the down kernel's loop form) or form 2 (``split``: one down program per
-    slot, partials reduced by the last; ``slots``: gate/up slots a program; ``hq``: FP8 h quantized by its own
-    launch)."""
+    slot, partials reduced by the last; ``slots``: gate/up slots a program)."""
     if form == 2:
         return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, num_warps=4, num_stages=2),
-                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, HQ=hq, num_warps=4,
-                             num_stages=2)}
+                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
 
@@ -115,7 +113,7 @@ def test_decode_fp8_scales_interpreter(interleaved, groups, form, flat, inter, g
                                    fp8_block=True, activation="silu", routed_scaling_factor=1.5,
                                    out_dtype=torch.float32,
                                    cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat,
-                                            slots=4 if flat else 1, hq=flat), w13_interleaved=interleaved)
+                                            slots=4 if flat else 1), w13_interleaved=interleaved)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -360,7 +358,7 @@ def test_decode_pdl_and_loop_variants(quant, form, flat):
     against float64; the same bytes every call (deterministic, the split's last-program reduction included)."""
     if form == 2:
         cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=1),
-               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, HQ=flat, num_warps=1, num_stages=1), "PDL": 1}
+               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=1), "PDL": 1}
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}

@@ -126,8 +126,7 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     """``kernels._decode_down_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_down_v2_kernel`` (2) from ``h``
     into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``: launched with programmatic dependent launch
     behind ``gate_up``, Hopper and later; ``cfg["SPLIT"]``: one program per slot and H-block, ``part`` [T*K, H] fp32
-    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``; ``cfg["HQ"]`` (FP8): h quantized in place by a launch of
-    its own first)."""
+    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``)."""
     T, H = out.shape
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -140,16 +139,12 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
         if split and (part is None or cnt is None):
             raise ValueError("decode down: SPLIT needs the partials (part) and the zeroed counters (cnt)")
         part_t, cnt_t = (part, cnt) if split else (h, h)  # (unread pointers without SPLIT)
-        hq = fp8_block and bool(cfg.get("HQ", 0))
-        if hq:  # h quantized once, in place, by its own launch (the down programs then only stream w2)
-            launch(kernels._decode_quant_h_kernel, (h.shape[0], _cdiv(inter, 128 * 4)), h, topk_ids, w2, inter, E,
-                   h.stride(0), topk_ids.stride(0), topk_ids.stride(1), TOP_K=top_k, GROUPS=4)
         launch(kernels._decode_down_v2_kernel, (T * (top_k if split else 1), _cdiv(H, cfg["BLOCK_H"])), h, w2, s2,
                topk_ids, topk_weights, out, part_t, cnt_t, H, inter, E, float(routed_scaling_factor),
                cnt.shape[1] if split else 0, h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
-               BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, HQ=hq, PDL=pdl,
+               BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,

@@ -826,14 +826,13 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                           SPLIT: tl.constexpr, HQ: tl.constexpr, PDL: tl.constexpr):
+                           SPLIT: tl.constexpr, PDL: tl.constexpr):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
     gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
-    FP8: h quantized per 128-column group each step, or (HQ) as ``_decode_quant_h_kernel`` left it (the scheme's
-    values already); BLOCK_H divides 128, so one weight scale row a program."""
+    FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -872,8 +871,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         if FP8:
             w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
                           mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
-            if not HQ:
-                hv = _quant_groups_4d(hv, w_ptr.dtype.element_ty)
+            hv = _quant_groups_4d(hv, w_ptr.dtype.element_ty)
             acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * (w_s * weight)[None, :, None]
         else:
             acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * weight
@@ -893,23 +891,3 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
             tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
     else:
         tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
-
-
-@triton.jit
-def _decode_quant_h_kernel(h_ptr, ids_ptr, codes_ptr, inter, E, stride_h, stride_it, stride_ik,
-                           TOP_K: tl.constexpr, GROUPS: tl.constexpr):
-    """FP8 decode between the two kernels (the down kernel's HQ): program (slot, group block) replaces GROUPS
-    128-column groups of h[slot] by the scheme's values, codes x scale (``_quant_groups``, the codes in
-    ``codes_ptr``'s dtype), in place, so that the down kernel's H-block programs do not each quantize it again.
-    Slots with an id outside [0, E) return (their h is never read)."""
-    slot = tl.program_id(0)
-    t = slot // TOP_K
-    e = tl.load(ids_ptr + t * stride_it + (slot % TOP_K) * stride_ik)
-    if (e < 0) | (e >= E):
-        return
-    grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    offs = grp[:, None] * 128 + tl.arange(0, 128)[None, :]
-    m = offs < inter
-    ptrs = h_ptr + slot.to(tl.int64) * stride_h + offs
-    q, s = _quant_groups(tl.load(ptrs, mask=m, other=0.0))
-    tl.store(ptrs, _as_codes(q, codes_ptr.dtype.element_ty) * s[:, None], mask=m)
