@@ -88,10 +88,10 @@ def _replays(fp8, b_tma, device, decode=False):
     from moe_core.reference.oracle import moe_float64, relative_error
 
     weights, checkpoint = _weights(fp8, device, DTYPE, checkpoint=True)
-    cfg = _cfg(b_tma) if not decode else {  # form 2, split, h quantized by its own launch (FP8): 2 or 3 launches
+    cfg = _cfg(b_tma) if not decode else {  # form 2, gate/up slots in pairs, split down: 2 launches
         "decode": dict(BLOCK_I=4, SLOTS=2, GROUPS=2, FORM=2, num_warps=1, num_stages=1),
-        "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=1, HQ=1, num_warps=1, num_stages=1)}
-    launches = (3 if fp8 else 2) if decode else 4
+        "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=1, num_warps=1, num_stages=1)}
+    launches = 2 if decode else 4
     programs, descriptors, layouts = Programs(), {}, Layouts()
     for T, offset in ((1, 0), (3, 8), (3, 1), (17, 0)):  # offset 1: hidden rows 2 bytes off 16-byte alignment
         for i in range(3):
