@@ -14,6 +14,11 @@ its per-slot output are overhead around what the step costs: streaming the touch
 FP8 block: both kernels compute with the scheme's codes, as the pipeline does: the token quantized per 128-column
 group (or its codes and scales as dispatched), h quantized per 128-column group, products of codes summed per
 group in fp32 and scaled by the activation and weight block scales (``kernels._decode_gate_up_kernel``).
+
+Form 2 (a config part's ``"FORM": 2``; docs/decisions.md, "FP8 decode kernels, form 2"): the same math with the
+threads over a step's columns and the rows in registers, so the FP8 quantization of a step is paid once per value;
+gate/up programs own ``SLOTS`` slots x ``BLOCK_I`` rows; the down kernel may ``SPLIT`` over slots (fp32 partials
+reduced in slot order by the last program of each token and H-block: deterministic).
 """
 
 from __future__ import annotations
