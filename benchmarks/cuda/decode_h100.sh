@@ -19,6 +19,7 @@
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
 #   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
+# PRESETS (default all four): the presets of decode.py and host_time.py.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR SWEEP="..." bash benchmarks/cuda/decode_h100.sh OUT
 set -o pipefail
 OUT=${1:?usage: decode_h100.sh OUT}
@@ -31,7 +32,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 until_left() { local s=$(( $(left) - $1 )); [ "$s" -lt 5 ] && s=5; echo "$s"; }  # seconds until $1 are left
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
-PRESETS="mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b deepseek-v3"
+PRESETS=${PRESETS:-mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b deepseek-v3}  # (of decode.py and host_time.py)
 BENCH=$(pwd)/benchmarks/cuda
 
 say install
@@ -103,12 +104,12 @@ if [ -n "$TESTS_PID" ]; then
 fi
 
 say decode
-timeout "$(until_left 30)" python3 "$BENCH/decode.py" --tokens ${TOKENS:-1 16 64} --backends ${BACKENDS:-auto triton cutlass} \
-  --out-dir "$OUT" 2>&1 | tail -n 70
+timeout "$(until_left 30)" python3 "$BENCH/decode.py" --presets $PRESETS --tokens ${TOKENS:-1 16 64} \
+  --backends ${BACKENDS:-auto triton cutlass} --out-dir "$OUT" 2>&1 | tail -n 70
 
 say "host_time (this tree)"
 HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25; [ -n "$EXTRA_TOKENS" ] && HT_LEFT=35  # (what the phases after get)
-timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sections 1 \
+timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --presets $PRESETS --tokens 1 --sections 1 \
   --backends triton cutlass --json "$LOGS/host_time.json" > "$OUT/host_time.md" 2>$LOGS/host_time.err
 grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
 grep -A 14 "qwen3-30b-a3b | unquantized | triton | 1 |" "$OUT/host_time.md" | head -n 15
