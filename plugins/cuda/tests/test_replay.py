@@ -93,7 +93,8 @@ def _replays(fp8, b_tma, device, decode=False):
         "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=1, num_warps=1, num_stages=1)}
     launches = 2 if decode else 4
     programs, descriptors, layouts = Programs(), {}, Layouts()
-    for T, offset in ((1, 0), (3, 8), (3, 1), (17, 0)):  # offset 1: hidden rows 2 bytes off 16-byte alignment
+    cases = ((1, 0), (3, 1)) if decode else ((1, 0), (3, 8), (3, 1), (17, 0))  # (decode: slow in the interpreter)
+    for T, offset in cases:  # offset 1: hidden rows 2 bytes off 16-byte alignment
         for i in range(3):
             hidden, w, ids = _inputs(T, device, offset, DTYPE)
             before = launch.stats["replayed"]
@@ -117,7 +118,7 @@ REPLAY_CASES = [(False, 0, False), (False, 1, False), (True, 1, False), (False, 
 @pytest.mark.parametrize("fp8,b_tma,decode", REPLAY_CASES[:-1])
 def test_replayed_calls_give_the_pipelines_bytes_emulated(fp8, b_tma, decode, device):
     programs = _replays(fp8, b_tma, device, decode)
-    assert len(programs) == 4  # one per (T, alignment class)
+    assert len(programs) == (2 if decode else 4)  # one per (T, alignment class)
 
 
 @pytest.mark.gpu
@@ -125,7 +126,7 @@ def test_replayed_calls_give_the_pipelines_bytes_emulated(fp8, b_tma, decode, de
 @pytest.mark.parametrize("fp8,b_tma,decode", REPLAY_CASES)
 def test_replayed_calls_give_the_pipelines_bytes(fp8, b_tma, decode, device):
     programs = _replays(fp8, b_tma, device, decode)
-    assert len(programs) == 4
+    assert len(programs) == (2 if decode else 4)
 
 
 @pytest.mark.skipif(cuda, reason="emulated launchers")
