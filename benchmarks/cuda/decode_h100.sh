@@ -2,8 +2,10 @@
 # Issue 31's device pass on one H100, inside BUDGET_S seconds (default 340):
 #   1. install this tree and the CUTLASS / DeepGEMM headers (WHEELHOUSE: a folder of their wheels); the cutlass
 #      backend's libraries start building in the background
+#   (GPU tests start first: TESTS_K below, bounded by TESTS_S seconds where given; with SWEEP they run alongside its
+#   compile phase and end before it measures)
 #   2. with SWEEP (decode_sweep.py argument sets separated by ";", e.g. "--presets qwen3-30b-a3b --quant fp8_block"):
-#      parallel --warm-only processes compile the decode kernels' candidates, then each set is swept (configs, then
+#      SHARDS (default 3) parallel --warm-only processes per set compile the decode kernels' candidates, then each set is swept (configs, then
 #      the layer with the decode kernels against the pipeline at SWEEP_TOKENS, default "1 2 4") and merged into the
 #      package's H100 decode table, which everything after uses -> OUT/sweep_<i>.json, OUT/decode_table.json
 #   3. parallel `decode.py --warm-only` processes fill Triton's kernel cache for every decode cell (and, with BASE,
@@ -17,6 +19,7 @@
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
 #   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
+# PRESETS (default all four): the presets of decode.py and host_time.py.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR SWEEP="..." bash benchmarks/cuda/decode_h100.sh OUT
 set -o pipefail
 OUT=${1:?usage: decode_h100.sh OUT}
@@ -29,7 +32,7 @@ T0=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
 until_left() { local s=$(( $(left) - $1 )); [ "$s" -lt 5 ] && s=5; echo "$s"; }  # seconds until $1 are left
 say() { echo "=== [$(( $(date +%s) - T0 ))s] $*"; }
-PRESETS="mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b deepseek-v3"
+PRESETS=${PRESETS:-mixtral-8x7b qwen3-30b-a3b qwen3-235b-a22b deepseek-v3}  # (of decode.py and host_time.py)
 BENCH=$(pwd)/benchmarks/cuda
 
 say install
@@ -46,6 +49,15 @@ python3 -c "import time, torch; t = time.time(); from moe_plugin_cuda.deepgemm i
 lib.library(torch.cuda.get_device_properties(0).multi_processor_count); \
 print(f'DeepGEMM library ready in {time.time() - t:.0f} s')" > $LOGS/build_deepgemm.log 2>&1 &
 
+TESTS_K=${TESTS_K:-test_decode or test_replay or test_launch or matches_reference or graph_capture or torch_compile}
+if [ "$TESTS_K" != none ]; then  # (with SWEEP: alongside its compile phase, ended before it measures)
+  say "GPU tests start (-k '$TESTS_K')"
+  timeout "${TESTS_S:-$(until_left $(( ${WARM_LEFT:-190} + 5 )))}" python3 -m pytest plugins/cuda/tests/test_decode.py \
+    plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py plugins/cuda/tests/test_triton.py \
+    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n 4 -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
+  TESTS_PID=$!
+fi
+
 if [ -n "$SWEEP" ]; then
   say "decode kernels: compile the candidates, sweep, merge the decode table"
   TABLE=$(python3 -c "from moe_plugin_cuda.triton import tuning_configs as t; import torch; \
@@ -53,16 +65,17 @@ print(t.CONFIG_DIR / t.decode_table_name(torch.cuda.get_device_name()))")
   IFS=';' read -ra SETS <<< "$SWEEP"
   WARM=""
   for set in "${SETS[@]}"; do
-    for i in 0 1 2; do
-      python3 "$BENCH/decode_sweep.py" $set --warm-only --shard $i/3 >> $LOGS/sweep_warm.log 2>&1 &
+    for i in $(seq 0 $(( ${SHARDS:-3} - 1 ))); do
+      python3 "$BENCH/decode_sweep.py" $set --warm-only --shard $i/${SHARDS:-3} >> $LOGS/sweep_warm.log 2>&1 &
       WARM="$WARM $!"
     done
   done
   wait $WARM
   grep -c FAILED $LOGS/sweep_warm.log
+  [ -n "$TESTS_PID" ] && wait "$TESTS_PID"  # (no test on the GPU while the sweep measures)
   n=0
   for set in "${SETS[@]}"; do
-    timeout "$(until_left 170)" python3 "$BENCH/decode_sweep.py" $set --tokens ${SWEEP_TOKENS:-1 2 4} \
+    timeout "$(until_left ${SWEEP_LEFT:-170})" python3 "$BENCH/decode_sweep.py" $set --tokens ${SWEEP_TOKENS:-1 2 4} \
       --json "$OUT/sweep_$n.json" --table "$TABLE" 2>&1 | grep -E "best|pairs|layer|FAILED|table" | cut -c1-220
     n=$((n + 1))
   done
@@ -71,13 +84,6 @@ fi
 
 say "warm Triton's cache, GPU tests"
 
-TESTS_K=${TESTS_K:-test_decode or test_replay or test_launch or matches_reference or graph_capture or torch_compile}
-if [ "$TESTS_K" != none ]; then
-  timeout "$(until_left $(( ${WARM_LEFT:-190} + 5 )))" python3 -m pytest plugins/cuda/tests/test_decode.py \
-    plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py plugins/cuda/tests/test_triton.py \
-    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n 4 -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
-  TESTS_PID=$!
-fi
 for p in $PRESETS; do
   (for b in ${BACKENDS:-triton cutlass}; do
      python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends $b --tokens ${TOKENS:-1 16 64}; done
@@ -98,12 +104,12 @@ if [ -n "$TESTS_PID" ]; then
 fi
 
 say decode
-timeout "$(until_left 30)" python3 "$BENCH/decode.py" --tokens ${TOKENS:-1 16 64} --backends ${BACKENDS:-auto triton cutlass} \
-  --out-dir "$OUT" 2>&1 | tail -n 70
+timeout "$(until_left 30)" python3 "$BENCH/decode.py" --presets $PRESETS --tokens ${TOKENS:-1 16 64} \
+  --backends ${BACKENDS:-auto triton cutlass} --out-dir "$OUT" 2>&1 | tail -n 70
 
 say "host_time (this tree)"
 HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25; [ -n "$EXTRA_TOKENS" ] && HT_LEFT=35  # (what the phases after get)
-timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --tokens 1 --sections 1 \
+timeout "$(until_left $HT_LEFT)" python3 "$BENCH/host_time.py" --presets $PRESETS --tokens 1 --sections 1 \
   --backends triton cutlass --json "$LOGS/host_time.json" > "$OUT/host_time.md" 2>$LOGS/host_time.err
 grep -v "^<\!--   " "$OUT/host_time.md" | tail -n 40
 grep -A 14 "qwen3-30b-a3b | unquantized | triton | 1 |" "$OUT/host_time.md" | head -n 15

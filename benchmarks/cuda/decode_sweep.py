@@ -33,37 +33,71 @@ from host_time import build_layer, host_times, make_inputs, warm_up  # noqa: E40
 from moe_core.config import preset  # noqa: E402
 from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 
-# (warps, stages) of gate/up; (warps, stages, FLAT) of down
+# (warps, stages) of gate/up; (warps, stages, FLAT) of down: form 1
 LAUNCHES = {"decode": ((4, 1), (4, 3), (8, 3)), "down": ((4, 1, 0), (4, 3, 0), (4, 3, 1), (8, 3, 1))}
+# form 2 (columns over threads, rows in registers): (warps, stages)
+LAUNCHES_2 = ((1, 1), (2, 1), (4, 1), (4, 3))
 
 
-def candidates(part: str) -> list[dict[str, int]]:
-    """Rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up: two
-    accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread."""
+def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) -> list[dict[str, int]]:
+    """Form 1: rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up:
+    two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread. Form 2
+    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x launch, at most 256 weights a
+    thread a step; down rows x groups x launch x ``SPLIT``, at most 128 weights a thread a step; the step's columns
+    need at least half the threads (16-byte loads: 8 threads a group in FP8, 16 in bf16)."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
-    per_thread = 4 if part == "decode" else 2
-    return [{block: b, "GROUPS": g, "num_warps": launch[0], "num_stages": launch[1],
-             **({"FLAT": launch[2]} if part == "down" else {})}
-            for b in (8, 16, 32) for g in (1, 2, 4, 8) for launch in LAUNCHES[part]
-            if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
+    out = []
+    if 1 in forms:
+        per_thread = 4 if part == "decode" else 2
+        out += [{block: b, "GROUPS": g, "num_warps": launch[0], "num_stages": launch[1],
+                 **({"FLAT": launch[2]} if part == "down" else {})}
+                for b in (8, 16, 32) for g in (1, 2, 4, 8) for launch in LAUNCHES[part]
+                if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
+    if 2 in forms:
+        lanes = 8 if fp8 else 16  # threads over one 128-column group
+        if part == "decode":  # (rows: SLOTS x BLOCK_I (slot, I-row) pairs; SLOTS must divide the preset's top_k)
+            for slots in (1, 2, 4, 8):
+                for b in (1, 2, 4, 8):
+                    for g in (2, 4, 8):
+                        for warps, stages in LAUNCHES_2[:3]:
+                            threads, rows = 32 * warps, slots * b
+                            if not 2 <= rows <= 16 or g * lanes * 2 < threads or 2 * rows * g * 128 > 256 * threads:
+                                continue
+                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "num_warps": warps,
+                                        "num_stages": stages})
+        else:
+            for b in (4, 8, 16, 32):
+                for g in (2, 4, 8, 16):
+                    for warps, stages in LAUNCHES_2:
+                        threads = 32 * warps
+                        if g * lanes * 2 < threads or b * g * 128 > 128 * threads:
+                            continue
+                        for split in (0, 1):
+                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps, "num_stages": stages,
+                                        "SPLIT": split})
+    return out
 
 
 TOP = 3  # the fastest of each kernel tried together
 
 
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
-                  shard: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+                  shard: tuple[int, int] = (0, 1), forms: tuple[int, ...] = (1, 2),
+                  current: Optional[dict] = None) -> dict[str, Any]:
     """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
     HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
     forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
-    the fastest full config}."""
+    the fastest full config}. ``forms``: the kernel forms swept; ``current``: a decode config (the shape's table
+    entry) whose parts are candidates too. A split down kernel alone reuses counters zeroed once (its last program
+    sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
 
     dev = x.device
     T, top_k, inter = x.shape[0], topk.ids.shape[1], w.w2.shape[2]
     E = w.w13.shape[0]
-    h = torch.empty(T * top_k, inter, dtype=torch.float32, device=dev)
+    h = torch.randn(T * top_k, inter, dtype=torch.float32, device=dev)
     out = torch.empty_like(x)
+    part_buf = torch.empty(T * top_k, x.shape[1], dtype=torch.float32, device=dev)  # (a split down's partials)
     routings = [torch.stack([torch.randperm(E, device=dev)[:top_k] for _ in range(T)]).to(topk.ids.dtype)
                 for _ in range(GRAPH_CALLS)]
     turn = [0]
@@ -76,15 +110,20 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     tops = {}
     for part in ("decode", "down"):
         timed = []
-        for c in candidates(part)[shard[0]::shard[1]]:
+        cands = [c for c in candidates(part, fp8, forms) if top_k % c.get("SLOTS", 1) == 0]
+        if current and current.get(part) and current[part] not in cands:
+            cands.append(current[part])
+        for c in cands[shard[0]::shard[1]]:
             if part == "decode":
                 def call(c=c):
                     decode.gate_up(x, None, w.w13, w.w13_scale, ids(), h, fp8_block=fp8, activation="silu",
                                    w13_interleaved=interleaved, cfg=c)
             else:
-                def call(c=c):
+                cnt = torch.zeros(T, -(-x.shape[1] // c["BLOCK_H"]), dtype=torch.int32, device=dev)
+
+                def call(c=c, cnt=cnt):
                     decode.down(h, w.w2, w.w2_scale, ids(), topk.weights, out, fp8_block=fp8,
-                                routed_scaling_factor=1.0, cfg=c)
+                                routed_scaling_factor=1.0, cfg=c, part=part_buf, cnt=cnt)
             try:
                 call()
                 torch.cuda.synchronize(dev)
@@ -95,6 +134,9 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
         if timed:
             timed.sort(key=lambda r: r[0])
             tops[part] = [c for _, c in timed[:TOP]]
+            if part == "down":  # (the best split and non-split alike: alone, a split kernel's tail is cheaper)
+                tops[part] = ([c for _, c in timed if c.get("SPLIT")][:TOP]
+                              + [c for _, c in timed if not c.get("SPLIT")][:TOP])
             res[part] = [[round(t, 2), c] for t, c in timed[:4]]
             print(f"  {tag} {part:6s} best {timed[0][0]:.2f} us {timed[0][1]}  next "
                   f"{[r[0] for r in res[part][1:]]} worst {timed[-1][0]:.1f}", file=sys.stderr, flush=True)
@@ -103,7 +145,11 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     elif len(tops) < 2:
         return res
     else:  # (without PDL: the kernels compiled above; PDL compiles another variant, tried on the best pair only)
-        combos = [{"decode": a, "down": b, "PDL": 0} for a in tops["decode"] for b in tops["down"]]
+        combos = [{"decode": a, "down": b, "PDL": 0} for a in tops["decode"] for b in tops["down"]
+                  if not b.get("SPLIT") or a.get("FORM", 1) == 2]  # (a split down needs form 2's counters)
+        if not combos:
+            combos = [{"decode": a, "down": b, "PDL": 0} for a in tops["decode"] for b in tops["down"]
+                      if not b.get("SPLIT")]
 
     def pair(cfg):
         return lambda: decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids,
@@ -178,18 +224,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--table", default=None, help="merge the decode table (tuning_configs.decode_plan) into this file")
     p.add_argument("--warm-only", action="store_true")
     p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
+    p.add_argument("--forms", nargs="+", type=int, default=[1, 2], help="the kernel forms swept (1, 2); the "
+                   "shape's current table config is a candidate either way")
     args = p.parse_args(argv)
+    forms = tuple(args.forms)
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for name in args.presets:
         for q in args.quant:
             cfg = preset(name, quant=q, device="cuda", experts="triton")
             fp8 = cfg.quant is QuantScheme.FP8_BLOCK
+            current = current_config(cfg, args.table)
             if args.warm_only:
                 for T in args.sweep_tokens:
                     x, topk, w = stand_in(cfg, T, dev)
                     sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True,
-                                  tuple(int(v) for v in args.shard.split("/")))
+                                  tuple(int(v) for v in args.shard.split("/")), forms, current)
                 continue
             layer = build_layer(cfg, dev)
             experts = layer.experts
@@ -203,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 try:
                     if T in args.sweep_tokens:
                         row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
-                                                       args.reps, False)
+                                                       args.reps, False, forms=forms, current=current)
                         swept[T] = row["kernels"].get("best")
                     # the nearest swept T's configs (their grids only grow with T), else the heuristic's
                     near = min(swept, key=lambda s: abs(s - T)) if swept else None
@@ -233,6 +283,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"decode table: {json.dumps({k: v['max_tokens'] for k, v in decode_table(rows).items()})}",
               file=sys.stderr)
     return 0
+
+
+def current_config(cfg, table_path: Optional[str]) -> Optional[dict]:
+    """The shape's config in the decode table at ``table_path`` (else the package's for this device), if any."""
+    from moe_plugin_cuda.triton import tuning_configs
+
+    path = table_path or str(tuning_configs.CONFIG_DIR / tuning_configs.decode_table_name(torch.cuda.get_device_name()))
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        table = json.load(f)
+    dtype = tuning_configs.table_dtype(cfg.quant, cfg.params_dtype)
+    key = tuning_configs.decode_shape(cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size, dtype)
+    return table.get(key, {}).get("config")
 
 
 def write(rows: list[dict[str, Any]], args) -> None:

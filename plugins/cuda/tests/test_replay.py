@@ -78,7 +78,7 @@ def device(monkeypatch):
     return torch.device("cpu")
 
 
-def _replays(fp8, b_tma, device):
+def _replays(fp8, b_tma, device, decode=False):
     """(T, offset) cases, each run three times: recorded, then replayed twice with fresh inputs; every result
     against the pipeline run as usual on the same inputs (bytes) and, bf16, the float64 math."""
     from moe_plugin_cuda.triton import launch, ops
@@ -88,9 +88,13 @@ def _replays(fp8, b_tma, device):
     from moe_core.reference.oracle import moe_float64, relative_error
 
     weights, checkpoint = _weights(fp8, device, DTYPE, checkpoint=True)
-    cfg = _cfg(b_tma)
+    cfg = _cfg(b_tma) if not decode else {  # form 2, gate/up slots in pairs, split down: 2 launches
+        "decode": dict(BLOCK_I=4, SLOTS=2, GROUPS=2, FORM=2, num_warps=1, num_stages=1),
+        "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=1, num_warps=1, num_stages=1)}
+    launches = 2 if decode else 4
     programs, descriptors, layouts = Programs(), {}, Layouts()
-    for T, offset in ((1, 0), (3, 8), (3, 1), (17, 0)):  # offset 1: hidden rows 2 bytes off 16-byte alignment
+    cases = ((1, 0), (3, 1)) if decode else ((1, 0), (3, 8), (3, 1), (17, 0))  # (decode: slow in the interpreter)
+    for T, offset in cases:  # offset 1: hidden rows 2 bytes off 16-byte alignment
         for i in range(3):
             hidden, w, ids = _inputs(T, device, offset, DTYPE)
             before = launch.stats["replayed"]
@@ -98,26 +102,31 @@ def _replays(fp8, b_tma, device):
             replayed = launch.stats["replayed"] - before
             want = _run(ops, hidden, w, ids, weights, fp8, cfg, None, descriptors, layouts)
             assert torch.equal(got, want), (T, offset, i)
-            assert replayed == (0 if i == 0 else 4), (T, offset, i, replayed)  # (FP8: quantized in align and GEMM1)
+            assert replayed == (0 if i == 0 else launches), (T, offset, i, replayed)  # (FP8: quantized in align, GEMM1)
             if checkpoint is not None:
                 ref = moe_float64(hidden, w, ids, *checkpoint, routed_scaling_factor=1.3)
                 assert relative_error(got, ref) < (1e-2 if DTYPE is torch.bfloat16 else 1e-4), (T, offset, i)
     return programs
 
 
+# (fp8, b_tma, decode): the pipeline, and the decode kernels (whose output and scratch share one allocation); the
+# FP8 decode kernels take minutes in the interpreter: on the GPU only (test_decode checks their math on the CPU)
+REPLAY_CASES = [(False, 0, False), (False, 1, False), (True, 1, False), (False, 0, True), (True, 0, True)]
+
+
 @pytest.mark.skipif(cuda, reason="emulated launchers (the GPU test runs the compiled ones)")
-@pytest.mark.parametrize("fp8,b_tma", [(False, 0), (False, 1), (True, 1)])
-def test_replayed_calls_give_the_pipelines_bytes_emulated(fp8, b_tma, device):
-    programs = _replays(fp8, b_tma, device)
-    assert len(programs) == 4  # one per (T, alignment class)
+@pytest.mark.parametrize("fp8,b_tma,decode", REPLAY_CASES[:-1])
+def test_replayed_calls_give_the_pipelines_bytes_emulated(fp8, b_tma, decode, device):
+    programs = _replays(fp8, b_tma, device, decode)
+    assert len(programs) == (2 if decode else 4)  # one per (T, alignment class)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fp8,b_tma", [(False, 0), (False, 1), (True, 1)])
-def test_replayed_calls_give_the_pipelines_bytes(fp8, b_tma, device):
-    programs = _replays(fp8, b_tma, device)
-    assert len(programs) == 4
+@pytest.mark.parametrize("fp8,b_tma,decode", REPLAY_CASES)
+def test_replayed_calls_give_the_pipelines_bytes(fp8, b_tma, decode, device):
+    programs = _replays(fp8, b_tma, device, decode)
+    assert len(programs) == (2 if decode else 4)
 
 
 @pytest.mark.skipif(cuda, reason="emulated launchers")
@@ -262,7 +271,8 @@ def _launches(quant, cfg) -> int:
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 def test_decode_forward_host_work(quant, monkeypatch):
     """qwen3-30b-a3b at T = 1 with the cutlass experts and the H100's tables: after the first forward, each one is
-    two allocations (workspace, output) and its launches replayed, nothing else."""
+    two allocations (workspace, output; the decode kernels': one, the output a view of it) and its launches
+    replayed, nothing else."""
     import triton_launch_emulation
 
     from moe_core.contracts import TopK
@@ -277,6 +287,8 @@ def test_decode_forward_host_work(quant, monkeypatch):
         counts = _Counts(lambda: layer(x, topk))
     ops, _, calls = DECODE_FORWARD[quant]
     replayed = _launches(quant, cfg)
+    if replayed == 2:  # the decode kernels: the output and their scratch in one allocation (the output a view of it)
+        ops = ["aten.empty.memory_format", "aten.as_strided.default"]
     assert counts.ops == sorted(ops)
     assert counts.launches == {"replayed": replayed}
     assert [path for path, _ in log].count("launcher") == 2 * replayed  # (each forward: none through kernel[grid])

@@ -14,6 +14,11 @@ its per-slot output are overhead around what the step costs: streaming the touch
 FP8 block: both kernels compute with the scheme's codes, as the pipeline does: the token quantized per 128-column
 group (or its codes and scales as dispatched), h quantized per 128-column group, products of codes summed per
 group in fp32 and scaled by the activation and weight block scales (``kernels._decode_gate_up_kernel``).
+
+Form 2 (a config part's ``"FORM": 2``; docs/decisions.md, "FP8 decode kernels, form 2"): the same math with the
+threads over a step's columns and the rows in registers, so the FP8 quantization of a step is paid once per value;
+gate/up programs own ``SLOTS`` slots x ``BLOCK_I`` rows; the down kernel may ``SPLIT`` over slots (fp32 partials
+reduced in slot order by the last program of each token and H-block: deterministic).
 """
 
 from __future__ import annotations
@@ -56,40 +61,77 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     c1, c2 = cfg["decode"], cfg["down"]
-    lay = layout(layouts, ("decode", T, top_k, inter, hidden.device), lambda: [(torch.float32, (T * top_k, inter))])
-    (h,) = lay.carve(hidden.device)
+    split = bool(c2.get("SPLIT", 0))
+    if split and c1.get("FORM", 1) != 2:
+        raise ValueError(f"decode config: down.SPLIT needs the form-2 gate/up kernel (it zeroes the split's "
+                         f"counters), got decode {c1}")
+    n_hb = _cdiv(H, c2["BLOCK_H"])
+    parts = [(torch.float32, (T * top_k, inter))]
+    if split:  # the slots' partial outputs and each token's H-block counters
+        parts += [(torch.float32, (T * top_k, H)), (torch.int32, (T, n_hb))]
+    lay = layout(layouts, ("decode", T, top_k, inter, H, n_hb, split, hidden.device), lambda: parts)
+    h, *split_bufs = lay.carve(hidden.device)
+    part, cnt = split_bufs if split else (None, None)
     pdl = bool(cfg.get("PDL", 0))
     gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, fp8_block=fp8_block, activation=activation,
-            w13_interleaved=w13_interleaved, cfg=c1, pdl=pdl)
+            w13_interleaved=w13_interleaved, cfg=c1, pdl=pdl, cnt=cnt)
     down(h, w2, w2_scale, topk_ids, topk_weights, out, fp8_block=fp8_block,
-         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=pdl)
+         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=pdl, part=part, cnt=cnt)
     base = h.untyped_storage().data_ptr()
     return out, (base, base + lay.nbytes)
 
 
+def _vec(t: torch.Tensor) -> int:
+    """Elements of ``t`` in one 16-byte load (form 2's innermost tile axis)."""
+    return 16 // t.element_size()
+
+
 def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, activation: str, w13_interleaved: bool,
-            cfg: dict, pdl: bool = False) -> None:
-    """``kernels._decode_gate_up_kernel`` into ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``:
-    the down kernel follows with programmatic dependent launch)."""
+            cfg: dict, pdl: bool = False, cnt: Optional[torch.Tensor] = None) -> None:
+    """``kernels._decode_gate_up_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_gate_up_v2_kernel`` (2) into
+    ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``: the down kernel follows with programmatic
+    dependent launch; ``cnt``: [T, H-blocks] int32 counters of the split down kernel, zeroed here, form 2; form 2's
+    ``SLOTS``: slots a program, default 1)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
     inter, top_k = n1 // 2, topk_ids.shape[1]
     quant_x = fp8_block and a_scale is None  # (else the dispatched codes and their group scales)
     xs = a_scale if a_scale is not None else hidden  # (unread pointers: any tensor of the call)
     s13 = w13_scale if fp8_block else w13
+    if cfg.get("FORM", 1) == 2:
+        zero = cnt is not None
+        cnt_t = cnt if zero else h  # (unread pointer)
+        slots = cfg.get("SLOTS", 1)
+        if top_k % slots or (slots * cfg["BLOCK_I"]) & (slots * cfg["BLOCK_I"] - 1):
+            raise ValueError(f"decode gate/up: SLOTS must divide top_k {top_k} and SLOTS x BLOCK_I be a power of "
+                             f"two, got SLOTS {slots}, BLOCK_I {cfg['BLOCK_I']}")
+        launch(kernels._decode_gate_up_v2_kernel, (T * top_k // slots, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs,
+               w13, s13, topk_ids, h, cnt_t, H, inter, E, cnt.shape[1] if zero else 0, hidden.stride(0), xs.stride(0),
+               xs.stride(1), topk_ids.stride(0), topk_ids.stride(1), w13.stride(0), w13.stride(1), s13.stride(0),
+               s13.stride(1), s13.stride(2), h.stride(0), TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
+               QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
+               GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
+               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    if cnt is not None:
+        raise ValueError("decode gate/up: counters to zero need the form-2 kernel (cfg FORM 2)")
+    fold = fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0
     launch(kernels._decode_gate_up_kernel, (T * top_k, _cdiv(inter, cfg["BLOCK_I"])), hidden, xs, w13, s13, topk_ids,
            h, H, inter, E, hidden.stride(0), xs.stride(0), xs.stride(1), topk_ids.stride(0), topk_ids.stride(1),
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
            BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0,
-           FOLD=fp8_block and 128 % cfg["BLOCK_I"] == 0 and inter % cfg["BLOCK_I"] == 0, PDL=pdl,
+           FOLD=fold, PDL=pdl,
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, routed_scaling_factor: float,
-         cfg: dict, pdl: bool = False) -> None:
-    """``kernels._decode_down_kernel`` from ``h`` into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``:
-    launched with programmatic dependent launch behind ``gate_up``, Hopper and later)."""
+         cfg: dict, pdl: bool = False, part: Optional[torch.Tensor] = None,
+         cnt: Optional[torch.Tensor] = None) -> None:
+    """``kernels._decode_down_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_down_v2_kernel`` (2) from ``h``
+    into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``: launched with programmatic dependent launch
+    behind ``gate_up``, Hopper and later; ``cfg["SPLIT"]``: one program per slot and H-block, ``part`` [T*K, H] fp32
+    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``)."""
     T, H = out.shape
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -97,6 +139,19 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     if fp8_block and 128 % cfg["BLOCK_H"]:
         raise ValueError(f"FP8 decode: down.BLOCK_H must divide 128 (one weight scale row a program), got "
                          f"{cfg['BLOCK_H']}")
+    if cfg.get("FORM", 1) == 2:
+        split = bool(cfg.get("SPLIT", 0))
+        if split and (part is None or cnt is None):
+            raise ValueError("decode down: SPLIT needs the partials (part) and the zeroed counters (cnt)")
+        part_t, cnt_t = (part, cnt) if split else (h, h)  # (unread pointers without SPLIT)
+        launch(kernels._decode_down_v2_kernel, (T * (top_k if split else 1), _cdiv(H, cfg["BLOCK_H"])), h, w2, s2,
+               topk_ids, topk_weights, out, part_t, cnt_t, H, inter, E, float(routed_scaling_factor),
+               cnt.shape[1] if split else 0, h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+               topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
+               s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
+               BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
+               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+        return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),

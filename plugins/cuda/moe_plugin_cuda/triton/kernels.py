@@ -714,3 +714,180 @@ def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i,
         hv = _quant_groups_3d(hv, w_ptr.dtype.element_ty) * (w_s * weight)[None, :, None]
         return acc + wv * hv
     return acc + wv * (hv * weight)
+
+
+# Decode kernels, form 2 (docs/decisions.md, "FP8 decode at HBM speed: columns over threads, rows in registers"):
+# a step's tile is [rows, GROUPS, 128 // VEC, VEC] with VEC = one 16-byte load of a weight row, so Triton spreads the
+# threads (and warps) over the step's columns and each thread keeps all the program's rows in registers. The token's
+# (or h's) values of a step are then held once, not once per row a thread owns: the per-128-column quantization of
+# FP8 (an IEEE division per value) is paid once per value and shared by every row, where form 1 paid it once per
+# row a thread owned and ran ALU-bound (~0.8 TB/s for the down kernel). Products are summed over VEC in-thread each
+# step into [rows, GROUPS, 128 // VEC] fp32, so the weight block scales apply per (row, group) after that sum.
+
+
+@triton.jit
+def _quant_groups_4d(x, codes_dtype: tl.constexpr):
+    """``_quant_groups`` over each [128 // VEC, VEC] group of ``[1, G, 128 // VEC, VEC]`` fp32: the dequantized values
+    (codes x scale) the scheme computes with."""
+    s = tl.maximum(tl.max(tl.max(tl.abs(x), axis=3), axis=2), 1e-4) / 448.0
+    q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None, None], x.shape)), -448.0, 448.0)
+    return _as_codes(q, codes_dtype) * s[:, :, None, None]
+
+
+@triton.jit
+def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, cnt_ptr, H, inter, E, n_cnt,
+                              stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn,
+                              stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                              FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
+                              SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
+                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
+    """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
+    I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
+    with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
+    share the token's values of a step and, in FP8, its per-128-column quantization (QUANT_X), whose IEEE divisions
+    would otherwise dominate the ALU; dispatched codes are scaled as they came. The weight block scales multiply the
+    step's per-(row, group) sums. ZERO_CNT: the programs (first slot group of token t, 0) zero token t's ``n_cnt``
+    counters of the split down kernel (which runs after this one)."""
+    GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
+    t = tl.program_id(0) // GROUPS_PER_T
+    k0 = (tl.program_id(0) % GROUPS_PER_T) * SLOTS
+    if ZERO_CNT:
+        if (k0 == 0) & (tl.program_id(1) == 0):
+            for c in range(0, n_cnt, 128):
+                offs_c = c + tl.arange(0, 128)
+                tl.store(cnt_ptr + t * n_cnt + offs_c, tl.zeros((128,), tl.int32), mask=offs_c < n_cnt)
+    t = t.to(tl.int64)
+    LANES: tl.constexpr = 128 // VEC
+    rows = tl.arange(0, SLOTS * BLOCK_I)
+    slot = t * TOP_K + k0 + rows // BLOCK_I  # [R]: each row's slot
+    offs_i = tl.program_id(1) * BLOCK_I + rows % BLOCK_I  # [R]: its row of I
+    e = tl.load(ids_ptr + t * stride_it + (k0 + rows // BLOCK_I) * stride_ik)
+    ok = (e >= 0) & (e < E) & (offs_i < inter)
+    e = tl.where(ok, e, 0).to(tl.int64)
+    if INTERLEAVED:
+        g_rows = 2 * offs_i
+        u_rows = g_rows + 1
+    else:
+        g_rows = offs_i
+        u_rows = offs_i + inter
+    grp = tl.arange(0, GROUPS)
+    offs_k = (grp[:, None, None] * 128 + tl.arange(0, LANES)[None, :, None] * VEC
+              + tl.arange(0, VEC)[None, None, :])  # [GROUPS, LANES, VEC]: this step's columns
+    w_rows = w_ptr + e * stride_we  # [R]
+    g_ptrs = (w_rows + g_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
+    u_ptrs = (w_rows + u_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
+    x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :, :]
+    if FP8:  # each row's weight scale row (its expert's, its checkpoint row's block): [R, GROUPS]
+        s_rows = w_scale_ptr + e * stride_wse
+        gs_ptrs = (s_rows + (offs_i // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
+        us_ptrs = (s_rows + ((offs_i + inter) // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
+        xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
+    acc_g = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
+    acc_u = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, GROUPS * 128)):
+        if EVEN_K:
+            k_mask = tl.full((GROUPS, LANES, VEC), 1, tl.int1)
+        else:
+            k_mask = offs_k < H - k * GROUPS * 128
+        w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, LANES, VEC]
+        if FP8:
+            g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
+            if QUANT_X:
+                x = _quant_groups_4d(x, w_ptr.dtype.element_ty)
+            else:
+                x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=g_ok, other=0.0)[:, :, None, None]
+            s_mask = ok[:, None] & g_ok
+            g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            acc_g += tl.sum(g.to(tl.float32) * x, axis=3) * g_s[:, :, None]
+            acc_u += tl.sum(u.to(tl.float32) * x, axis=3) * u_s[:, :, None]
+        else:
+            acc_g += tl.sum(g.to(tl.float32) * x, axis=3)
+            acc_u += tl.sum(u.to(tl.float32) * x, axis=3)
+        x_ptrs += GROUPS * 128
+        g_ptrs += GROUPS * 128
+        u_ptrs += GROUPS * 128
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
+    if ACT == 0:  # silu(gate) * up
+        h = gate * tl.sigmoid(gate) * up
+    else:  # exact gelu(gate) * up
+        h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    tl.store(h_ptr + slot * stride_h + offs_i, h, mask=ok)
+
+
+@triton.jit
+def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, part_ptr, cnt_ptr, H, inter, E,
+                           scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
+                           stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
+                           FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
+                           SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
+    registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
+    top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
+    gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
+    routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
+    FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program."""
+    hb = tl.program_id(1)
+    if SPLIT:
+        slot = tl.program_id(0).to(tl.int64)
+        t = slot // TOP_K
+        k_first = slot % TOP_K
+        n_slots = 1
+    else:
+        t = tl.program_id(0).to(tl.int64)
+        k_first = 0
+        n_slots = TOP_K
+    LANES: tl.constexpr = 128 // VEC
+    s_row = (hb * BLOCK_H) // 128
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    grp = tl.arange(0, GROUPS)
+    offs_i = (grp[:, None, None] * 128 + tl.arange(0, LANES)[None, :, None] * VEC
+              + tl.arange(0, VEC)[None, None, :])  # [GROUPS, LANES, VEC]
+    acc = tl.zeros((BLOCK_H, GROUPS, LANES), dtype=tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    n_i = tl.cdiv(inter, GROUPS * 128)
+    for j in range(0, n_slots * n_i):  # (slot, I-step) flat: the software pipeline runs across slots
+        k = k_first + j // n_i
+        i = j % n_i
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0).to(tl.int64)
+        limit = tl.where(ok, inter, 0)  # (a skipped slot loads nothing)
+        weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+        cols = i * GROUPS * 128 + offs_i
+        i_mask = cols < limit
+        hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + cols[None, :, :, :], mask=i_mask[None, :, :, :],
+                     other=0.0)
+        wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None, None] * stride_wn
+                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0)
+        if FP8:
+            w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
+                          mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
+            hv = _quant_groups_4d(hv, w_ptr.dtype.element_ty)
+            acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * (w_s * weight)[None, :, None]
+        else:
+            acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * weight
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if SPLIT:
+        tl.store(part_ptr + slot * stride_p + offs_h, total, mask=h_mask)
+        tl.debug_barrier()  # (every thread's partial stored before the counter moves)
+        arrived = tl.atomic_add(cnt_ptr + t * n_cnt + hb, 1, sem="acq_rel", scope="gpu")
+        if arrived == TOP_K - 1:  # the token's last slot for this H-block: reduce in slot order
+            tl.store(cnt_ptr + t * n_cnt + hb, 0)  # (back to zero: a buffer zeroed once serves every launch)
+            total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for k in tl.static_range(TOP_K):
+                e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+                if (e >= 0) & (e < E):
+                    total += tl.load(part_ptr + (t * TOP_K + k) * stride_p + offs_h, mask=h_mask, other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
+    else:
+        tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)

@@ -360,12 +360,18 @@ def fused_experts(
            ptrs[0] & 15, ptrs[1] & 15, ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6] & 15, ptrs[7] & 15, ptrs[8] & 15)
     program = programs.get(key)
     if program is not None:
-        nbytes, out_shape, device = program.info
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if out is None:
-            out = torch.empty(out_shape, dtype=out_dtype, device=device)
-            ptrs[8] = out.data_ptr()
-        ptrs[9] = buf.data_ptr()
+        nbytes, out_shape, device, merged, offset = program.info
+        if out is None and merged:  # decode: the output and its small scratch in one allocation (after the output)
+            full = torch.empty(merged, dtype=out_dtype, device=device)
+            out = full.as_strided(out_shape, (out_shape[1], 1))
+            ptrs[8] = full.data_ptr()
+            ptrs[9] = ptrs[8] + offset
+        else:
+            if out is None:
+                out = torch.empty(out_shape, dtype=out_dtype, device=device)
+                ptrs[8] = out.data_ptr()
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)  # (alive until its launches are issued)
+            ptrs[9] = buf.data_ptr()
         if (ptrs[8] | ptrs[9]) & 15:  # not as recorded (the caching allocator's blocks are 512-byte aligned)
             return _fused_experts(*args, out, descriptors, layouts)[0]
         try:
@@ -382,8 +388,12 @@ def fused_experts(
     spans = [replay.span(t) for t in tensors[:8]] + [replay.span(result), scratch]
     program = None
     if not views.computed and (spans[8][0] | spans[9][0]) & 15 == 0:
+        nbytes = spans[9][1] - spans[9][0]
+        # (the decode kernels' scratch is a few rows of fp32: it may live as long as the output does)
+        offset = -(-result.numel() * out_dtype.itemsize // 256) * 256  # (where the scratch starts)
+        merged = -(-(offset + nbytes) // out_dtype.itemsize) if "decode" in cfg and out is None else 0
         program = replay.build(recorded, spans, fixed=(2, 3, 4, 5),
-                               info=(spans[9][1] - spans[9][0], result.shape, result.device), keep=cfg)
+                               info=(nbytes, result.shape, result.device, merged, offset), keep=cfg)
     programs.put(key, program)
     return result
 

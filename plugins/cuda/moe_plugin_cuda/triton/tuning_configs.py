@@ -173,9 +173,10 @@ def save_table(path: Path, table: dict[int, dict[str, Any]]) -> None:
 # ``device_name=...,kernel=decode-v1.json`` in ``configs/`` (or ``config_dir``): {"E=..,K=..,N=..,H=..,dtype=..":
 # {"max_tokens": N, "config": the decode launch}}, written by ``benchmarks/cuda/decode_sweep.py``; a shape it does
 # not hold runs the decode kernels up to DECODE_MAX_TOKENS (bf16) with ``decode_config``'s launch, and FP8 block the
-# pipeline (DECODE_MAX_TOKENS_FP8: on the H100 the FP8 decode kernels tied or lost on every shape measured, and a
-# cutlass FP8 layer's decode path in a CUDA graph failed its tolerance once, not yet explained). Option
-# ``decode_max_tokens`` overrides the limit.
+# pipeline (DECODE_MAX_TOKENS_FP8: on the H100 the FP8 decode kernels win on qwen3-30b-a3b at T = 1 only, the table's
+# one FP8 entry that runs them, and tie or lose elsewhere; docs/decisions.md, "FP8 decode kernels, form 2"). A
+# config's parts may name the form-2 kernels (``"FORM": 2``, see ``triton.decode``). Option ``decode_max_tokens``
+# overrides the limit.
 DECODE_TABLE = "decode-v1"
 DECODE_MAX_TOKENS, DECODE_MAX_TOKENS_FP8 = 1, 0
 DECODE_SMS = 132  # the H100's SMs: the heuristic's grids are sized to fill them
