@@ -191,9 +191,10 @@ class TorchA2AKernels:
 
     - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, 3 + E_local])``: ``_normal_layout``'s
       row (int64, the transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]``.
-    - ``pack(x, ids, weights, row, wire, n_send) -> uint8 [n_send, B]``: send row ``row[t, r] - 1`` holds
-      token ``t``'s wire data and side block (scales, ids, weights) in the kernels' own row format, so
-      that one all-to-all moves both.
+    - ``pack(x, ids, weights, row, wire) -> uint8 [N, B]``: send row ``row[t, r] - 1`` holds token ``t``'s wire
+      data and side block (scales, ids, weights) in the kernels' own row format, so that one all-to-all moves
+      both; ``N`` is at least the number of rows sent (the core sends the first ones), so that it is sized
+      without the counts and runs before the count exchange (decision 64).
     - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local) -> (data [R, H], scales or None,
       local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
       ``_normal_received`` leaves them (data contiguous), and the per-local-expert counts of the received
@@ -771,14 +772,16 @@ class TorchA2ADispatcher(Dispatcher):
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _dispatch_normal_fused(self, x: torch.Tensor, topk: TopK, kernels: TorchA2AKernels) -> EPNormalDispatch:
-        """Exact normal dispatch with a plugin's kernels (decision 63): layout, the count exchange, the host
-        read, pack, ONE all-to-all of data and side block, unpack."""
+        """Exact normal dispatch with a plugin's kernels (decisions 63, 64): layout, pack, the count exchange, the
+        host read, ONE all-to-all of data and side block, unpack."""
         row, msg = kernels.layout(topk.ids, self.world, self.num_local)
+        # pack depends only on the local layout: launched before the count exchange, it runs on the device while
+        # the host issues the exchange and waits for the counts (decision 64)
+        send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
         dist.all_to_all_single(msg[1], msg[0], group=self.group)
         send_counts, recv_counts, counts_host = self._read_counts(msg)
-        send = kernels.pack(x, topk.ids, topk.weights, row, self.wire, sum(send_counts))
         recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+        dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
         data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
                                                             self.top_k, self.rank, self.num_local)
         hidden = QuantizedActivations(data, self.wire, scale)

@@ -64,51 +64,75 @@ def _rank_hits(ids_ptr, tok, ok, ranks, K: tl.constexpr, E: tl.constexpr, EL: tl
 
 
 @triton.jit
-def _layout_kernel(ids_ptr, row_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
-                   WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BT: tl.constexpr):
+def _layout_count_kernel(ids_ptr, part_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr,
+                         WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BT: tl.constexpr):
+    """Layout, step 1 of 2 (one program per ``BT`` tokens): the block's tokens per rank and its ids below -1 and
+    from E up into ``part[b] = [per rank ..., below, above]`` (int32); program 0 zeroes the per-expert counts of
+    the message, which step 2 adds to."""
     E: tl.constexpr = W * EL
+    b = tl.program_id(0)
+    ranks = tl.arange(0, WP)
+    kk = tl.arange(0, KP)
+    tok = b * BT + tl.arange(0, BT)
+    ok = tok < T
+    block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=ok[:, None] & (kk < K)[None, :],
+                    other=-1)
+    hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
+    out = part_ptr + b.to(tl.int64) * (W + 2)
+    tl.store(out + ranks, tl.sum(hit, axis=0), mask=ranks < W)
+    tl.store(out + W, tl.sum(tl.sum((block < -1).to(tl.int32), axis=1), axis=0))
+    tl.store(out + W + 1, tl.sum(tl.sum((block >= E).to(tl.int32), axis=1), axis=0))
+    if b == 0:
+        j = tl.arange(0, ELP)
+        tl.store(msg_ptr + ranks[:, None].to(tl.int64) * (3 + EL) + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
+                 mask=(ranks < W)[:, None] & (j < EL)[None, :])
+
+
+@triton.jit
+def _layout_rows_kernel(ids_ptr, part_ptr, row_ptr, msg_ptr, T, NB, K: tl.constexpr, KP: tl.constexpr,
+                        W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr, NBB: tl.constexpr):
+    """Layout, step 2 of 2 (one program per ``BT`` tokens): row of (token, rank) = rows of the lower ranks + the
+    rank's rows in the earlier blocks + its running count in this block (from 1; 0: not sent), from step 1's
+    per-block counts; the block's (token, expert) pairs added per expert (atomic adds: ``tl.histogram``
+    miscounted with 256 experts on H200, Triton 3.6); program 0 writes the rest of the counts message (row r:
+    [ids below -1, ids from E up, rows for r, ...])."""
+    E: tl.constexpr = W * EL
+    b = tl.program_id(0)
     ranks = tl.arange(0, WP)
     rmask = ranks < W
-    mrow = ranks.to(tl.int64) * (3 + EL)
-    # the (token, expert) pairs per expert are counted by atomic adds into the message (relaxed: only this
-    # program adds, and the barrier orders them after the zeros; tl.histogram miscounted with 256 experts on
-    # H200, Triton 3.6)
-    j = tl.arange(0, ELP)
-    tl.store(msg_ptr + mrow[:, None] + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
-             mask=rmask[:, None] & (j < EL)[None, :])
-    tl.debug_barrier()
-    below = tl.zeros([BT, KP], dtype=tl.int64)
-    above = tl.zeros([BT, KP], dtype=tl.int64)
     totals = tl.zeros([WP], dtype=tl.int32)
+    before = tl.zeros([WP], dtype=tl.int32)
+    below = tl.zeros([NBB], dtype=tl.int32)
+    above = tl.zeros([NBB], dtype=tl.int32)
+    for start in range(0, NB, NBB):
+        blocks = start + tl.arange(0, NBB)
+        bmask = blocks < NB
+        p = tl.load(part_ptr + blocks[:, None].to(tl.int64) * (W + 2) + ranks[None, :],
+                    mask=bmask[:, None] & rmask[None, :], other=0)
+        totals += tl.sum(p, axis=0)
+        before += tl.sum(tl.where((blocks < b)[:, None], p, 0), axis=0)
+        below += tl.load(part_ptr + blocks.to(tl.int64) * (W + 2) + W, mask=bmask, other=0)
+        above += tl.load(part_ptr + blocks.to(tl.int64) * (W + 2) + W + 1, mask=bmask, other=0)
+    carry = tl.cumsum(totals, axis=0) - totals + before
+    tok = b * BT + tl.arange(0, BT)
+    ok = tok < T
+    hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
+    row = carry[None, :] + tl.cumsum(hit, axis=0)
+    tl.store(row_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
+             mask=ok[:, None] & rmask[None, :])
     kk = tl.arange(0, KP)
-    # pass 1: the counts, and the tokens each rank receives
-    for start in range(0, T, BT):
-        tok = start + tl.arange(0, BT)
-        ok = tok < T
-        pair = ok[:, None] & (kk < K)[None, :]
-        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
-        below += (block < -1).to(tl.int64)
-        above += (block >= E).to(tl.int64)
-        expert = (block >= 0) & (block < E)
-        e = tl.where(expert, block, 0)
-        tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
-                      sem="relaxed")
-        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
-        totals += tl.sum(hit, axis=0)
-    # pass 2: row of (token, rank) = rows of the lower ranks + the rank's running count (from 1; 0: not sent)
-    carry = tl.cumsum(totals, axis=0) - totals
-    for start in range(0, T, BT):
-        tok = start + tl.arange(0, BT)
-        ok = tok < T
-        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
-        row = carry[None, :] + tl.cumsum(hit, axis=0)
-        tl.store(row_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
-                 mask=ok[:, None] & (ranks[None, :] < W))
-        carry += tl.sum(hit, axis=0)
-    # the rest of the counts message: row r = [ids below -1, ids from E up, rows for r, ...]
-    tl.store(msg_ptr + mrow, tl.sum(tl.sum(below, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
-    tl.store(msg_ptr + mrow + 1, tl.sum(tl.sum(above, axis=1), axis=0) + tl.zeros([WP], dtype=tl.int64), mask=rmask)
-    tl.store(msg_ptr + mrow + 2, totals.to(tl.int64), mask=rmask)
+    block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=ok[:, None] & (kk < K)[None, :],
+                    other=-1)
+    expert = (block >= 0) & (block < E)
+    e = tl.where(expert, block, 0)
+    tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
+                  sem="relaxed")
+    if b == 0:
+        mrow = ranks.to(tl.int64) * (3 + EL)
+        tl.store(msg_ptr + mrow, (tl.sum(below, axis=0) + tl.zeros([WP], dtype=tl.int32)).to(tl.int64), mask=rmask)
+        tl.store(msg_ptr + mrow + 1, (tl.sum(above, axis=0) + tl.zeros([WP], dtype=tl.int32)).to(tl.int64),
+                 mask=rmask)
+        tl.store(msg_ptr + mrow + 2, totals.to(tl.int64), mask=rmask)
 
 
 @triton.jit
@@ -351,8 +375,11 @@ def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor,
     ids = ids.contiguous()
     row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
     msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
-    launch(_layout_kernel, (1,), ids, row, msg, t, K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local,
-           ELP=_pow2(num_local), BT=_layout_block(t), num_warps=_layout_warps(t))
+    nb = max(1, triton.cdiv(t, LAYOUT_BLOCK))
+    part = torch.empty(nb, world + 2, dtype=torch.int32, device=ids.device)
+    consts = dict(K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local, BT=LAYOUT_BLOCK, num_warps=4)
+    launch(_layout_count_kernel, (nb,), ids, part, msg, t, ELP=_pow2(num_local), **consts)
+    launch(_layout_rows_kernel, (nb,), ids, part, row, msg, t, nb, NBB=min(1024, _pow2(nb)), **consts)
     return row.T, msg
 
 
@@ -370,6 +397,10 @@ def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
     return slot.T, src, bad
 
 
+# tokens per program of the exact layout: 32 programs at 4096 tokens (one program took 89 us there on H200, 2026-11-26)
+LAYOUT_BLOCK = 128
+
+
 def _layout_block(n: int) -> int:
     """Tokens per step of the one-program layouts (more per step: fewer serial steps on large batches)."""
     return max(16, min(1024, _pow2(n)))
@@ -379,13 +410,15 @@ def _layout_warps(n: int) -> int:
     return 8 if _layout_block(n) >= 512 else 4
 
 
-def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, wire: WireDtype,
-         n_send: int) -> torch.Tensor:
+def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor,
+         wire: WireDtype) -> torch.Tensor:
     t, h = x.shape
     k = ids.shape[1]
     world = row.shape[1]
     _, dp, b = _row_layout(wire, h, x.element_size(), k)
-    send = torch.empty(n_send, b, dtype=torch.uint8, device=x.device)
+    # as many rows as could be sent (a token goes at most once to each rank, and to at most K ranks): sized
+    # without the counts, so that it runs before the count exchange and its host read (decision 64)
+    send = torch.empty(t * min(world, k), b, dtype=torch.uint8, device=x.device)
     if t == 0:
         return send
     if x.stride(1) != 1:
