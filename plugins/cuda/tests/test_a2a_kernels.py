@@ -141,7 +141,8 @@ def test_pack_fixed_matches_torch(wire, t, h, k, world, el, cap, dtype):
 
 
 @pytest.mark.parametrize("t,k,world,el,cap", [(0, 4, 2, 8, 5), (1, 4, 2, 8, 1), (37, 4, 2, 8, 40), (300, 8, 2, 128, 300),
-                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (12, 4, 2, 8, 9)])
+                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (260, 4, 3, 8, 300),
+                                             (12, 4, 2, 8, 9)])
 @pytest.mark.parametrize("bad", [False, True])
 def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
     """Slots, source tokens (padding T) and bad-id count of the fixed-capacity modes; over capacity (the last case)

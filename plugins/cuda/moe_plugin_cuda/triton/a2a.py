@@ -2,12 +2,12 @@
 by the plugin (``plugin.py``) and imported at the first dispatch on a CUDA device.
 
 The torch path (``moe_core.distributed.torch_a2a``) spends ~70 host operations a dispatch (~1.1 ms of host
-time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three kernels and two collectives:
+time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is four kernels and two collectives:
 
-1. ``layout`` (one program): per (token, rank) the 1-based row in the send buffer (0: not sent), and the
-   counts message ``[W, 3 + E_local]`` of ``_normal_layout`` (ids below -1, ids from E up, rows per rank,
-   (token, expert) pairs per expert), from one pass over the ids for the counts (atomic adds) and the per-rank
-   totals and one for the rows (a scan along the tokens, the lower ranks' totals as base);
+1. ``layout`` (two launches of one program per 128 tokens): per (token, rank) the 1-based row in the send buffer
+   (0: not sent), and the counts message ``[W, 3 + E_local]`` of ``_normal_layout`` (ids below -1, ids from E up,
+   rows per rank, (token, expert) pairs per expert): the first counts each block's tokens per rank, the second
+   scans each block with the earlier blocks' counts as base and adds the pairs per expert (atomic adds);
 2. ``pack`` (one program per token): the token's wire row quantized as the core quantizer does (FP8: the
    128-channel group scales; INT8: one per token; IEEE division as decision 57 asks, and the scalar
    divisions by 448 / 127 as torch does them on the device: times the fp32 reciprocal on CUDA, a division
@@ -18,7 +18,7 @@ time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is three k
    with weight 0) and, in program 0, the per-local-expert counts from the received counts message.
 
 Combine's ``reduce``: per token the sum of its returned rows (fp32, ranks in order, as ``_reduce_pairs_loop``).
-``layout_fixed`` (one program) and ``pack_fixed`` (one program per slot): the fixed-capacity modes' send slots,
+``layout_fixed`` (two launches, as ``layout``) and ``pack_fixed`` (one program per slot): the fixed-capacity modes' send slots,
 in-band counts included.
 
 Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
@@ -136,37 +136,56 @@ def _layout_rows_kernel(ids_ptr, part_ptr, row_ptr, msg_ptr, T, NB, K: tl.conste
 
 
 @triton.jit
-def _layout_fixed_kernel(ids_ptr, slot_ptr, src_ptr, bad_ptr, T, T_IDS, C, K: tl.constexpr, KP: tl.constexpr,
-                         W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr):
-    """The fixed-capacity modes' send side (``_masked_layout`` + ``_sources``): slot of (token, rank) (rank r's
-    slots r*C + 1 ..., 0: not sent), the source token of each slot (T: padding) and the count of ids outside
-    [-1, E) over ``T_IDS`` tokens (an overflowing rank sends none: ``T`` = 0, and still counts its ids)."""
+def _layout_fixed_count_kernel(ids_ptr, part_ptr, src_ptr, T, T_IDS, C, K: tl.constexpr, KP: tl.constexpr,
+                               W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr):
+    """The fixed-capacity modes' send side (``_masked_layout`` + ``_sources``), step 1 of 2 (one program per ``BT``
+    tokens and slots): the padding source ``T`` into the block's slots, and ``part[b] = [the block's tokens per
+    rank ..., its ids outside [-1, E) over ``T_IDS`` tokens]`` (an overflowing rank sends none: ``T`` = 0, and
+    still counts its ids)."""
     E: tl.constexpr = W * EL
+    b = tl.program_id(0)
     ranks = tl.arange(0, WP)
     kk = tl.arange(0, KP)
-    for start in range(0, W * C, BT):
-        s = start + tl.arange(0, BT)
-        tl.store(src_ptr + s, tl.zeros([BT], dtype=tl.int64) + T, mask=s < W * C)
-    bad = tl.zeros([BT, KP], dtype=tl.int32)
-    for start in range(0, T_IDS, BT):
-        tok = start + tl.arange(0, BT)
-        pair = (tok < T_IDS)[:, None] & (kk < K)[None, :]
-        block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=pair, other=-1)
-        bad += ((block < -1) | (block >= E)).to(tl.int32)
-    tl.store(bad_ptr, tl.sum(tl.sum(bad, axis=1), axis=0))
-    tl.debug_barrier()  # the padding fill above before the scatter below (the same addresses)
-    carry = ranks * C
-    for start in range(0, T, BT):
-        tok = start + tl.arange(0, BT)
-        ok = tok < T
-        hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
-        row = carry[None, :] + tl.cumsum(hit, axis=0)
-        mine = ok[:, None] & (ranks[None, :] < W)
-        tl.store(slot_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
-                 mask=mine)
-        tl.store(src_ptr + (row - 1).to(tl.int64), tok[:, None].to(tl.int64) + tl.zeros([BT, WP], dtype=tl.int64),
-                 mask=mine & (hit > 0))
-        carry += tl.sum(hit, axis=0)
+    s = b * BT + tl.arange(0, BT)
+    tl.store(src_ptr + s, tl.zeros([BT], dtype=tl.int64) + T, mask=s < W * C)
+    tok = b * BT + tl.arange(0, BT)
+    block = tl.load(ids_ptr + tok[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=(tok < T_IDS)[:, None] & (kk < K)[None, :], other=-1)
+    hit = _rank_hits(ids_ptr, tok, tok < T, ranks, K, E, EL, BT, WP)
+    out = part_ptr + b.to(tl.int64) * (W + 1)
+    tl.store(out + ranks, tl.sum(hit, axis=0), mask=ranks < W)
+    tl.store(out + W, tl.sum(tl.sum(((block < -1) | (block >= E)).to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _layout_fixed_rows_kernel(ids_ptr, part_ptr, slot_ptr, src_ptr, bad_ptr, T, C, NB, K: tl.constexpr,
+                              W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, BT: tl.constexpr,
+                              NBB: tl.constexpr):
+    """Step 2 of 2: slot of (token, rank) (rank r's slots r*C + 1 ..., after its tokens of the earlier blocks; 0:
+    not sent), the source token of each used slot; program 0 sums the bad-id counts."""
+    E: tl.constexpr = W * EL
+    b = tl.program_id(0)
+    ranks = tl.arange(0, WP)
+    rmask = ranks < W
+    before = tl.zeros([WP], dtype=tl.int32)
+    bad = tl.zeros([NBB], dtype=tl.int32)
+    for start in range(0, NB, NBB):
+        blocks = start + tl.arange(0, NBB)
+        p = tl.load(part_ptr + blocks[:, None].to(tl.int64) * (W + 1) + ranks[None, :],
+                    mask=(blocks < b)[:, None] & rmask[None, :], other=0)
+        before += tl.sum(p, axis=0)
+        bad += tl.load(part_ptr + blocks.to(tl.int64) * (W + 1) + W, mask=blocks < NB, other=0)
+    if b == 0:
+        tl.store(bad_ptr, tl.sum(bad, axis=0))
+    tok = b * BT + tl.arange(0, BT)
+    ok = tok < T
+    hit = _rank_hits(ids_ptr, tok, ok, ranks, K, E, EL, BT, WP)
+    row = (ranks * C + before)[None, :] + tl.cumsum(hit, axis=0)
+    mine = ok[:, None] & rmask[None, :]
+    tl.store(slot_ptr + ranks[None, :].to(tl.int64) * T + tok[:, None], tl.where(hit > 0, row, 0).to(tl.int64),
+             mask=mine)
+    tl.store(src_ptr + (row - 1).to(tl.int64), tok[:, None].to(tl.int64) + tl.zeros([BT, WP], dtype=tl.int64),
+             mask=mine & (hit > 0))
 
 
 @triton.jit
@@ -391,23 +410,18 @@ def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
     slot = torch.empty(world, t, dtype=torch.int64, device=ids.device)
     src = torch.empty(world * capacity, dtype=torch.int64, device=ids.device)
     bad = torch.empty((), dtype=torch.int32, device=ids.device)
-    launch(_layout_fixed_kernel, (1,), ids, slot, src, bad, t, t_ids, capacity, K=k, KP=_pow2(k), W=world,
-           WP=_pow2(world), EL=num_local, BT=_layout_block(max(t_ids, world * capacity)),
-           num_warps=_layout_warps(max(t_ids, world * capacity)))
+    nb = max(1, triton.cdiv(max(t_ids, world * capacity), LAYOUT_BLOCK))
+    part = torch.empty(nb, world + 1, dtype=torch.int32, device=ids.device)
+    consts = dict(K=k, W=world, WP=_pow2(world), EL=num_local, BT=LAYOUT_BLOCK, num_warps=4)
+    launch(_layout_fixed_count_kernel, (nb,), ids, part, src, t, t_ids, capacity, KP=_pow2(k), **consts)
+    launch(_layout_fixed_rows_kernel, (nb,), ids, part, slot, src, bad, t, capacity, nb, NBB=min(1024, _pow2(nb)),
+           **consts)
     return slot.T, src, bad
 
 
-# tokens per program of the exact layout: 32 programs at 4096 tokens (one program took 89 us there on H200, 2026-11-26)
+# tokens per program of the layouts: 32 programs at 4096 tokens (one program for all took 89 us there on H200,
+# 2026-11-26; decision 64)
 LAYOUT_BLOCK = 128
-
-
-def _layout_block(n: int) -> int:
-    """Tokens per step of the one-program layouts (more per step: fewer serial steps on large batches)."""
-    return max(16, min(1024, _pow2(n)))
-
-
-def _layout_warps(n: int) -> int:
-    return 8 if _layout_block(n) >= 512 else 4
 
 
 def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor,
