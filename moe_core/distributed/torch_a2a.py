@@ -124,9 +124,10 @@ def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
     options = dict(config.options(name))
     choice = options.pop("normal_buffers", "worst_case" if config.cuda_graph else "exact")
     options.pop("kernels", None)  # checked by kernels_option
+    options.pop("exchange", None)  # checked by exchange_option
     if options:
         raise ValueError(f"backend_options[{name!r}] has unknown keys {sorted(options)}; "
-                         "torch_a2a takes 'normal_buffers' and 'kernels'")
+                         "torch_a2a takes 'normal_buffers', 'kernels' and 'exchange'")
     if choice not in NORMAL_BUFFERS:
         raise ValueError(f"backend_options[{name!r}]['normal_buffers'] must be one of {NORMAL_BUFFERS}, got {choice!r}")
     if choice == "exact" and config.cuda_graph:
@@ -150,6 +151,20 @@ def kernels_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     return choice
 
 
+EXCHANGE_CHOICES = ("auto", "collective", "direct")
+
+
+def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
+    """``backend_options[name]["exchange"]``: how the fixed-capacity modes (masked, worst-case normal) move their
+    rows: ``"collective"`` (``all_to_all_single``), ``"direct"`` (a plugin's ``exchange_fixed`` where one is
+    registered: the cuda plugin writes into the peers' rows in symmetric memory; else the collective) or
+    ``"auto"`` (the default: per capacity, from measurements, ``DIRECT_EXCHANGE_MIN_CAPACITY``; decision 64)."""
+    choice = config.options(name).get("exchange", "auto")
+    if choice not in EXCHANGE_CHOICES:
+        raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
+    return choice
+
+
 def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     """Plan-time check: the backend options (and, with CUDA graphs, a fixed capacity: both
     graph-safe modes need ``max_tokens_per_rank``); when torch.distributed is initialized, the EP
@@ -161,6 +176,7 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     try:
         normal_buffers(config, spec.name)
         kernels_option(config, spec.name)
+        exchange_option(config, spec.name)
     except ValueError as exc:
         code = Code.UNSUPPORTED_SHAPE if config.max_tokens_per_rank is None else Code.UNSUPPORTED_FEATURE
         return [unavailable(code, str(exc), "set max_tokens_per_rank, or fix backend_options for torch_a2a")]
@@ -211,6 +227,10 @@ class TorchA2AKernels:
       side block in-band counts included, so that one all-to-all moves data and side block.
     - ``split_fixed(recv, wire, dtype, hidden, top_k) -> (data uint8 [W*C, D], side block int32 [W*C, M])``:
       views of the received rows as ``_exchange_fixed`` returns them.
+    - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
+      ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
+      direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
+      call (the core copies what it keeps). Graph-capturable after a first call outside the capture.
     """
 
     layout: Callable
@@ -220,6 +240,7 @@ class TorchA2AKernels:
     layout_fixed: Optional[Callable] = None
     pack_fixed: Optional[Callable] = None
     split_fixed: Optional[Callable] = None
+    exchange_fixed: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -229,6 +250,9 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
 # takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
 FUSED_WORST_CASE_MAX_CAPACITY = 128
+# With exchange="auto", the fixed-capacity modes move their rows by the plugin's direct write (exchange_fixed) from
+# this capacity up, by all_to_all_single below it (None: never; decision 64, not measured yet).
+DIRECT_EXCHANGE_MIN_CAPACITY: Optional[int] = None
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -690,6 +714,7 @@ class TorchA2ADispatcher(Dispatcher):
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
         self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
         self.fused = kernels_option(cfg, ctx.spec.name) == "auto"  # a plugin's kernels where registered (decision 63)
+        self.exchange = exchange_option(cfg, ctx.spec.name)  # the fixed-capacity modes' transport (decision 64)
 
     # ----------------------------------------------------------------- common
 
@@ -822,27 +847,34 @@ class TorchA2ADispatcher(Dispatcher):
     # ----------------------------------------------------------------- masked mode
 
     def _exchange_fixed(self, x: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor, int]:
+                                                                     torch.Tensor, int, bool]:
         """The fixed-capacity exchange of masked and worst-case normal mode: every rank sends
-        ``C`` row slots (wire data, side block) to every rank in equal-split all-to-alls, a token
-        once per destination rank, unused slots padding. Returns (received data ``uint8 [W*C, B]``,
-        received side blocks ``int32 [W*C, M]``, ``slot [T, W]``, ``src [W*C]``, tokens sent)."""
+        ``C`` row slots (wire data, side block) to every rank, a token once per destination rank, unused slots
+        padding. Returns (received data ``uint8 [W*C, B]``, received side blocks ``int32 [W*C, M]``, ``slot [T, W]``,
+        ``src [W*C]``, tokens sent, whether the received rows are a plugin's buffer that its next exchange reuses:
+        the caller copies what it keeps)."""
         dev, w, el, c = x.device, self.world, self.num_local, self.capacity
         t_in, cw, ids_in = x.shape[0], c * w, topk.ids
         overflow = t_in > c
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        kernels = _kernels_for(dev.type) if self.fused and (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY) else None
+        # (worst-case normal: the fused exchange up to a measured capacity, or wherever the direct one is asked for)
+        fused = self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or self.exchange == "direct"
+        kernels = _kernels_for(dev.type) if self.fused and fused else None
         if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 63)
             slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
-            send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
+            direct = self._direct(kernels)
+            if direct:  # the rows written straight into the peers' (decision 64)
+                recv = kernels.exchange_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire, self.group)
+            else:
+                send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send, group=self.group)
             if overflow:
                 raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
             recv_data, recv_meta = kernels.split_fixed(recv, self.wire, x.dtype, self.hidden, self.top_k)
-            return recv_data, recv_meta, slot, src, t
+            return recv_data, recv_meta, slot, src, t, direct
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
         src = _sources(slot, cw, t)[1:]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
@@ -854,28 +886,39 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
-        return recv_data, recv_meta, slot, src, t
+        return recv_data, recv_meta, slot, src, t, False
+
+    def _direct(self, kernels: TorchA2AKernels) -> bool:
+        """Whether the fixed-capacity exchange runs the plugin's ``exchange_fixed`` (decision 64)."""
+        if kernels.exchange_fixed is None or self.exchange == "collective":
+            return False
+        return self.exchange == "direct" or (DIRECT_EXCHANGE_MIN_CAPACITY is not None
+                                             and self.capacity >= DIRECT_EXCHANGE_MIN_CAPACITY)
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
         rank-major, each source's tokens first in its ``C`` rows, then padding rows (local ids
         all -1, weights 0, FP8/INT8 scales 0). Nothing is read on the host: graph-safe."""
-        recv_data, recv_meta, slot, _, _ = self._exchange_fixed(x, topk)
+        recv_data, recv_meta, slot, _, _, shared = self._exchange_fixed(x, topk)
         received = _fast(_worst_case_received, x.device, static=True)(recv_meta, self.n_scale, self.top_k, self.rank,
                                                                       self.num_local)
         scale, lids, weights, rbad, rtokens, counts = received
         self._check_senders(rtokens, rbad)
-        if not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it contiguous
-            recv_data = recv_data.contiguous()
+        if shared or not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it
+            recv_data = recv_data.clone(memory_format=torch.contiguous_format)  # contiguous, and after the next one
+        if shared and scale is not None:
+            scale = scale.clone()
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
 
     def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
         dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
         cw = c * w
-        recv_data, recv_meta, slot, src, t = self._exchange_fixed(x, topk)
+        recv_data, recv_meta, slot, src, t, shared = self._exchange_fixed(x, topk)
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
+        if shared:  # the handle keeps the weights past the next exchange, which reuses the received rows
+            rweights = rweights.clone()
         self._check_senders(rtokens, rbad)
         db = recv_data.shape[1]
         slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)

@@ -72,8 +72,9 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
     }
 
 
-def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None) -> MoEConfig:
-    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v}
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None,
+              exchange=None) -> MoEConfig:
+    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels), ("exchange", exchange)) if v}
     return MoEConfig(backend_options={"torch_a2a": options} if options else {},
                      num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
                      ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
@@ -126,8 +127,9 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels)
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None,
+                     exchange=None) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels, exchange=exchange)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -240,13 +242,35 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
     return results
 
 
-def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS)) -> dict:
+_REUSED: dict = {}
+
+
+def _emulated_exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group):
+    """The cuda plugin's ``exchange_fixed`` on gloo (no symmetric memory there): its rows, moved by
+    ``all_to_all_single`` into ONE receive buffer per shape that every call reuses, as the direct write's are."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire)
+    recv = _REUSED.setdefault(tuple(send.shape), torch.empty_like(send))
+    torch.distributed.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS),
+                        exchange=None) -> dict:
     """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
     the torch path: the same received bytes, ids, weights and counts (masked: the slab's valid rows), the same
-    combined rows."""
+    combined rows. ``exchange="direct"``: the fixed-capacity modes move their rows by the plugin's
+    ``exchange_fixed`` (decision 64; on gloo an emulation that reuses its receive rows as the real one does), and
+    every dispatch is followed by another one before its outputs are checked and combined (nothing it returned
+    may live in the reused rows)."""
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
     register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    if exchange == "direct" and device.type == "cpu":
+        from moe_plugin_cuda.triton import a2a
+
+        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
 
@@ -258,11 +282,13 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
     for mode in modes:
         fmt, buffers = VARIANTS[mode]
         for wire in WIRES:
-            fused = _make_dispatcher(world, rank, fmt, wire, buffers)
+            fused = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange)
             plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch")
             for name, (x, topk) in routing_cases(world, rank, seed).items():
                 x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
                 a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
+                if exchange == "direct":  # other rows through the same receive rows before `a` is read
+                    fused.dispatch(-x, TopK(topk.weights, topk.ids.flip(0)))
                 checks = {"fused": torch_a2a._kernels_for(device.type) is not None}  # the kernels loaded: the fused path ran
                 if fmt is Format.EP_NORMAL:
                     checks.update({
@@ -356,13 +382,13 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
     return results
 
 
-def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> dict:
+def scenario_graph(world: int, rank: int, device: torch.device, seed: int, exchange=None) -> dict:
     """CUDA only: masked mode and worst-case normal mode never sync with the host, and are
-    captured and replayed in a CUDA graph."""
+    captured and replayed in a CUDA graph (``exchange``: the backend option, decision 64)."""
     results = {}
     gen = torch.Generator().manual_seed(seed + rank)
     for (mode, (fmt, buffers)), wire in [(v, w) for v in VARIANTS.items() if v[0] != "ep_normal" for w in WIRES]:
-        d = _make_dispatcher(world, rank, fmt, wire, buffers)
+        d = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange)
         x = make_hidden(CAPACITY - 3 - rank, H, torch.bfloat16, gen).to(device)
         tk = make_topk(CAPACITY - 3 - rank, K, E, gen, neg_fraction=0.2)
         topk = TopK(tk.weights.to(device), tk.ids.to(device))
@@ -552,7 +578,11 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
              "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
              "comm_fused": scenario_comm_fused,
-             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)), "errors": scenario_errors, "graph": scenario_graph,
+             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)),
+             "comm_fused_direct": lambda *a: scenario_comm_fused(*a, modes=("ep_normal_worst_case", "ep_masked"),
+                                                                 exchange="direct"),
+             "errors": scenario_errors, "graph": scenario_graph,
+             "graph_direct": lambda *a: scenario_graph(*a, exchange="direct"),
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 

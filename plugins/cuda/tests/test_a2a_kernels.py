@@ -156,3 +156,33 @@ def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
     assert slot.shape == slot_ref.shape and torch.equal(slot, slot_ref)
     assert torch.equal(src, src_ref)
     assert nbad.dtype == bad_ref.dtype and nbad.shape == bad_ref.shape and torch.equal(nbad, bad_ref)
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("counts,h,k,el,cap,dtype", [((0, 3), 256, 4, 8, 5, torch.bfloat16),
+                                                     ((1, 0, 2), 129, 3, 4, 3, torch.float32),
+                                                     ((23, 17), 200, 4, 8, 23, torch.bfloat16)])
+def test_pack_fixed_into_peers_is_the_all_to_all(wire, counts, h, k, el, cap, dtype):
+    """The direct-write exchange's kernel (decision 64), every rank's buffer in this one process: after every rank
+    wrote its slots through the table of base addresses, rank r's rows are what ``all_to_all_single`` of the ranks'
+    ``pack_fixed`` rows gives it (chunk s: rank s's slots r * C ...), byte for byte, padding slots included."""
+    world = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) + h + cap)
+    _, _, b = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+    recv = [torch.full((world * cap, b), 0xAB, dtype=torch.uint8, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64, device=DEV)
+    sent = []
+    for rank, t in enumerate(counts):
+        x = make_hidden(t, h, dtype, gen).to(DEV)
+        ids = _ids(t, k, world * el, gen)
+        weights = torch.rand(t, k, generator=gen).to(DEV)
+        _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+        sent.append(a2a.pack_fixed(x, ids, weights, src, t, bad, wire))
+        a2a.pack_fixed_into(x, ids, weights, src, t, bad, wire, peers, rank)
+    for r in range(world):
+        expected = torch.cat([sent[s][r * cap:(r + 1) * cap] for s in range(world)])
+        _, dp, _ = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+        data_bytes, _, _ = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+        side = 4 * (ta._scale_words(wire, h) + 2 * k + 2)
+        for part in (slice(0, data_bytes), slice(dp, dp + side)):  # (the padding bytes between are never written)
+            assert torch.equal(recv[r][:, part], expected[:, part]), f"rank {r} bytes {part}"

@@ -31,7 +31,10 @@ torch functions in ``tests/test_a2a_kernels.py`` (Triton's interpreter on the CP
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -272,20 +275,26 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_
 
 
 @triton.jit
-def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, T, T_IN, H, HL, B, DP, inv_qmax,
-                       K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr,
-                       GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
-                       RECIPROCAL: tl.constexpr):
+def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, peers_ptr, T, T_IN, H, HL, B, DP,
+                       inv_qmax, C, RANK, K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr,
+                       GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
+                       FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr, DIRECT: tl.constexpr):
     """The fixed-capacity modes: one program per send slot ``s`` (``src[s]``: its token, T for padding). A padding
     slot holds the last token's data (zeros without tokens), scales 0, ids -1, weights 0, as ``_wire_rows`` +
-    ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count)."""
+    ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count).
+    ``DIRECT``: slot ``s`` = ``r * C + j`` goes straight to rank r's receive rows (base address ``peers[r]``) as
+    row ``RANK * C + j``, where an all-to-all of the send rows would put it; else to ``send`` row ``s``."""
     s = tl.program_id(0).to(tl.int64)
     one = tl.arange(0, 1)
     t_src = tl.load(src_ptr + s + one)
     valid = t_src < T
     t_load = tl.minimum(t_src, T - 1)
     t_load = tl.maximum(t_load, 0)
-    base = s * B + one * 0
+    if DIRECT:
+        send_ptr = tl.load(peers_ptr + s // C).to(tl.pointer_type(tl.uint8))
+        base = (RANK * C + s % C) * B + one * 0
+    else:
+        base = s * B + one * 0
     sent = one == 0
     x_row = x_ptr + tl.sum(t_load) * x_stride
     _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, 1, WIRE, NS, GROUP, GB,
@@ -451,23 +460,81 @@ def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.T
 
 def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
                bad_ids: torch.Tensor, wire: WireDtype) -> torch.Tensor:
+    _, dp, b = _row_layout(wire, x.shape[1], x.element_size(), ids.shape[1], in_band=True)
+    send = torch.empty(src.shape[0], b, dtype=torch.uint8, device=x.device)
+    _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, None, 0, 1)
+    return send
+
+
+def pack_fixed_into(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+                    bad_ids: torch.Tensor, wire: WireDtype, peers: torch.Tensor, rank: int) -> None:
+    """``pack_fixed`` written straight into every rank's receive rows: ``peers`` (int64 ``[W]``) holds the base
+    address of each rank's ``uint8 [W * C, B]`` rows; rank r receives this rank's slots ``r * C ...`` as its rows
+    ``rank * C ...``, as ``all_to_all_single`` of ``pack_fixed``'s rows would place them."""
+    world = peers.shape[0]
+    if src.shape[0] % world:
+        raise ValueError(f"src has {src.shape[0]} slots, not a multiple of the {world} ranks in peers")
+    _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, None, peers, rank, src.shape[0] // world)
+
+
+def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, rank, capacity) -> None:
     t, h = x.shape
     k = ids.shape[1]
     _, dp, b = _row_layout(wire, h, x.element_size(), k, in_band=True)
-    send = torch.empty(src.shape[0], b, dtype=torch.uint8, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
     floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
-    group = quant.FP8_GROUP
+    direct = peers is not None
     if src.shape[0]:
-        launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src, bad_ids,
-                                            send, t, num_tokens, h, h if t else 0, b, dp,
-                                            _INV_QMAX[wire],
-                                            K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
-                                            GROUP=group, GB=max(1, min(8, _pow2(h) // group)), BH=min(2048, _pow2(h)),
-                                            QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
-    return send
+        launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src,
+               bad_ids, peers if direct else send, peers if direct else send, t, num_tokens, h, h if t else 0, b, dp,
+               _INV_QMAX[wire], capacity, rank, K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
+               GROUP=quant.FP8_GROUP, GB=max(1, min(8, _pow2(h) // quant.FP8_GROUP)), BH=min(2048, _pow2(h)),
+               QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, num_warps=4)
+
+
+# --------------------------------------------------------------------------- the direct-write exchange (decision 64)
+# Receive rows in torch symmetric memory (CUDA P2P over NVLink within a node), one allocation per (group, rows, row
+# bytes, device) shared by every dispatcher of that shape: each exchange reads them before it returns (the core
+# copies what it keeps), and the barrier that opens the next exchange waits for every rank's reads.
+_SYMMETRIC: dict[tuple, tuple[torch.Tensor, object, torch.Tensor]] = {}
+
+
+def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device):
+    """(``uint8 [rows, row_bytes]`` receive rows in symmetric memory, its handle, int64 ``[W]`` the ranks' base
+    addresses), allocated and rendezvoused (a collective) at the first call for this group and shape."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, rows, row_bytes, device)
+    if key not in _SYMMETRIC:
+        import torch.distributed._symmetric_memory as symm_mem  # only processes that exchange this way load it
+
+        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
+                group.group_name):  # torch < 2.10 needs it; later ones deprecate it (a no-op there)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        buf = symm_mem.empty(rows, row_bytes, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buf, group)
+        peers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        _SYMMETRIC[key] = (buf, handle, peers)
+    return _SYMMETRIC[key]
+
+
+def exchange_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+                   bad_ids: torch.Tensor, wire: WireDtype, group) -> torch.Tensor:
+    """``all_to_all_single`` of ``pack_fixed``'s rows without a collective: every rank writes its slots straight
+    into the owning rank's receive rows in symmetric memory, between two barriers (the first: every rank is done
+    reading the previous exchange's rows; the second: every rank's rows have landed). Graph-capturable once the
+    rows exist (the first call for a shape allocates them: a collective, outside a capture). Returns this rank's
+    received rows ``uint8 [W * C, B]``, reused by the next exchange of the same shape."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _, _, b = _row_layout(wire, x.shape[1], x.element_size(), ids.shape[1], in_band=True)
+    buf, handle, peers = _symmetric_rows(group, src.shape[0], b, x.device)
+    handle.barrier(channel=0)
+    pack_fixed_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, rank)
+    handle.barrier(channel=0)
+    return buf
 
 
 def split_fixed(recv: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int,
@@ -513,4 +580,4 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
-                          pack_fixed=pack_fixed, split_fixed=split_fixed)
+                          pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed)
