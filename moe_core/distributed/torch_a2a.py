@@ -227,6 +227,11 @@ class TorchA2AKernels:
       side block in-band counts included, so that one all-to-all moves data and side block.
     - ``split_fixed(recv, wire, dtype, hidden, top_k) -> (data uint8 [W*C, D], side block int32 [W*C, M])``:
       views of the received rows as ``_exchange_fixed`` returns them.
+    - ``expand_masked(recv_data, recv_meta, n_scale, top_k, rank, num_local, data_dtype) -> (slab [E_local, W*C, D]
+      in ``data_dtype``, slab scales fp32 [E_local, W*C, n_scale] or None, masked_m int32 [E_local], slab_index int64
+      [W*C, K], valid bool [W*C, K], weights fp32 [W*C, K])``: masked mode's receive side from the received rows
+      (``_exchange_fixed``'s): ``_masked_received``'s slab_index, mine, masked_m and sender's weights (a copy), and the
+      slab's valid rows (and scales) as ``expand_pairs`` writes them (rows past masked_m: anything).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -241,6 +246,7 @@ class TorchA2AKernels:
     pack_fixed: Optional[Callable] = None
     split_fixed: Optional[Callable] = None
     exchange_fixed: Optional[Callable] = None
+    expand_masked: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -915,6 +921,15 @@ class TorchA2ADispatcher(Dispatcher):
         dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
         cw = c * w
         recv_data, recv_meta, slot, src, t, shared = self._exchange_fixed(x, topk)
+        kernels = _kernels_for(dev.type) if self.fused else None
+        if kernels is not None and kernels.expand_masked is not None:  # three kernels (decision 64)
+            data_slab, slab_scale, masked_m, slab_index, mine, rweights = kernels.expand_masked(
+                recv_data, recv_meta, self.n_scale, k, self.rank, el, self._wire_torch_dtype(x))
+            rbad, rtokens = _in_band_counts(recv_meta)
+            self._check_senders(rtokens, rbad)
+            hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
+            handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
+            return EPMaskedDispatch(hidden, masked_m, topk, handle)
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
         if shared:  # the handle keeps the weights past the next exchange, which reuses the received rows

@@ -186,3 +186,41 @@ def test_pack_fixed_into_peers_is_the_all_to_all(wire, counts, h, k, el, cap, dt
         side = 4 * (ta._scale_words(wire, h) + 2 * k + 2)
         for part in (slice(0, data_bytes), slice(dp, dp + side)):  # (the padding bytes between are never written)
             assert torch.equal(recv[r][:, part], expected[:, part]), f"rank {r} bytes {part}"
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("t,h,k,world,el,cap,rank,dtype", [(0, 256, 4, 2, 8, 5, 0, torch.bfloat16),
+                                                           (1, 256, 4, 2, 8, 3, 1, torch.bfloat16),
+                                                           (37, 200, 4, 2, 8, 40, 0, torch.bfloat16),
+                                                           (17, 129, 3, 3, 4, 20, 2, torch.float32),
+                                                           (70, 256, 8, 1, 16, 70, 0, torch.bfloat16)])
+def test_expand_masked_matches_torch(wire, t, h, k, world, el, cap, rank, dtype):
+    """Masked mode's receive side (decision 64) against ``_masked_received`` + ``expand_pairs``: the slab's valid
+    rows and scales, masked_m, every pair's slab row, validity and weight, from rows as the fused exchange leaves
+    them (a view with the send row's stride; padding slots, -1 and out-of-range ids among them)."""
+    gen = torch.Generator().manual_seed(t + h + cap + rank)
+    x = make_hidden(t, h, dtype, gen).to(DEV)
+    ids = _ids(t, k, world * el, gen, bad=t > 2)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+    rows = a2a.pack_fixed(x, ids, weights, src, t, bad, wire)  # as if every slot came to this rank
+    data, meta = a2a.split_fixed(rows, wire, x.dtype, h, k)
+    ns = ta._scale_words(wire, h)
+    wdt = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
+    slab, slab_scale, masked_m, index, valid, w = a2a.expand_masked(data, meta, ns, k, rank, el, wdt)
+
+    scale_ref, w_ref, _, _, mine, index_ref, m_ref, write_index = ta._masked_received(meta, ns, k, rank, el)
+    cw = cap * world
+    assert torch.equal(masked_m, m_ref) and torch.equal(index, index_ref) and torch.equal(valid, mine)
+    assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32))
+    ref = torch.empty(el * cw + cw, data.shape[1], dtype=torch.uint8, device=DEV)
+    ta.expand_pairs(ref, data.contiguous(), write_index)
+    here = (torch.arange(cw, device=DEV) < masked_m.unsqueeze(1))  # [EL, CW]: the valid slab rows
+    assert slab.shape == (el, cw, h) and slab.dtype == wdt
+    assert torch.equal(slab.view(torch.uint8).view(el, cw, -1)[here], ref[:el * cw].view(el, cw, -1)[here])
+    if ns:
+        ref_scale = torch.empty(el * cw + cw, ns, dtype=torch.float32, device=DEV)
+        ta.expand_pairs(ref_scale, scale_ref, write_index)
+        assert torch.equal(slab_scale[here].view(torch.int32), ref_scale[:el * cw].view(el, cw, ns)[here].view(torch.int32))
+    else:
+        assert slab_scale is None

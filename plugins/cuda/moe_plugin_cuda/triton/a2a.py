@@ -344,6 +344,81 @@ def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, count
 
 
 @triton.jit
+def _masked_count_kernel(meta_ptr, meta_stride, part_ptr, CW, FIRST, NS: tl.constexpr, K: tl.constexpr,
+                         KP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BS: tl.constexpr):
+    """Masked receive, step 1 of 3 (one program per ``BS`` received slots): the block's pairs per local expert
+    (``part[b]``, int32 ``[EL]``). A slot holds each expert at most once (distinct top-k ids)."""
+    b = tl.program_id(0)
+    s = b * BS + tl.arange(0, BS)
+    kk = tl.arange(0, KP)
+    j = tl.arange(0, ELP)
+    ids = tl.load(meta_ptr + s[:, None].to(tl.int64) * meta_stride + NS + kk[None, :],
+                  mask=(s < CW)[:, None] & (kk < K)[None, :], other=-1)
+    le = tl.where((ids >= FIRST) & (ids < FIRST + EL), ids - FIRST, ELP)  # ELP: not here
+    hits = tl.sum(tl.sum((le[:, :, None] == j[None, None, :]).to(tl.int32), axis=1), axis=0)
+    tl.store(part_ptr + b.to(tl.int64) * EL + j, hits, mask=j < EL)
+
+
+@triton.jit
+def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, w_ptr, m_ptr, CW, NB, FIRST,
+                         NS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr,
+                         BS: tl.constexpr, NBB: tl.constexpr):
+    """Step 2 of 3: slab row of each received (slot, k) pair here: expert * CW + the pairs of that expert in the
+    earlier slots (the earlier blocks' from step 1); ``EL * CW`` where not here (as ``_masked_received``); the
+    sender's weights; program 0 writes ``masked_m``."""
+    b = tl.program_id(0)
+    j = tl.arange(0, ELP)
+    before = tl.zeros([ELP], dtype=tl.int32)
+    totals = tl.zeros([ELP], dtype=tl.int32)
+    for start in range(0, NB, NBB):
+        blocks = start + tl.arange(0, NBB)
+        p = tl.load(part_ptr + blocks[:, None].to(tl.int64) * EL + j[None, :],
+                    mask=(blocks < NB)[:, None] & (j < EL)[None, :], other=0)
+        totals += tl.sum(p, axis=0)
+        before += tl.sum(tl.where((blocks < b)[:, None], p, 0), axis=0)
+    if b == 0:
+        tl.store(m_ptr + j, totals, mask=j < EL)
+    s = b * BS + tl.arange(0, BS)
+    kk = tl.arange(0, KP)
+    pair = (s < CW)[:, None] & (kk < K)[None, :]
+    row = meta_ptr + s[:, None].to(tl.int64) * meta_stride
+    ids = tl.load(row + NS + kk[None, :], mask=pair, other=-1)
+    mine = (ids >= FIRST) & (ids < FIRST + EL)
+    le = tl.where(mine, ids - FIRST, ELP)
+    onehot = (le[:, :, None] == j[None, None, :]).to(tl.int32)  # [BS, KP, ELP]
+    seen = tl.cumsum(tl.sum(onehot, axis=1), axis=0) + before[None, :]  # pairs of each expert up to each slot
+    rank_in = tl.sum(onehot * seen[:, None, :], axis=2)  # [BS, KP]: the pair's count (from 1) among its expert's
+    index = tl.where(mine, le.to(tl.int64) * CW + rank_in - 1, EL * CW)
+    out = s[:, None].to(tl.int64) * K + kk[None, :]
+    tl.store(index_ptr + out, index, mask=pair)
+    tl.store(valid_ptr + out, mine.to(tl.int8), mask=pair)
+    tl.store(w_ptr + out, tl.load((row + NS + K + kk[None, :]).to(tl.pointer_type(tl.float32)), mask=pair), mask=pair)
+
+
+@triton.jit
+def _masked_expand_kernel(data_ptr, data_stride, meta_ptr, meta_stride, index_ptr, valid_ptr, slab_ptr, scale_ptr,
+                          WORDS, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                          BD: tl.constexpr):
+    """Step 3 of 3 (one program per received slot): the slot's row (at byte ``s * data_stride``; ``WORDS`` words of
+    ``slab_ptr``'s type) and scales into the slab rows of its pairs here."""
+    s = tl.program_id(0).to(tl.int64)
+    kk = tl.arange(0, KP)
+    valid = tl.load(valid_ptr + s * K + kk, mask=kk < K, other=0) != 0
+    dst = tl.load(index_ptr + s * K + kk, mask=kk < K, other=0)
+    if tl.sum(valid.to(tl.int32), axis=0) > 0:
+        src = (data_ptr + s * data_stride).to(slab_ptr.dtype)
+        for start in range(0, WORDS, BD):
+            offs = start + tl.arange(0, BD)
+            v = tl.load(src + offs, mask=offs < WORDS)
+            tl.store(slab_ptr + dst[:, None] * WORDS + offs[None, :], v[None, :],
+                     mask=valid[:, None] & (offs < WORDS)[None, :])
+        if NS > 0:
+            g = tl.arange(0, NSP)
+            sc = tl.load((meta_ptr + s * meta_stride).to(tl.pointer_type(tl.float32)) + g, mask=g < NS)
+            tl.store(scale_ptr + dst[:, None] * NS + g[None, :], sc[None, :], mask=valid[:, None] & (g < NS)[None, :])
+
+
+@triton.jit
 def _reduce_kernel(back_ptr, row_ptr, row_s0, row_s1, out_ptr, H, W: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -428,6 +503,8 @@ def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
     return slot.T, src, bad
 
 
+# received slots per program of masked mode's receive (expand_masked)
+MASKED_BLOCK = 64
 # tokens per program of the layouts: 32 programs at 4096 tokens (one program for all took 89 us there on H200,
 # 2026-11-26; decision 64)
 LAYOUT_BLOCK = 128
@@ -568,6 +645,37 @@ def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.
     return data, scale, lids, weights, counts
 
 
+def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
+                  num_local: int, data_dtype: torch.dtype):
+    cw, db = recv_data.shape
+    dev = recv_data.device
+    el, k = num_local, top_k
+    first = rank * el
+    slab = torch.empty(el * cw, db, dtype=torch.uint8, device=dev)
+    scale = torch.empty(el * cw, n_scale, dtype=torch.float32, device=dev) if n_scale else None
+    index = torch.empty(cw, k, dtype=torch.int64, device=dev)
+    valid = torch.empty(cw, k, dtype=torch.bool, device=dev)
+    weights = torch.empty(cw, k, dtype=torch.float32, device=dev)
+    masked_m = torch.empty(el, dtype=torch.int32, device=dev)
+    if recv_meta.stride(1) != 1 or recv_data.stride(1) != 1:
+        raise ValueError("expand_masked: the received rows' last dim must be contiguous")
+    nb = max(1, triton.cdiv(cw, MASKED_BLOCK))
+    part = torch.empty(nb, el, dtype=torch.int32, device=dev)
+    consts = dict(NS=n_scale, K=k, KP=_pow2(k), EL=el, ELP=_pow2(el), BS=MASKED_BLOCK, num_warps=4)
+    launch(_masked_count_kernel, (nb,), recv_meta, recv_meta.stride(0), part, cw, first, **consts)
+    launch(_masked_index_kernel, (nb,), recv_meta, recv_meta.stride(0), part, index, valid.view(torch.int8), weights,
+           masked_m, cw, nb, first, NBB=min(256, _pow2(nb)), **consts)
+    if cw:
+        word = next(w for w in (4, 2, 1) if db % w == 0 and recv_data.stride(0) % w == 0
+                    and (recv_data.data_ptr() % w == 0))
+        wdt = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+        launch(_masked_expand_kernel, (cw,), recv_data, recv_data.stride(0), recv_meta, recv_meta.stride(0), index, valid.view(torch.int8), slab.view(wdt),
+               scale if n_scale else weights, db // word, NS=n_scale, NSP=_pow2(n_scale), K=k, KP=_pow2(k), BD=1024,
+               num_warps=4)
+    data = slab.view(el, cw, db).view(data_dtype)
+    return data, None if scale is None else scale.view(el, cw, n_scale), masked_m, index, valid, weights
+
+
 def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     t, world = row.shape
     h = back.shape[1]
@@ -580,4 +688,5 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
-                          pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed)
+                          pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
+                          expand_masked=expand_masked)
