@@ -232,6 +232,11 @@ class TorchA2AKernels:
       [W*C, K], valid bool [W*C, K], weights fp32 [W*C, K])``: masked mode's receive side from the received rows
       (``_exchange_fixed``'s): ``_masked_received``'s slab_index, mine, masked_m and sender's weights (a copy), and the
       slab's valid rows (and scales) as ``expand_pairs`` writes them (rows past masked_m: anything).
+    - ``reduce_masked(y, slab_index, valid, weights) -> [W*C, H]``: masked combine's rows on the experts' rank
+      (``y`` ``[E_local, W*C, H]``), as ``_masked_pairs`` + ``_reduce_pairs_loop`` compute them (fp32 in the order
+      of k, in ``y.dtype``; rows of slots with no pair here: anything, their senders never read them).
+    - ``exchange_masked_back(y, slab_index, valid, weights, group) -> [W*C, H]``: ``reduce_masked``'s rows returned
+      to their senders as ``all_to_all_single`` would return them, without a collective (like ``exchange_fixed``).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -247,6 +252,8 @@ class TorchA2AKernels:
     split_fixed: Optional[Callable] = None
     exchange_fixed: Optional[Callable] = None
     expand_masked: Optional[Callable] = None
+    reduce_masked: Optional[Callable] = None
+    exchange_masked_back: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -982,6 +989,14 @@ class TorchA2ADispatcher(Dispatcher):
             weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
             _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
+        kernels = _kernels_for(y.device.type) if self.fused else None
+        if kernels is not None and kernels.reduce_masked is not None:  # one kernel each side (decision 64)
+            if self._direct(kernels) and kernels.exchange_masked_back is not None:
+                back = kernels.exchange_masked_back(y, h.slab_index, h.valid, weights, self.group)
+            else:
+                back = torch.empty(cw, self.hidden, dtype=y.dtype, device=y.device)
+                _a2a(back, kernels.reduce_masked(y, h.slab_index, h.valid, weights), None, None, self.group)
+            return kernels.reduce(back, h.slot, h.dtype)
         # weighted sum of each received token's rows on this rank (fp32 accumulation)
         index, pair_w = _fast(_masked_pairs, y.device, static=True)(h.slab_index, h.valid, weights, el * cw - 1)
         send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w, static=True)

@@ -68,7 +68,8 @@ def test_fused_normal_matches_torch(world):
                                                3 * TIMEOUT, seed=SEED)):
         n += 1
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
-        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+        assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
+            f"{where}: combine differs (rel err {case['combine_err']:.3g})"
     assert n == world * (3 if world == 2 else 1) * 3 * 5  # every rank, mode, wire and routing
 
 
@@ -80,7 +81,8 @@ def test_fused_direct_exchange_matches_torch():
     for where, _name, case in _cases(run_ranks("comm_fused_direct", 2, 3 * TIMEOUT, seed=SEED)):
         n += 1
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
-        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+        assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
+            f"{where}: combine differs (rel err {case['combine_err']:.3g})"
     assert n == 2 * 2 * 3 * 5  # every rank, mode, wire and routing
 
 

@@ -224,3 +224,38 @@ def test_expand_masked_matches_torch(wire, t, h, k, world, el, cap, rank, dtype)
         assert torch.equal(slab_scale[here].view(torch.int32), ref_scale[:el * cw].view(el, cw, ns)[here].view(torch.int32))
     else:
         assert slab_scale is None
+
+
+@pytest.mark.parametrize("t,h,k,world,el,cap,rank,dtype", [(0, 64, 4, 2, 8, 5, 0, torch.bfloat16),
+                                                           (1, 100, 4, 2, 8, 3, 1, torch.bfloat16),
+                                                           (37, 200, 4, 2, 8, 40, 0, torch.bfloat16),
+                                                           (17, 129, 3, 3, 4, 20, 2, torch.float32)])
+@pytest.mark.parametrize("direct", [False, True])
+def test_reduce_masked_matches_torch(t, h, k, world, el, cap, rank, dtype, direct):
+    """Masked combine's rows on the experts' rank (decision 64) against ``_masked_pairs`` + ``_reduce_pairs_loop``
+    (the CUDA torch path), byte for byte on every slot with a pair here; ``direct``: written through a table of base
+    addresses into every rank's rows, where ``all_to_all_single`` would put them."""
+    gen = torch.Generator().manual_seed(t + h + cap + rank)
+    ids = _ids(t, k, world * el, gen)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    x = make_hidden(t, 16, torch.bfloat16, gen).to(DEV)
+    _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+    rows = a2a.pack_fixed(x, ids, weights, src, t, bad, WireDtype.BF16)  # as if every slot came to this rank
+    data, meta = a2a.split_fixed(rows, WireDtype.BF16, x.dtype, 16, k)
+    _, _, _, index, valid, w = a2a.expand_masked(data, meta, 0, k, rank, el, torch.bfloat16)
+    cw = cap * world
+    y = make_hidden(el * cw, h, dtype, gen).view(el, cw, h).to(DEV)
+    idx, pair_w = ta._masked_pairs(index, valid, w, el * cw - 1)
+    ref = ta._reduce_pairs_loop(y.view(el * cw, h), idx, pair_w)
+    used = valid.any(1)
+    if direct:  # every rank's rows in this process; only this rank writes here
+        back = [torch.zeros(cw, h, dtype=dtype, device=DEV) for _ in range(world)]
+        peers = torch.tensor([b.data_ptr() for b in back], dtype=torch.int64, device=DEV)
+        a2a._reduce_masked(y, index, valid, w, None, peers, rank, cap)
+        out = torch.zeros(cw, h, dtype=dtype, device=DEV)
+        for r in range(world):  # rank r got this rank's rows of its slots r * C ... as its rows rank * C ...
+            out[r * cap:(r + 1) * cap] = back[r][rank * cap:(rank + 1) * cap]
+    else:
+        out = a2a.reduce_masked(y, index, valid, w)
+    word = torch.int16 if dtype.itemsize == 2 else torch.int32
+    assert torch.equal(out[used].view(word), ref[used].view(word))

@@ -419,6 +419,40 @@ def _masked_expand_kernel(data_ptr, data_stride, meta_ptr, meta_stride, index_pt
 
 
 @triton.jit
+def _masked_reduce_kernel(y_ptr, index_ptr, valid_ptr, w_ptr, out_ptr, peers_ptr, H, C, RANK, K: tl.constexpr,
+                          KP: tl.constexpr, BH: tl.constexpr, DIRECT: tl.constexpr):
+    """Masked combine on the experts' rank (program (s, h-block)): received slot ``s``'s weighted sum of its K slab
+    rows of ``y`` in fp32, in the order of k, rounded to ``y``'s dtype, as ``_masked_pairs`` + ``_reduce_pairs_loop``
+    compute it (a pair not here adds its slot's first pair here times 0, which is what that adds: +-0 or NaN). A slot
+    with no pair here (padding: its sender never reads it back) is skipped. ``DIRECT``: the row goes straight to
+    the slot's sender (``peers[s // C]``, row ``RANK * C + s % C``); else to ``out`` row ``s``."""
+    s = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    kk = tl.arange(0, KP)
+    valid = tl.load(valid_ptr + s * K + kk, mask=kk < K, other=0) != 0
+    if tl.sum(valid.to(tl.int32), axis=0) > 0:
+        index = tl.load(index_ptr + s * K + kk, mask=kk < K, other=0)
+        first = tl.min(tl.where(valid, kk, KP), axis=0)
+        v_first = tl.load(y_ptr + tl.sum(tl.where(kk == first, index, 0), axis=0) * H + offs, mask=ok,
+                          other=0.0).to(tl.float32)
+        acc = tl.zeros([BH], dtype=tl.float32)
+        for k in tl.static_range(K):
+            here = (tl.load(valid_ptr + s * K + k + offs * 0) != 0)  # (as a block: a scalar mask fails in the interpreter)
+            w = tl.load(w_ptr + s * K + k)
+            row = tl.load(index_ptr + s * K + k)
+            v = tl.load(y_ptr + row * H + offs, mask=ok & here, other=0.0).to(tl.float32)
+            term = tl.where(here, v * w, v_first * 0.0)
+            acc = term if k == 0 else acc + term
+        res = _round_to(acc, y_ptr.dtype.element_ty)
+        if DIRECT:
+            dst = tl.load(peers_ptr + s // C).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            tl.store(dst + (RANK * C + s % C) * H + offs, res, mask=ok)
+        else:
+            tl.store(out_ptr + s * H + offs, res, mask=ok)
+
+
+@triton.jit
 def _reduce_kernel(back_ptr, row_ptr, row_s0, row_s1, out_ptr, H, W: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -676,6 +710,41 @@ def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int
     return data, None if scale is None else scale.view(el, cw, n_scale), masked_m, index, valid, weights
 
 
+def reduce_masked(y: torch.Tensor, slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    el, cw, h = y.shape
+    out = torch.empty(cw, h, dtype=y.dtype, device=y.device)
+    _reduce_masked(y, slab_index, valid, weights, out, None, 0, 1)
+    return out
+
+
+def _reduce_masked(y, slab_index, valid, weights, out, peers, rank: int, capacity: int) -> None:
+    el, cw, h = y.shape
+    k = slab_index.shape[1]
+    if not y.is_contiguous():
+        y = y.contiguous()
+    if cw:
+        bh = min(4096, _pow2(h))
+        direct = peers is not None
+        launch(_masked_reduce_kernel, (cw, triton.cdiv(h, bh)), y, slab_index.contiguous(),
+               valid.contiguous().view(torch.int8), weights.contiguous(), peers if direct else out,
+               peers if direct else out, h, capacity, rank, K=k, KP=_pow2(k), BH=bh, DIRECT=direct, num_warps=4)
+
+
+def exchange_masked_back(y: torch.Tensor, slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+                         group) -> torch.Tensor:
+    """``reduce_masked``'s rows returned to their senders as ``all_to_all_single`` would (rank r gets the rows of its
+    slots here, ``r * C ...``, as its rows ``rank * C ...``), written straight into the senders' rows in symmetric
+    memory between two barriers (as ``exchange_fixed``). Returns this rank's returned rows ``[W * C, H]`` in
+    ``y``'s dtype, reused by the next call of the same shape."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    el, cw, h = y.shape
+    buf, handle, peers = _symmetric_rows(group, cw, h * y.element_size(), y.device)
+    handle.barrier(channel=0)
+    _reduce_masked(y, slab_index, valid, weights, None, peers, rank, cw // world)
+    handle.barrier(channel=0)
+    return buf.view(y.dtype)
+
+
 def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     t, world = row.shape
     h = back.shape[1]
@@ -689,4 +758,5 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
                           pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
-                          expand_masked=expand_masked)
+                          expand_masked=expand_masked, reduce_masked=reduce_masked,
+                          exchange_masked_back=exchange_masked_back)
