@@ -260,6 +260,8 @@ MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, othe
     "normal-graph-torch": (Format.EP_NORMAL, "worst_case", True, {"kernels": "torch"}),
     "masked-graph-torch": (Format.EP_MASKED, None, True, {"kernels": "torch"}),
     # the fixed-capacity exchange forced either way (decision 64; the plain modes take the "auto" choice)
+    "normal-direct": (Format.EP_NORMAL, "exact", False, {"exchange": "direct"}),
+    "normal-collective": (Format.EP_NORMAL, "exact", False, {"exchange": "collective"}),
     "normal-graph-direct": (Format.EP_NORMAL, "worst_case", True, {"exchange": "direct"}),
     "normal-graph-collective": (Format.EP_NORMAL, "worst_case", True, {"exchange": "collective"}),
     "masked-graph-direct": (Format.EP_MASKED, None, True, {"exchange": "direct"}),

@@ -156,9 +156,11 @@ EXCHANGE_CHOICES = ("auto", "collective", "direct")
 
 def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     """``backend_options[name]["exchange"]``: how the fixed-capacity modes (masked, worst-case normal) move their
-    rows: ``"collective"`` (``all_to_all_single``), ``"direct"`` (a plugin's ``exchange_fixed`` where one is
-    registered: the cuda plugin writes into the peers' rows in symmetric memory; else the collective) or
-    ``"auto"`` (the default: per capacity, from measurements, ``DIRECT_EXCHANGE_MIN_CAPACITY``; decision 64)."""
+    rows and exact normal mode its counts messages, where a plugin's kernels run: ``"collective"``
+    (``all_to_all_single``), ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` /
+    ``exchange_counts`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
+    collective) or ``"auto"`` (the default: from measurements, ``DIRECT_EXCHANGE_MIN_CAPACITY`` and
+    ``DIRECT_COUNT_EXCHANGE``; decision 64)."""
     choice = config.options(name).get("exchange", "auto")
     if choice not in EXCHANGE_CHOICES:
         raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
@@ -237,6 +239,8 @@ class TorchA2AKernels:
       of k, in ``y.dtype``; rows of slots with no pair here: anything, their senders never read them).
     - ``exchange_masked_back(y, slab_index, valid, weights, group) -> [W*C, H]``: ``reduce_masked``'s rows returned
       to their senders as ``all_to_all_single`` would return them, without a collective (like ``exchange_fixed``).
+    - ``exchange_counts(msg, group) -> None``: exact normal mode's ``all_to_all_single(msg[1], msg[0])`` of the
+      counts messages without a collective (like ``exchange_fixed``).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -254,6 +258,7 @@ class TorchA2AKernels:
     expand_masked: Optional[Callable] = None
     reduce_masked: Optional[Callable] = None
     exchange_masked_back: Optional[Callable] = None
+    exchange_counts: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -266,6 +271,9 @@ FUSED_WORST_CASE_MAX_CAPACITY = 128
 # With exchange="auto", the fixed-capacity modes move their rows by the plugin's direct write (exchange_fixed) from
 # this capacity up, by all_to_all_single below it (None: never; decision 64, not measured yet).
 DIRECT_EXCHANGE_MIN_CAPACITY: Optional[int] = None
+# With exchange="auto", exact normal mode exchanges its counts messages by the plugin's direct write (exchange_counts)
+# instead of all_to_all_single (decision 64, not measured yet).
+DIRECT_COUNT_EXCHANGE = False
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -816,7 +824,11 @@ class TorchA2ADispatcher(Dispatcher):
         # pack depends only on the local layout: launched before the count exchange, it runs on the device while
         # the host issues the exchange and waits for the counts (decision 64)
         send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
-        dist.all_to_all_single(msg[1], msg[0], group=self.group)
+        if kernels.exchange_counts is not None and (self.exchange == "direct" or (
+                self.exchange == "auto" and DIRECT_COUNT_EXCHANGE)):  # (decision 64)
+            kernels.exchange_counts(msg, self.group)
+        else:
+            dist.all_to_all_single(msg[1], msg[0], group=self.group)
         send_counts, recv_counts, counts_host = self._read_counts(msg)
         recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
         dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)

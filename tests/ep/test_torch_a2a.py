@@ -74,8 +74,9 @@ def test_fused_normal_matches_torch(world):
 
 
 def test_fused_direct_exchange_matches_torch():
-    """The fixed-capacity modes with the plugin's direct exchange (decision 64), emulated on gloo with its one reused
-    receive buffer: the same bytes as the torch path, with another dispatch between each dispatch and its checks."""
+    """Every mode with the plugin's direct exchanges (decision 64), emulated on gloo (the fixed-capacity rows in one
+    reused receive buffer): the same bytes as the torch path, with another dispatch between each dispatch and its
+    checks."""
     pytest.importorskip("moe_plugin_cuda.triton.a2a", exc_type=ImportError)
     n = 0
     for where, _name, case in _cases(run_ranks("comm_fused_direct", 2, 3 * TIMEOUT, seed=SEED)):
@@ -83,7 +84,7 @@ def test_fused_direct_exchange_matches_torch():
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
         assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
             f"{where}: combine differs (rel err {case['combine_err']:.3g})"
-    assert n == 2 * 2 * 3 * 5  # every rank, mode, wire and routing
+    assert n == 2 * 3 * 3 * 5  # every rank, mode, wire and routing
 
 
 @pytest.mark.parametrize("world", [2, 4])

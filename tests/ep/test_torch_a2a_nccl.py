@@ -48,8 +48,8 @@ def test_fused_normal_nccl():
 
 
 def test_fused_direct_exchange_nccl():
-    """The fixed-capacity modes with the cuda plugin's direct-write exchange over symmetric memory (decision 64)
-    against the torch path: same bytes, nothing returned living in the reused receive rows."""
+    """Every mode with the cuda plugin's direct-write exchanges over symmetric memory (decision 64) against the torch
+    path: same bytes, nothing returned living in the reused receive rows."""
     for where, _name, case in _cases(run_ranks("comm_fused_direct", 2, TIMEOUT, backend="nccl")):
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
         assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"

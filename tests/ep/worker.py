@@ -270,7 +270,9 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
     if exchange == "direct" and device.type == "cpu":
         from moe_plugin_cuda.triton import a2a
 
-        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed))
+        register_torch_a2a_kernels("cpu", dataclasses.replace(
+            a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed,
+            exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
 
@@ -582,8 +584,7 @@ SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_
              "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
              "comm_fused": scenario_comm_fused,
              "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)),
-             "comm_fused_direct": lambda *a: scenario_comm_fused(*a, modes=("ep_normal_worst_case", "ep_masked"),
-                                                                 exchange="direct"),
+             "comm_fused_direct": lambda *a: scenario_comm_fused(*a, exchange="direct"),
              "errors": scenario_errors, "graph": scenario_graph,
              "graph_direct": lambda *a: scenario_graph(*a, exchange="direct"),
              "ops": scenario_ops, "overflow": scenario_overflow}

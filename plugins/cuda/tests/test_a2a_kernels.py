@@ -259,3 +259,16 @@ def test_reduce_masked_matches_torch(t, h, k, world, el, cap, rank, dtype, direc
         out = a2a.reduce_masked(y, index, valid, w)
     word = torch.int16 if dtype.itemsize == 2 else torch.int32
     assert torch.equal(out[used].view(word), ref[used].view(word))
+
+
+@pytest.mark.parametrize("world,m", [(1, 4), (2, 11), (3, 131)])
+def test_put_counts_is_the_all_to_all(world, m):
+    """Exact normal mode's counts messages written into every rank's rows through the table of base addresses
+    (decision 64): rank r's rows are what ``all_to_all_single`` of the messages gives it."""
+    msgs = [torch.randint(0, 1 << 40, (world, m), dtype=torch.int64).to(DEV) for _ in range(world)]
+    rows = [torch.full((world, m), -1, dtype=torch.int64, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=DEV)
+    for rank in range(world):
+        a2a._put_counts_kernel[(world,)](msgs[rank], peers, m, rank, MP=triton.next_power_of_2(m))
+    for r in range(world):
+        assert torch.equal(rows[r], torch.stack([msgs[s][r] for s in range(world)]))

@@ -612,11 +612,11 @@ def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, ra
 _SYMMETRIC: dict[tuple, tuple[torch.Tensor, object, torch.Tensor]] = {}
 
 
-def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device):
+def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device, use: str = "rows"):
     """(``uint8 [rows, row_bytes]`` receive rows in symmetric memory, its handle, int64 ``[W]`` the ranks' base
-    addresses), allocated and rendezvoused (a collective) at the first call for this group and shape."""
+    addresses), allocated and rendezvoused (a collective) at the first call for this group, shape and ``use``."""
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, rows, row_bytes, device)
+    key = (group.group_name, rows, row_bytes, device, use)
     if key not in _SYMMETRIC:
         import torch.distributed._symmetric_memory as symm_mem  # only processes that exchange this way load it
 
@@ -630,6 +630,28 @@ def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device):
         peers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         _SYMMETRIC[key] = (buf, handle, peers)
     return _SYMMETRIC[key]
+
+
+@triton.jit
+def _put_counts_kernel(msg_ptr, peers_ptr, M, RANK, MP: tl.constexpr):
+    """Program r: this rank's counts message row for rank r into rank r's rows, as row ``RANK``."""
+    r = tl.program_id(0)
+    dst = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int64))
+    offs = tl.arange(0, MP)
+    tl.store(dst + RANK * M + offs, tl.load(msg_ptr + r * M + offs, mask=offs < M), mask=offs < M)
+
+
+def exchange_counts(msg: torch.Tensor, group) -> None:
+    """``all_to_all_single(msg[1], msg[0])`` of exact normal mode's counts messages (int64 ``[2, W, M]``) without a
+    collective: every rank writes its row for rank r into rank r's rows in symmetric memory, between two barriers,
+    and this rank's rows are copied to ``msg[1]``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    m = msg.shape[2]
+    buf, handle, peers = _symmetric_rows(group, world, m * 8, msg.device, use="counts")
+    handle.barrier(channel=0)
+    launch(_put_counts_kernel, (world,), msg[0], peers, m, rank, MP=_pow2(m), num_warps=1)
+    handle.barrier(channel=0)
+    msg[1].copy_(buf.view(torch.int64))
 
 
 def exchange_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
@@ -759,4 +781,4 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
 KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
                           pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
                           expand_masked=expand_masked, reduce_masked=reduce_masked,
-                          exchange_masked_back=exchange_masked_back)
+                          exchange_masked_back=exchange_masked_back, exchange_counts=exchange_counts)
