@@ -345,24 +345,24 @@ def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, count
 
 @triton.jit
 def _masked_count_kernel(meta_ptr, meta_stride, part_ptr, CW, FIRST, NS: tl.constexpr, K: tl.constexpr,
-                         KP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BS: tl.constexpr):
+                         EL: tl.constexpr, ELP: tl.constexpr, BS: tl.constexpr):
     """Masked receive, step 1 of 3 (one program per ``BS`` received slots): the block's pairs per local expert
     (``part[b]``, int32 ``[EL]``). A slot holds each expert at most once (distinct top-k ids)."""
     b = tl.program_id(0)
     s = b * BS + tl.arange(0, BS)
-    kk = tl.arange(0, KP)
     j = tl.arange(0, ELP)
-    ids = tl.load(meta_ptr + s[:, None].to(tl.int64) * meta_stride + NS + kk[None, :],
-                  mask=(s < CW)[:, None] & (kk < K)[None, :], other=-1)
-    le = tl.where((ids >= FIRST) & (ids < FIRST + EL), ids - FIRST, ELP)  # ELP: not here
-    hits = tl.sum(tl.sum((le[:, :, None] == j[None, None, :]).to(tl.int32), axis=1), axis=0)
+    hits = tl.zeros([ELP], dtype=tl.int32)
+    for k in tl.static_range(K):
+        ids = tl.load(meta_ptr + s.to(tl.int64) * meta_stride + NS + k, mask=s < CW, other=-1)
+        le = tl.where((ids >= FIRST) & (ids < FIRST + EL), ids - FIRST, ELP)  # ELP: not here
+        hits += tl.sum((le[:, None] == j[None, :]).to(tl.int32), axis=0)
     tl.store(part_ptr + b.to(tl.int64) * EL + j, hits, mask=j < EL)
 
 
 @triton.jit
 def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, w_ptr, m_ptr, CW, NB, FIRST,
-                         NS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr,
-                         BS: tl.constexpr, NBB: tl.constexpr):
+                         NS: tl.constexpr, K: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BS: tl.constexpr,
+                         NBB: tl.constexpr):
     """Step 2 of 3: slab row of each received (slot, k) pair here: expert * CW + the pairs of that expert in the
     earlier slots (the earlier blocks' from step 1); ``EL * CW`` where not here (as ``_masked_received``); the
     sender's weights; program 0 writes ``masked_m``."""
@@ -379,20 +379,23 @@ def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, 
     if b == 0:
         tl.store(m_ptr + j, totals, mask=j < EL)
     s = b * BS + tl.arange(0, BS)
-    kk = tl.arange(0, KP)
-    pair = (s < CW)[:, None] & (kk < K)[None, :]
-    row = meta_ptr + s[:, None].to(tl.int64) * meta_stride
-    ids = tl.load(row + NS + kk[None, :], mask=pair, other=-1)
-    mine = (ids >= FIRST) & (ids < FIRST + EL)
-    le = tl.where(mine, ids - FIRST, ELP)
-    onehot = (le[:, :, None] == j[None, None, :]).to(tl.int32)  # [BS, KP, ELP]
-    seen = tl.cumsum(tl.sum(onehot, axis=1), axis=0) + before[None, :]  # pairs of each expert up to each slot
-    rank_in = tl.sum(onehot * seen[:, None, :], axis=2)  # [BS, KP]: the pair's count (from 1) among its expert's
-    index = tl.where(mine, le.to(tl.int64) * CW + rank_in - 1, EL * CW)
-    out = s[:, None].to(tl.int64) * K + kk[None, :]
-    tl.store(index_ptr + out, index, mask=pair)
-    tl.store(valid_ptr + out, mine.to(tl.int8), mask=pair)
-    tl.store(w_ptr + out, tl.load((row + NS + K + kk[None, :]).to(tl.pointer_type(tl.float32)), mask=pair), mask=pair)
+    ok = s < CW
+    row = meta_ptr + s.to(tl.int64) * meta_stride
+    present = tl.zeros([BS, ELP], dtype=tl.int32)  # slot has a pair of expert j
+    for k in tl.static_range(K):
+        ids = tl.load(row + NS + k, mask=ok, other=-1)
+        le = tl.where((ids >= FIRST) & (ids < FIRST + EL), ids - FIRST, ELP)
+        present += (le[:, None] == j[None, :]).to(tl.int32)
+    seen = tl.cumsum(present, axis=0) + before[None, :]  # pairs of each expert up to and with each slot
+    for k in tl.static_range(K):
+        ids = tl.load(row + NS + k, mask=ok, other=-1)
+        mine = (ids >= FIRST) & (ids < FIRST + EL)
+        le = tl.where(mine, ids - FIRST, ELP)
+        count = tl.sum(tl.where(le[:, None] == j[None, :], seen, 0), axis=1)  # the pair's, from 1
+        out = s.to(tl.int64) * K + k
+        tl.store(index_ptr + out, tl.where(mine, le.to(tl.int64) * CW + count - 1, EL * CW), mask=ok)
+        tl.store(valid_ptr + out, mine.to(tl.int8), mask=ok)
+        tl.store(w_ptr + out, tl.load((row + NS + K + k).to(tl.pointer_type(tl.float32)), mask=ok), mask=ok)
 
 
 @triton.jit
@@ -538,7 +541,7 @@ def layout_fixed(ids: torch.Tensor, world: int, num_local: int, capacity: int,
 
 
 # received slots per program of masked mode's receive (expand_masked)
-MASKED_BLOCK = 64
+MASKED_BLOCK = 32
 # tokens per program of the layouts: 32 programs at 4096 tokens (one program for all took 89 us there on H200,
 # 2026-11-26; decision 64)
 LAYOUT_BLOCK = 128
@@ -717,7 +720,7 @@ def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int
         raise ValueError("expand_masked: the received rows' last dim must be contiguous")
     nb = max(1, triton.cdiv(cw, MASKED_BLOCK))
     part = torch.empty(nb, el, dtype=torch.int32, device=dev)
-    consts = dict(NS=n_scale, K=k, KP=_pow2(k), EL=el, ELP=_pow2(el), BS=MASKED_BLOCK, num_warps=4)
+    consts = dict(NS=n_scale, K=k, EL=el, ELP=_pow2(el), BS=MASKED_BLOCK, num_warps=4)
     launch(_masked_count_kernel, (nb,), recv_meta, recv_meta.stride(0), part, cw, first, **consts)
     launch(_masked_index_kernel, (nb,), recv_meta, recv_meta.stride(0), part, index, valid.view(torch.int8), weights,
            masked_m, cw, nb, first, NBB=min(256, _pow2(nb)), **consts)
