@@ -43,7 +43,7 @@ grep -E "passed|failed|error|FAILED|Error" "$OUT/gpu_tests.log" | tail -12
 
 say "bench"
 timeout "${BENCH_S:-140}" python3 benchmarks/ep/bench_torch_a2a.py --world 2 --iters "${ITERS:-10}" \
-  --warmup "${WARMUP:-2}" --modes ${MODES:-normal-collective normal-direct normal-graph-collective normal-graph-direct \
+  --tokens ${TOKENS:-4096 128} --warmup "${WARMUP:-2}" --modes ${MODES:-normal-collective normal-direct normal-graph-collective normal-graph-direct \
   masked-graph-collective masked-graph-direct} \
   --json "$OUT/torch_a2a.json" > "$OUT/bench.log" 2>&1
 echo "bench exit status $?"
