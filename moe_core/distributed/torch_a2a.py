@@ -156,11 +156,12 @@ EXCHANGE_CHOICES = ("auto", "collective", "direct")
 
 def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     """``backend_options[name]["exchange"]``: how the fixed-capacity modes (masked, worst-case normal) move their
-    rows and exact normal mode its counts messages, where a plugin's kernels run: ``"collective"``
-    (``all_to_all_single``), ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` /
-    ``exchange_counts`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
+    rows and exact normal mode its counts messages and rows (the rows with ``max_tokens_per_rank`` set: chunks of
+    that many rows per source), where a plugin's kernels run: ``"collective"`` (``all_to_all_single``),
+    ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` / ``exchange_counts`` /
+    ``exchange_normal`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
     collective) or ``"auto"`` (the default: from measurements, ``DIRECT_EXCHANGE_MIN_CAPACITY`` and
-    ``DIRECT_COUNT_EXCHANGE``; decision 64)."""
+    ``DIRECT_NORMAL_EXCHANGE``; decision 64)."""
     choice = config.options(name).get("exchange", "auto")
     if choice not in EXCHANGE_CHOICES:
         raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
@@ -207,16 +208,18 @@ class TorchA2AKernels:
     ``register_torch_a2a_kernels`` (``moe_core.plugin_api``). What each must return, byte for byte
     the torch path's (its functions named):
 
-    - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, 3 + E_local])``: ``_normal_layout``'s
-      row (int64, the transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]``.
+    - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, M])``: ``_normal_layout``'s row (int64, the
+      transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]`` in its first
+      ``3 + E_local`` words; ``M = 4 + E_local`` adds a word that ``exchange_normal`` sets (decision 64), 0 here.
     - ``pack(x, ids, weights, row, wire) -> uint8 [N, B]``: send row ``row[t, r] - 1`` holds token ``t``'s wire
       data and side block (scales, ids, weights) in the kernels' own row format, so that one all-to-all moves
       both; ``N`` is at least the number of rows sent (the core sends the first ones), so that it is sized
       without the counts and runs before the count exchange (decision 64).
-    - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local) -> (data [R, H], scales or None,
-      local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
+    - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local, rows=None, chunk=0) -> (data [R, H],
+      scales or None, local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
       ``_normal_received`` leaves them (data contiguous), and the per-local-expert counts of the received
-      counts message ``msg`` (``[W, 3 + E_local]``).
+      counts message ``msg`` (``[W, M]``); ``chunk``: ``recv`` holds source s's rows at rows ``s * chunk`` (as
+      ``exchange_normal`` leaves them), ``rows`` of them in all.
     - ``reduce(back, row, dtype) -> [T, H]``: combine's sum of each token's returned rows
       (``_reduce_pairs_loop`` over ``back`` with a zero row first, in ``dtype``); ``back`` has no zero row.
 
@@ -241,6 +244,10 @@ class TorchA2AKernels:
       to their senders as ``all_to_all_single`` would return them, without a collective (like ``exchange_fixed``).
     - ``exchange_counts(msg, group) -> None``: exact normal mode's ``all_to_all_single(msg[1], msg[0])`` of the
       counts messages without a collective (like ``exchange_fixed``).
+    - ``exchange_normal(x, ids, weights, row, msg, wire, group, capacity) -> uint8 [W * capacity, B]``: exact
+      normal mode's rows moved BEFORE the counts exchange (like ``exchange_fixed``): source s's rows for this rank
+      in rows ``s * capacity ...``; a rank that would send some rank more than ``capacity`` rows sends none past
+      it and sets ``msg[0][:, -1]`` to 1, which every rank reads in the counts and refuses (decision 64).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -259,6 +266,7 @@ class TorchA2AKernels:
     reduce_masked: Optional[Callable] = None
     exchange_masked_back: Optional[Callable] = None
     exchange_counts: Optional[Callable] = None
+    exchange_normal: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -271,9 +279,10 @@ FUSED_WORST_CASE_MAX_CAPACITY = 128
 # With exchange="auto", the fixed-capacity modes move their rows by the plugin's direct write (exchange_fixed) from
 # this capacity up, by all_to_all_single below it (None: never; decision 64, not measured yet).
 DIRECT_EXCHANGE_MIN_CAPACITY: Optional[int] = None
-# With exchange="auto", exact normal mode exchanges its counts messages by the plugin's direct write (exchange_counts)
-# instead of all_to_all_single (decision 64, not measured yet).
-DIRECT_COUNT_EXCHANGE = False
+# With exchange="auto", exact normal mode moves its counts messages (exchange_counts) and, where max_tokens_per_rank is
+# set, its rows (exchange_normal) by the plugin's direct writes instead of all_to_all_single (decision 64, not
+# measured yet).
+DIRECT_NORMAL_EXCHANGE = False
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -785,6 +794,11 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(f"topk.ids out of range [-1, {self.num_experts}) on EP rank(s) {ranks} "
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
         counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(self.num_local))
+        over = [r for r, m in enumerate(recv_msg) if len(m) > 3 + self.num_local and m[3 + self.num_local]]
+        if over:  # the direct exchange's chunks overflowed (decision 64): every rank reads the same flags
+            raise ValueError(f"exact normal dispatch with the direct exchange: EP rank(s) {over} send one rank more "
+                             f"than max_tokens_per_rank={self.capacity} rows (the exchange's chunk per source); "
+                             "raise max_tokens_per_rank, split the batch, or use exchange='collective'")
         return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
@@ -821,19 +835,25 @@ class TorchA2ADispatcher(Dispatcher):
         """Exact normal dispatch with a plugin's kernels (decisions 63, 64): layout, pack, the count exchange, the
         host read, ONE all-to-all of data and side block, unpack."""
         row, msg = kernels.layout(topk.ids, self.world, self.num_local)
-        # pack depends only on the local layout: launched before the count exchange, it runs on the device while
-        # the host issues the exchange and waits for the counts (decision 64)
-        send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
-        if kernels.exchange_counts is not None and (self.exchange == "direct" or (
-                self.exchange == "auto" and DIRECT_COUNT_EXCHANGE)):  # (decision 64)
+        direct = self.exchange == "direct" or (self.exchange == "auto" and DIRECT_NORMAL_EXCHANGE)
+        # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
+        # while the host issues that exchange and waits for the counts (decision 64)
+        chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
+        if chunk:
+            recv = kernels.exchange_normal(x, topk.ids, topk.weights, row, msg, self.wire, self.group, chunk)
+        else:
+            send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
+        if direct and kernels.exchange_counts is not None:
             kernels.exchange_counts(msg, self.group)
         else:
             dist.all_to_all_single(msg[1], msg[0], group=self.group)
         send_counts, recv_counts, counts_host = self._read_counts(msg)
-        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
+        if not chunk:
+            recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
+            dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
         data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
-                                                            self.top_k, self.rank, self.num_local)
+                                                            self.top_k, self.rank, self.num_local,
+                                                            rows=sum(recv_counts), chunk=chunk)
         hidden = QuantizedActivations(data, self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, x.shape[0], x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)

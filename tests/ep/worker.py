@@ -256,6 +256,23 @@ def _emulated_exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, gr
     return recv
 
 
+def _emulated_exchange_normal(x, ids, weights, row, msg, wire, group, capacity):
+    """The cuda plugin's ``exchange_normal`` on gloo: its rows in chunks of ``capacity`` per source (the overflow flag
+    set as its kernel sets it), moved by ``all_to_all_single`` into one reused receive buffer per shape."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.pack(x, ids, weights, row, wire)
+    per_rank = msg[0, :, 2].tolist()
+    chunks = send.new_zeros(len(per_rank) * capacity, send.shape[1])
+    for r, n in enumerate(per_rank):
+        first = sum(per_rank[:r])
+        chunks[r * capacity:r * capacity + min(n, capacity)] = send[first:first + min(n, capacity)]
+    msg[0, :, -1] = int(max(per_rank) > capacity)
+    recv = _REUSED.setdefault(("normal",) + tuple(chunks.shape), torch.empty_like(chunks))
+    torch.distributed.all_to_all_single(recv, chunks, group=group)
+    return recv
+
+
 def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS),
                         exchange=None) -> dict:
     """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
@@ -271,7 +288,7 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
         from moe_plugin_cuda.triton import a2a
 
         register_torch_a2a_kernels("cpu", dataclasses.replace(
-            a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed,
+            a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed, exchange_normal=_emulated_exchange_normal,
             exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}

@@ -42,7 +42,7 @@ def test_layout_matches_torch(t, k, world, el, bad):
     row, msg = a2a.layout(ids, world, el)
     row_ref, msg_ref = ta._normal_layout(ids, world, el)
     assert row.shape == (t, world) and torch.equal(row, row_ref)
-    assert torch.equal(msg[0], msg_ref[0])
+    assert torch.equal(msg[0, :, :3 + el], msg_ref[0]) and not msg[0, :, -1].any()  # (+ the direct exchange's flag)
 
 
 @pytest.mark.parametrize("wire", WIRES, ids=str)
@@ -77,7 +77,7 @@ def test_pack_unpack_match_torch(wire, t, h, k, world, el, dtype):
             assert torch.equal(sc.view(torch.int32), sc_ref.view(torch.int32)), "scales"
         assert lids.dtype == lids_ref.dtype and torch.equal(lids, lids_ref), "local ids"
         assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32)), "weights"
-        assert torch.equal(counts, msg[0, :, 3:].sum(0, dtype=torch.int32)), "per-expert counts"
+        assert torch.equal(counts, msg[0, :, 3:3 + el].sum(0, dtype=torch.int32)), "per-expert counts"
 
 
 @pytest.mark.parametrize("t,h,world,dtype", [(0, 64, 2, torch.bfloat16), (1, 64, 2, torch.bfloat16),
@@ -272,3 +272,42 @@ def test_put_counts_is_the_all_to_all(world, m):
         a2a._put_counts_kernel[(world,)](msgs[rank], peers, m, rank, MP=triton.next_power_of_2(m))
     for r in range(world):
         assert torch.equal(rows[r], torch.stack([msgs[s][r] for s in range(world)]))
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("counts,h,k,el,cap,dtype", [((0, 5), 256, 4, 8, 6, torch.bfloat16),
+                                                     ((7, 1, 4), 129, 3, 4, 7, torch.float32),
+                                                     ((23, 17), 200, 4, 8, 23, torch.bfloat16),
+                                                     ((23, 17), 200, 4, 8, 9, torch.bfloat16)])
+def test_pack_into_peers_then_unpack_is_the_all_to_all(wire, counts, h, k, el, cap, dtype):
+    """Exact normal mode's direct exchange (decision 64), every rank's rows in this one process: after every rank
+    wrote its rows into the others' chunks of ``cap`` rows, ``unpack`` of rank r's chunks gives what it gives for
+    the rows ``all_to_all_single`` of the ranks' ``pack`` rows delivers, byte for byte; a rank that sends some rank
+    more than ``cap`` rows says so in its counts message (the last case: every rank refuses then)."""
+    world = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) + h + cap)
+    _, _, b = a2a._row_layout(wire, h, dtype.itemsize, k)
+    rows = [torch.full((world * cap, b), 0xAB, dtype=torch.uint8, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=DEV)
+    msgs, sent = [], []
+    for rank, t in enumerate(counts):
+        x = make_hidden(t, h, dtype, gen).to(DEV)
+        ids = _ids(t, k, world * el, gen)
+        weights = torch.rand(t, k, generator=gen).to(DEV)
+        row, msg = a2a.layout(ids, world, el)
+        a2a.pack_into(x, ids, weights, row, msg, wire, peers, rank, cap)
+        per_rank = msg[0, :, 2].tolist()
+        assert msg[0, :, -1].tolist() == [int(max(per_rank) > cap)] * world, "overflow flag"
+        send = a2a.pack(x, ids, weights, row, wire)
+        start = [sum(per_rank[:r]) for r in range(world)]
+        sent.append([send[start[r]:start[r] + per_rank[r]] for r in range(world)])
+        msgs.append(msg)
+    if any(int(m[0, 0, -1]) for m in msgs):
+        return  # overflowed: the dispatch is refused on every rank (the core reads the flags), nothing to compare
+    for r in range(world):
+        recv_msg = torch.stack([msgs[s][0, r] for s in range(world)])
+        n = int(recv_msg[:, 2].sum())
+        got = a2a.unpack(rows[r], recv_msg, wire, dtype, h, k, r, el, rows=n, chunk=cap)
+        ref = a2a.unpack(torch.cat([sent[s][r] for s in range(world)]), recv_msg, wire, dtype, h, k, r, el)
+        for a, b_ in zip(got, ref):
+            assert (a is None and b_ is None) or torch.equal(a.view(torch.uint8), b_.view(torch.uint8))

@@ -85,10 +85,10 @@ def _layout_count_kernel(ids_ptr, part_ptr, msg_ptr, T, K: tl.constexpr, KP: tl.
     tl.store(out + ranks, tl.sum(hit, axis=0), mask=ranks < W)
     tl.store(out + W, tl.sum(tl.sum((block < -1).to(tl.int32), axis=1), axis=0))
     tl.store(out + W + 1, tl.sum(tl.sum((block >= E).to(tl.int32), axis=1), axis=0))
-    if b == 0:
+    if b == 0:  # (word 3 + EL: the direct exchange's overflow flag, set by its pack)
         j = tl.arange(0, ELP)
-        tl.store(msg_ptr + ranks[:, None].to(tl.int64) * (3 + EL) + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
-                 mask=(ranks < W)[:, None] & (j < EL)[None, :])
+        tl.store(msg_ptr + ranks[:, None].to(tl.int64) * (4 + EL) + 3 + j[None, :], tl.zeros([WP, ELP], dtype=tl.int64),
+                 mask=(ranks < W)[:, None] & (j < EL + 1)[None, :])
 
 
 @triton.jit
@@ -128,10 +128,10 @@ def _layout_rows_kernel(ids_ptr, part_ptr, row_ptr, msg_ptr, T, NB, K: tl.conste
                     other=-1)
     expert = (block >= 0) & (block < E)
     e = tl.where(expert, block, 0)
-    tl.atomic_add(msg_ptr + (e // EL) * (3 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
+    tl.atomic_add(msg_ptr + (e // EL) * (4 + EL) + 3 + e % EL, tl.full([BT, KP], 1, tl.int64), mask=expert,
                   sem="relaxed")
     if b == 0:
-        mrow = ranks.to(tl.int64) * (3 + EL)
+        mrow = ranks.to(tl.int64) * (4 + EL)
         tl.store(msg_ptr + mrow, (tl.sum(below, axis=0) + tl.zeros([WP], dtype=tl.int32)).to(tl.int64), mask=rmask)
         tl.store(msg_ptr + mrow + 1, (tl.sum(above, axis=0) + tl.zeros([WP], dtype=tl.int32)).to(tl.int64),
                  mask=rmask)
@@ -253,16 +253,33 @@ def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl
 
 
 @triton.jit
-def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, H, B, DP, inv_qmax,
-                 K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, WIRE: tl.constexpr,
-                 NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr,
-                 QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
-    """Exact normal mode: one program per token, writing every send row of it (``row``: 1-based, 0 none)."""
+def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, peers_ptr, msg_ptr, H, B, DP,
+                 inv_qmax, C, RANK, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                 EL: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr,
+                 BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr,
+                 DIRECT: tl.constexpr):
+    """Exact normal mode: one program per token, writing every send row of it (``row``: 1-based, 0 none).
+    ``DIRECT``: the send rows for rank r go straight into rank r's receive rows (base address ``peers[r]``), this
+    rank's chunk of ``C`` rows at ``RANK * C``, in order (after the rows for lower ranks, from the counts message
+    ``msg`` ``[W, 4 + EL]``); rows past ``C`` are not written, and program 0 sets the message's last word (1: this
+    rank sends some rank more than ``C`` rows, and every rank then refuses the dispatch)."""
     t = tl.program_id(0).to(tl.int64)
     ranks = tl.arange(0, WP)
     dst = tl.load(row_ptr + t * row_s0 + ranks.to(tl.int64) * row_s1, mask=ranks < W, other=0)  # 1-based, 0: none
     sent = dst > 0
-    base = (dst - 1) * B  # byte offset of each send row
+    if DIRECT:
+        rows = tl.load(msg_ptr + ranks * (4 + EL) + 2, mask=ranks < W, other=0)
+        j = dst - 1 - (tl.cumsum(rows, axis=0) - rows)  # the row's place in this rank's chunk at rank r
+        sent = sent & (j < C)
+        if t == 0:
+            over = (tl.max(rows, axis=0) > C).to(tl.int64)
+            tl.store(msg_ptr + ranks * (4 + EL) + 3 + EL, over + tl.zeros([WP], dtype=tl.int64), mask=ranks < W)
+        # every rank's rows as byte offsets from rank 0's (one flat address space: CUDA's, the interpreter's)
+        first = tl.load(peers_ptr)
+        base = tl.load(peers_ptr + ranks, mask=ranks < W, other=0) - first + (RANK * C + j) * B
+        send_ptr = first.to(tl.pointer_type(tl.uint8))
+    else:
+        base = (dst - 1) * B  # byte offset of each send row
     _store_token(x_ptr + t * x_stride, H, send_ptr, base, sent, sent, H, DP, inv_qmax, WP, WIRE, NS, GROUP, GB, BH,
                  QMAX, FLOOR, RECIPROCAL)
     side = send_ptr + base + DP
@@ -313,19 +330,27 @@ def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_p
 
 
 @triton.jit
-def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, counts_ptr, B, DP, WORDS, first,
+def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, counts_ptr, B, DP, WORDS, first, C,
                    ROWS: tl.constexpr, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                   W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BD: tl.constexpr):
+                   W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BD: tl.constexpr,
+                   CHUNKED: tl.constexpr):
+    """One program per received row (``CHUNKED``: the rows of source s are rows ``s * C ...`` of ``recv``, as the
+    direct exchange leaves them; else one after the other)."""
     pid = tl.program_id(0)
+    ranks = tl.arange(0, WP)
     if pid == 0:  # received (token, expert) pairs per local expert, from the counts message
-        ranks = tl.arange(0, WP)
         j = tl.arange(0, ELP)
-        m = tl.load(msg_ptr + ranks[:, None] * (3 + EL) + 3 + j[None, :],
+        m = tl.load(msg_ptr + ranks[:, None] * (4 + EL) + 3 + j[None, :],
                     mask=(ranks < W)[:, None] & (j < EL)[None, :], other=0)
         tl.store(counts_ptr + j, tl.sum(m, axis=0).to(tl.int32), mask=j < EL)
     if ROWS:  # (no rows: one program, for the counts; a value-keyed row count would miss launch's cache)
         r = pid.to(tl.int64)
-        src = recv_ptr + r * B
+        if CHUNKED:
+            rows = tl.load(msg_ptr + ranks * (4 + EL) + 2, mask=ranks < W, other=0)  # from each source
+            source = tl.sum((tl.cumsum(rows, axis=0) <= r).to(tl.int64), axis=0)
+            src = recv_ptr + (source * C + r - tl.sum(tl.where(ranks < source, rows, 0), axis=0)) * B
+        else:
+            src = recv_ptr + r * B
         for start in range(0, WORDS, BD):
             offs = start + tl.arange(0, BD)
             v = tl.load(src.to(data_ptr.dtype) + offs, mask=offs < WORDS)  # data words (data_ptr's type)
@@ -514,11 +539,12 @@ def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor,
     t, k = ids.shape
     ids = ids.contiguous()
     row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
-    msg = torch.empty(2, world, 3 + num_local, dtype=torch.int64, device=ids.device)
+    # the counts message of _normal_layout, plus a last word per row: 1 where the direct exchange overflowed
+    msg = torch.empty(2, world, 4 + num_local, dtype=torch.int64, device=ids.device)
     nb = max(1, triton.cdiv(t, LAYOUT_BLOCK))
     part = torch.empty(nb, world + 2, dtype=torch.int32, device=ids.device)
     consts = dict(K=k, KP=_pow2(k), W=world, WP=_pow2(world), EL=num_local, BT=LAYOUT_BLOCK, num_warps=4)
-    launch(_layout_count_kernel, (nb,), ids, part, msg, t, ELP=_pow2(num_local), **consts)
+    launch(_layout_count_kernel, (nb,), ids, part, msg, t, ELP=_pow2(num_local + 1), **consts)
     launch(_layout_rows_kernel, (nb,), ids, part, row, msg, t, nb, NBB=min(1024, _pow2(nb)), **consts)
     return row.T, msg
 
@@ -551,25 +577,40 @@ def pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.T
          wire: WireDtype) -> torch.Tensor:
     t, h = x.shape
     k = ids.shape[1]
-    world = row.shape[1]
     _, dp, b = _row_layout(wire, h, x.element_size(), k)
     # as many rows as could be sent (a token goes at most once to each rank, and to at most K ranks): sized
     # without the counts, so that it runs before the count exchange and its host read (decision 64)
-    send = torch.empty(t * min(world, k), b, dtype=torch.uint8, device=x.device)
-    if t == 0:
-        return send
+    send = torch.empty(t * min(row.shape[1], k), b, dtype=torch.uint8, device=x.device)
+    _pack(x, ids, weights, row, wire, send, None, None, 0, 1)
+    return send
+
+
+def pack_into(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, msg: torch.Tensor,
+              wire: WireDtype, peers: torch.Tensor, rank: int, capacity: int) -> None:
+    """``pack`` written straight into every rank's receive rows: ``peers`` (int64 ``[W]``) holds the base address of
+    each rank's ``uint8 [W * capacity, B]`` rows; rank r gets this rank's rows for it, in order, as its rows
+    ``rank * capacity ...`` (past ``capacity`` none, and ``msg[0]``'s last words say so)."""
+    _pack(x, ids, weights, row, wire, None, peers, msg[0], rank, capacity)
+
+
+def _pack(x, ids, weights, row, wire, send, peers, msg, rank: int, capacity: int) -> None:
+    t, h = x.shape
+    k = ids.shape[1]
+    world = row.shape[1]
+    _, dp, b = _row_layout(wire, h, x.element_size(), k)
+    if t == 0:  # (nothing sent: the layout's zero overflow flags stand)
+        return
     if x.stride(1) != 1:
         x = x.contiguous()
+    direct = peers is not None
     qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
     floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
-    group = quant.FP8_GROUP
     launch(_pack_kernel, (t,), x, x.stride(0), ids.contiguous(), weights.contiguous(), row, row.stride(0),
-           row.stride(1), send, h, b, dp,
-                       _INV_QMAX[wire],
-                       K=k, KP=_pow2(k), W=world, WP=_pow2(world), WIRE=_WIRE_CODE[wire],
-                       NS=_scale_words(wire, h), GROUP=group, GB=max(1, min(8, _pow2(h) // group)),
-                       BH=min(2048, _pow2(h)), QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), num_warps=4)
-    return send
+           row.stride(1), peers if direct else send, peers if direct else send, msg if direct else send, h, b, dp,
+           _INV_QMAX[wire], capacity, rank, K=k, KP=_pow2(k), W=world, WP=_pow2(world),
+           EL=msg.shape[1] - 4 if direct else 0, WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
+           GROUP=quant.FP8_GROUP, GB=max(1, min(8, _pow2(h) // quant.FP8_GROUP)), BH=min(2048, _pow2(h)), QMAX=qmax,
+           FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, num_warps=4)
 
 
 def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
@@ -657,6 +698,22 @@ def exchange_counts(msg: torch.Tensor, group) -> None:
     msg[1].copy_(buf.view(torch.int64))
 
 
+def exchange_normal(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, msg: torch.Tensor,
+                    wire: WireDtype, group, capacity: int) -> torch.Tensor:
+    """Exact normal mode's rows moved before the counts are known (decision 64): every rank writes its rows for
+    rank r straight into rank r's receive rows in symmetric memory (its chunk of ``capacity`` rows), between two
+    barriers as ``exchange_fixed``; ``msg[0]``'s last words say whether some rank's rows overflowed a chunk.
+    Returns this rank's ``uint8 [W * capacity, B]`` rows (source s's in rows ``s * capacity ...``; ``unpack`` with
+    ``chunk=capacity`` reads them), reused by the next exchange of the same shape."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    _, _, b = _row_layout(wire, x.shape[1], x.element_size(), ids.shape[1])
+    buf, handle, peers = _symmetric_rows(group, world * capacity, b, x.device, use="normal")
+    handle.barrier(channel=0)
+    pack_into(x, ids, weights, row, msg, wire, peers, rank, capacity)
+    handle.barrier(channel=0)
+    return buf
+
+
 def exchange_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
                    bad_ids: torch.Tensor, wire: WireDtype, group) -> torch.Tensor:
     """``all_to_all_single`` of ``pack_fixed``'s rows without a collective: every rank writes its slots straight
@@ -681,8 +738,8 @@ def split_fixed(recv: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden:
 
 
 def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int, top_k: int,
-           rank: int, num_local: int):
-    r = recv.shape[0]
+           rank: int, num_local: int, rows: int | None = None, chunk: int = 0):
+    r = recv.shape[0] if rows is None else rows
     dev = recv.device
     data_dtype = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
     nbytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k)
@@ -698,9 +755,8 @@ def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.
     world = msg.shape[0]
     words = data.view(torch.uint8).view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
     launch(_unpack_kernel, (max(r, 1),), recv, msg, words, scale if ns else weights, lids, weights, counts,
-                                 b, dp, nbytes // word, rank * num_local, ROWS=r > 0, NS=ns, NSP=_pow2(ns),
-                                 K=top_k, KP=_pow2(top_k), W=world, WP=_pow2(world), EL=num_local,
-                                 ELP=_pow2(num_local), BD=1024, num_warps=4)
+           b, dp, nbytes // word, rank * num_local, chunk, ROWS=r > 0, NS=ns, NSP=_pow2(ns), K=top_k, KP=_pow2(top_k),
+           W=world, WP=_pow2(world), EL=num_local, ELP=_pow2(num_local), BD=1024, CHUNKED=chunk > 0, num_warps=4)
     return data, scale, lids, weights, counts
 
 
@@ -784,4 +840,5 @@ def reduce(back: torch.Tensor, row: torch.Tensor, dtype: torch.dtype) -> torch.T
 KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce, layout_fixed=layout_fixed,
                           pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
                           expand_masked=expand_masked, reduce_masked=reduce_masked,
-                          exchange_masked_back=exchange_masked_back, exchange_counts=exchange_counts)
+                          exchange_masked_back=exchange_masked_back, exchange_counts=exchange_counts,
+                          exchange_normal=exchange_normal)
