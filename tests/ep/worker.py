@@ -273,6 +273,17 @@ def _emulated_exchange_normal(x, ids, weights, row, msg, wire, group, capacity):
     return recv
 
 
+def _emulated_exchange_masked_back(y, slab_index, valid, weights, group):
+    """The cuda plugin's ``exchange_masked_back`` on gloo: ``reduce_masked``'s rows by ``all_to_all_single`` into one
+    reused buffer per shape."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.reduce_masked(y, slab_index, valid, weights)
+    recv = _REUSED.setdefault(("back",) + tuple(send.shape), torch.empty_like(send))
+    torch.distributed.all_to_all_single(recv, send, group=group)
+    return recv
+
+
 def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS),
                         exchange=None) -> dict:
     """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
@@ -289,6 +300,7 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
 
         register_torch_a2a_kernels("cpu", dataclasses.replace(
             a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed, exchange_normal=_emulated_exchange_normal,
+            exchange_masked_back=_emulated_exchange_masked_back,
             exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
