@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 import triton
 import triton.language as tl
 
+from moe_plugin_cuda.triton.a2a import peer_addresses
+
 
 @triton.jit
 def _put_rows(src_ptr, peers_ptr, ROWS, ROW_WORDS, RANK, W: tl.constexpr, BW: tl.constexpr):
@@ -72,7 +74,9 @@ def worker(rank: int, world: int, port: int, args) -> None:
     for rows in (128, 4096):
         recv = symm_mem.empty(world * rows, words, dtype=torch.int32, device="cuda")
         hdl = symm_mem.rendezvous(recv, group)
-        peers = torch.tensor(hdl.buffer_ptrs, dtype=torch.int64, device="cuda")
+        peers = torch.tensor(peer_addresses(recv, hdl), dtype=torch.int64, device="cuda")
+        say(f"rows {rows}: buffer at offset {recv.data_ptr() - hdl.buffer_ptrs[rank]} of the handle's allocation",
+            flush=True)
         send = torch.empty(world * rows, words, dtype=torch.int32, device="cuda")
 
         def exchange():

@@ -73,6 +73,7 @@ def test_fused_normal_matches_torch(world):
     assert n == world * (3 if world == 2 else 1) * 3 * 5  # every rank, mode, wire and routing
 
 
+@pytest.mark.timeout(900)  # the Triton interpreter on two shared cores
 def test_fused_direct_exchange_matches_torch():
     """Every mode with the plugin's direct exchanges (decision 64), emulated on gloo (the fixed-capacity rows in one
     reused receive buffer): the same bytes as the torch path, with another dispatch between each dispatch and its
@@ -84,7 +85,7 @@ def test_fused_direct_exchange_matches_torch():
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
         assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
             f"{where}: combine differs (rel err {case['combine_err']:.3g})"
-    assert n == 2 * 3 * 3 * 5  # every rank, mode, wire and routing
+    assert n == 2 * 3 * 2 * 5  # every rank, mode, wire (bf16, fp8) and routing
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -311,3 +311,17 @@ def test_pack_into_peers_then_unpack_is_the_all_to_all(wire, counts, h, k, el, c
         ref = a2a.unpack(torch.cat([sent[s][r] for s in range(world)]), recv_msg, wire, dtype, h, k, r, el)
         for a, b_ in zip(got, ref):
             assert (a is None and b_ is None) or torch.equal(a.view(torch.uint8), b_.view(torch.uint8))
+
+
+def test_peer_addresses_apply_the_tensors_offset_in_its_allocation():
+    """A rendezvous handle's ``buffer_ptrs`` are the ranks' allocation bases (a pool may put several tensors in one
+    allocation): every rank's address of the tensor is its base plus this rank's offset (decision 64)."""
+    import types
+
+    buf = torch.empty(64, dtype=torch.uint8)
+    for offset in (0, 16, 48):
+        bases = [1 << 40, buf.data_ptr() - offset, 3 << 40]
+        handle = types.SimpleNamespace(buffer_ptrs=bases, rank=1, buffer_size=128)
+        assert a2a.peer_addresses(buf, handle) == [b + offset for b in bases]
+    with pytest.raises(RuntimeError, match="not in this rank's buffer"):
+        a2a.peer_addresses(buf, types.SimpleNamespace(buffer_ptrs=[0, buf.data_ptr() + 1, 0], rank=1, buffer_size=8))

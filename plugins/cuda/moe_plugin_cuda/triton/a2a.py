@@ -425,25 +425,23 @@ def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, 
 
 @triton.jit
 def _masked_expand_kernel(data_ptr, data_stride, meta_ptr, meta_stride, index_ptr, valid_ptr, slab_ptr, scale_ptr,
-                          WORDS, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                          BD: tl.constexpr):
-    """Step 3 of 3 (one program per received slot): the slot's row (at byte ``s * data_stride``; ``WORDS`` words of
-    ``slab_ptr``'s type) and scales into the slab rows of its pairs here."""
+                          WORDS, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, BD: tl.constexpr):
+    """Step 3 of 3 (program (slot s, block of ``BD`` words)): the slot's words (row at byte ``s * data_stride``;
+    ``WORDS`` words of ``slab_ptr``'s type) and, in block 0, its scales into the slab rows of its pairs here. One
+    row in registers, stored once per pair (a [K, BD] tile of addresses spilled)."""
     s = tl.program_id(0).to(tl.int64)
-    kk = tl.arange(0, KP)
-    valid = tl.load(valid_ptr + s * K + kk, mask=kk < K, other=0) != 0
-    dst = tl.load(index_ptr + s * K + kk, mask=kk < K, other=0)
-    if tl.sum(valid.to(tl.int32), axis=0) > 0:
-        src = (data_ptr + s * data_stride).to(slab_ptr.dtype)
-        for start in range(0, WORDS, BD):
-            offs = start + tl.arange(0, BD)
-            v = tl.load(src + offs, mask=offs < WORDS)
-            tl.store(slab_ptr + dst[:, None] * WORDS + offs[None, :], v[None, :],
-                     mask=valid[:, None] & (offs < WORDS)[None, :])
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    ok = offs < WORDS
+    v = tl.load((data_ptr + s * data_stride).to(slab_ptr.dtype) + offs, mask=ok)
+    g = tl.arange(0, NSP)
+    for k in tl.static_range(K):
+        here = tl.load(valid_ptr + s * K + k + offs * 0) != 0  # (a block: a scalar mask fails in the interpreter)
+        dst = tl.load(index_ptr + s * K + k)
+        tl.store(slab_ptr + dst * WORDS + offs, v, mask=ok & here)
         if NS > 0:
-            g = tl.arange(0, NSP)
-            sc = tl.load((meta_ptr + s * meta_stride).to(tl.pointer_type(tl.float32)) + g, mask=g < NS)
-            tl.store(scale_ptr + dst[:, None] * NS + g[None, :], sc[None, :], mask=valid[:, None] & (g < NS)[None, :])
+            if tl.program_id(1) == 0:
+                sc = tl.load((meta_ptr + s * meta_stride).to(tl.pointer_type(tl.float32)) + g, mask=g < NS)
+                tl.store(scale_ptr + dst * NS + g, sc, mask=(g < NS) & (tl.load(valid_ptr + s * K + k + g * 0) != 0))
 
 
 @triton.jit
@@ -671,9 +669,23 @@ def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device, use:
                 symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(rows, row_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, group)
-        peers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        _SYMMETRIC[key] = (buf, handle, peers)
+        _SYMMETRIC[key] = (buf, handle, torch.tensor(peer_addresses(buf, handle), dtype=torch.int64, device=device))
     return _SYMMETRIC[key]
+
+
+def peer_addresses(buf: torch.Tensor, handle) -> list[int]:
+    """Every rank's address of ``buf`` (symmetric memory, ``handle`` its rendezvous), in this process. A handle's
+    ``buffer_ptrs`` are the bases of the ranks' allocations, which ``symm_mem.empty`` carves from a pool (torch
+    >= 2.10: ``TORCH_SYMMMEM_IMPLICIT_POOL``, several tensors to an allocation): the tensor sits at the same
+    offset from each, its own from this rank's. (The first direct exchanges on 2x H100, 2026-11-26, used the bases
+    as the tensors' addresses and crashed once several buffers existed; the probe's first buffer, at offset 0,
+    worked.)"""
+    bases = list(handle.buffer_ptrs)
+    offset = buf.data_ptr() - bases[handle.rank]
+    if not 0 <= offset < handle.buffer_size:
+        raise RuntimeError(f"symmetric memory: the tensor at {buf.data_ptr():#x} is not in this rank's buffer "
+                           f"[{bases[handle.rank]:#x}, +{handle.buffer_size})")
+    return [base + offset for base in bases]
 
 
 @triton.jit
@@ -784,9 +796,9 @@ def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int
         word = next(w for w in (4, 2, 1) if db % w == 0 and recv_data.stride(0) % w == 0
                     and (recv_data.data_ptr() % w == 0))
         wdt = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-        launch(_masked_expand_kernel, (cw,), recv_data, recv_data.stride(0), recv_meta, recv_meta.stride(0), index, valid.view(torch.int8), slab.view(wdt),
-               scale if n_scale else weights, db // word, NS=n_scale, NSP=_pow2(n_scale), K=k, KP=_pow2(k), BD=1024,
-               num_warps=4)
+        launch(_masked_expand_kernel, (cw, triton.cdiv(db // word, 1024)), recv_data, recv_data.stride(0), recv_meta,
+               recv_meta.stride(0), index, valid.view(torch.int8), slab.view(wdt), scale if n_scale else weights,
+               db // word, NS=n_scale, NSP=_pow2(n_scale), K=k, BD=1024, num_warps=4)
     data = slab.view(el, cw, db).view(data_dtype)
     return data, None if scale is None else scale.view(el, cw, n_scale), masked_m, index, valid, weights
 
@@ -804,7 +816,7 @@ def _reduce_masked(y, slab_index, valid, weights, out, peers, rank: int, capacit
     if not y.is_contiguous():
         y = y.contiguous()
     if cw:
-        bh = min(4096, _pow2(h))
+        bh = min(1024, _pow2(h))  # (4096: the [K] loads and fp32 sums of a wide block spilled, 1.3x slower on H100)
         direct = peers is not None
         launch(_masked_reduce_kernel, (cw, triton.cdiv(h, bh)), y, slab_index.contiguous(),
                valid.contiguous().view(torch.int8), weights.contiguous(), peers if direct else out,
