@@ -245,9 +245,10 @@ class TorchA2AKernels:
     - ``exchange_counts(msg, group) -> None``: exact normal mode's ``all_to_all_single(msg[1], msg[0])`` of the
       counts messages without a collective (like ``exchange_fixed``).
     - ``exchange_normal(x, ids, weights, row, msg, wire, group, capacity) -> uint8 [W * capacity, B]``: exact
-      normal mode's rows moved BEFORE the counts exchange (like ``exchange_fixed``): source s's rows for this rank
-      in rows ``s * capacity ...``; a rank that would send some rank more than ``capacity`` rows sends none past
-      it and sets ``msg[0][:, -1]`` to 1, which every rank reads in the counts and refuses (decision 64).
+      normal mode's rows AND counts messages moved before the host read (like ``exchange_fixed``; ``msg[1]`` filled
+      as by ``exchange_counts``): source s's rows for this rank in rows ``s * capacity ...``; a rank that would
+      send some rank more than ``capacity`` rows sends none past it and sets the last word of its message rows to
+      1, which every rank reads in the counts and refuses (decision 64).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -839,14 +840,14 @@ class TorchA2ADispatcher(Dispatcher):
         # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
         # while the host issues that exchange and waits for the counts (decision 64)
         chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
-        if chunk:
+        if chunk:  # the rows and the counts messages (decision 64)
             recv = kernels.exchange_normal(x, topk.ids, topk.weights, row, msg, self.wire, self.group, chunk)
         else:
             send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
-        if direct and kernels.exchange_counts is not None:
-            kernels.exchange_counts(msg, self.group)
-        else:
-            dist.all_to_all_single(msg[1], msg[0], group=self.group)
+            if direct and kernels.exchange_counts is not None:
+                kernels.exchange_counts(msg, self.group)
+            else:
+                dist.all_to_all_single(msg[1], msg[0], group=self.group)
         send_counts, recv_counts, counts_host = self._read_counts(msg)
         if not chunk:
             recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)

@@ -258,7 +258,8 @@ def _emulated_exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, gr
 
 def _emulated_exchange_normal(x, ids, weights, row, msg, wire, group, capacity):
     """The cuda plugin's ``exchange_normal`` on gloo: its rows in chunks of ``capacity`` per source (the overflow flag
-    set as its kernel sets it), moved by ``all_to_all_single`` into one reused receive buffer per shape."""
+    set as its kernel sets it), moved by ``all_to_all_single`` into one reused receive buffer per shape, and the
+    counts messages."""
     from moe_plugin_cuda.triton import a2a
 
     send = a2a.pack(x, ids, weights, row, wire)
@@ -270,6 +271,7 @@ def _emulated_exchange_normal(x, ids, weights, row, msg, wire, group, capacity):
     msg[0, :, -1] = int(max(per_rank) > capacity)
     recv = _REUSED.setdefault(("normal",) + tuple(chunks.shape), torch.empty_like(chunks))
     torch.distributed.all_to_all_single(recv, chunks, group=group)
+    torch.distributed.all_to_all_single(msg[1], msg[0], group=group)  # (it moves the counts messages too)
     return recv
 
 

@@ -701,28 +701,36 @@ def exchange_counts(msg: torch.Tensor, group) -> None:
     """``all_to_all_single(msg[1], msg[0])`` of exact normal mode's counts messages (int64 ``[2, W, M]``) without a
     collective: every rank writes its row for rank r into rank r's rows in symmetric memory, between two barriers,
     and this rank's rows are copied to ``msg[1]``."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    m = msg.shape[2]
-    buf, handle, peers = _symmetric_rows(group, world, m * 8, msg.device, use="counts")
+    counts, handle, peers = _symmetric_rows(group, msg.shape[1], msg.shape[2] * 8, msg.device, use="counts")
     handle.barrier(channel=0)
+    _put_counts(msg, peers, handle.rank)
+    handle.barrier(channel=0)
+    msg[1].copy_(counts.view(torch.int64))
+
+
+def _put_counts(msg: torch.Tensor, peers: torch.Tensor, rank: int) -> None:
+    world, m = msg.shape[1], msg.shape[2]
     launch(_put_counts_kernel, (world,), msg[0], peers, m, rank, MP=_pow2(m), num_warps=1)
-    handle.barrier(channel=0)
-    msg[1].copy_(buf.view(torch.int64))
 
 
 def exchange_normal(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: torch.Tensor, msg: torch.Tensor,
                     wire: WireDtype, group, capacity: int) -> torch.Tensor:
-    """Exact normal mode's rows moved before the counts are known (decision 64): every rank writes its rows for
-    rank r straight into rank r's receive rows in symmetric memory (its chunk of ``capacity`` rows), between two
-    barriers as ``exchange_fixed``; ``msg[0]``'s last words say whether some rank's rows overflowed a chunk.
-    Returns this rank's ``uint8 [W * capacity, B]`` rows (source s's in rows ``s * capacity ...``; ``unpack`` with
-    ``chunk=capacity`` reads them), reused by the next exchange of the same shape."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    """Exact normal mode's rows and counts messages moved before the host reads the counts (decision 64): every rank
+    writes its rows for rank r straight into rank r's receive rows in symmetric memory (its chunk of ``capacity``
+    rows) and its counts message row for r into r's counts rows, between two barriers as ``exchange_fixed``, and
+    ``msg[1]`` gets this rank's (what ``all_to_all_single(msg[1], msg[0])`` gives); the last word of every row
+    says whether its sender's rows overflowed a chunk. Returns this rank's ``uint8 [W * capacity, B]`` rows
+    (source s's in rows ``s * capacity ...``; ``unpack`` with ``chunk=capacity`` reads them), reused by the next
+    exchange of the same shape."""
+    world = msg.shape[1]
     _, _, b = _row_layout(wire, x.shape[1], x.element_size(), ids.shape[1])
     buf, handle, peers = _symmetric_rows(group, world * capacity, b, x.device, use="normal")
+    counts, counts_handle, counts_peers = _symmetric_rows(group, world, msg.shape[2] * 8, x.device, use="counts")
+    handle.barrier(channel=0)  # (every rank past its last exchange: its reads of both buffers are done)
+    pack_into(x, ids, weights, row, msg, wire, peers, handle.rank, capacity)
+    _put_counts(msg, counts_peers, handle.rank)  # (after pack: it sets the overflow words)
     handle.barrier(channel=0)
-    pack_into(x, ids, weights, row, msg, wire, peers, rank, capacity)
-    handle.barrier(channel=0)
+    msg[1].copy_(counts.view(torch.int64))
     return buf
 
 
