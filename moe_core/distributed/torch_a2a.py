@@ -160,8 +160,8 @@ def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     that many rows per source), where a plugin's kernels run: ``"collective"`` (``all_to_all_single``),
     ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` / ``exchange_counts`` /
     ``exchange_normal`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
-    collective) or ``"auto"`` (the default: from measurements, ``DIRECT_EXCHANGE_MIN_CAPACITY`` and
-    ``DIRECT_NORMAL_EXCHANGE``; decision 64)."""
+    collective) or ``"auto"`` (the default: per mode and ``max_tokens_per_rank``, from measurements,
+    ``DIRECT_FROM_CAPACITY``; decision 64)."""
     choice = config.options(name).get("exchange", "auto")
     if choice not in EXCHANGE_CHOICES:
         raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
@@ -277,13 +277,10 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
 # takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
 FUSED_WORST_CASE_MAX_CAPACITY = 128
-# With exchange="auto", the fixed-capacity modes move their rows by the plugin's direct write (exchange_fixed) from
-# this capacity up, by all_to_all_single below it (None: never; decision 64, not measured yet).
-DIRECT_EXCHANGE_MIN_CAPACITY: Optional[int] = None
-# With exchange="auto", exact normal mode moves its counts messages (exchange_counts) and, where max_tokens_per_rank is
-# set, its rows (exchange_normal) by the plugin's direct writes instead of all_to_all_single (decision 64, not
+# exchange="auto": from which max_tokens_per_rank each mode moves its rows (and exact mode its counts messages) by
+# the plugin's direct writes over symmetric memory instead of all_to_all_single; None: never (decision 64; not
 # measured yet).
-DIRECT_NORMAL_EXCHANGE = False
+DIRECT_FROM_CAPACITY: dict[str, Optional[int]] = {"exact": None, "worst_case": None, "masked": None}
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -836,7 +833,7 @@ class TorchA2ADispatcher(Dispatcher):
         """Exact normal dispatch with a plugin's kernels (decisions 63, 64): layout, pack, the count exchange, the
         host read, ONE all-to-all of data and side block, unpack."""
         row, msg = kernels.layout(topk.ids, self.world, self.num_local)
-        direct = self.exchange == "direct" or (self.exchange == "auto" and DIRECT_NORMAL_EXCHANGE)
+        direct = self._direct_exchange()
         # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
         # while the host issues that exchange and waits for the counts (decision 64)
         chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
@@ -906,11 +903,11 @@ class TorchA2ADispatcher(Dispatcher):
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
         # (worst-case normal: the fused exchange up to a measured capacity, or wherever the direct one is asked for)
-        fused = self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or self.exchange == "direct"
+        fused = self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or self._direct_exchange()
         kernels = _kernels_for(dev.type) if self.fused and fused else None
         if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 63)
             slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
-            direct = self._direct(kernels)
+            direct = self._direct_exchange() and kernels.exchange_fixed is not None
             if direct:  # the rows written straight into the peers' (decision 64)
                 recv = kernels.exchange_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire, self.group)
             else:
@@ -934,12 +931,13 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
         return recv_data, recv_meta, slot, src, t, False
 
-    def _direct(self, kernels: TorchA2AKernels) -> bool:
-        """Whether the fixed-capacity exchange runs the plugin's ``exchange_fixed`` (decision 64)."""
-        if kernels.exchange_fixed is None or self.exchange == "collective":
-            return False
-        return self.exchange == "direct" or (DIRECT_EXCHANGE_MIN_CAPACITY is not None
-                                             and self.capacity >= DIRECT_EXCHANGE_MIN_CAPACITY)
+    def _direct_exchange(self) -> bool:
+        """Whether this dispatcher moves its rows by a plugin's direct writes where the plugin has them: the
+        ``exchange`` option, or with ``"auto"`` its mode's ``DIRECT_FROM_CAPACITY`` (decision 64)."""
+        if self.exchange != "auto":
+            return self.exchange == "direct"
+        start = DIRECT_FROM_CAPACITY["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+        return start is not None and self.capacity is not None and self.capacity >= start
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
@@ -1024,7 +1022,7 @@ class TorchA2ADispatcher(Dispatcher):
 
         kernels = _kernels_for(y.device.type) if self.fused else None
         if kernels is not None and kernels.reduce_masked is not None:  # one kernel each side (decision 64)
-            if self._direct(kernels) and kernels.exchange_masked_back is not None:
+            if self._direct_exchange() and kernels.exchange_masked_back is not None:
                 back = kernels.exchange_masked_back(y, h.slab_index, h.valid, weights, self.group)
             else:
                 back = torch.empty(cw, self.hidden, dtype=y.dtype, device=y.device)

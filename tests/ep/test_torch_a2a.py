@@ -215,3 +215,29 @@ def test_kernel_registry_and_option(monkeypatch):
     with pytest.raises(ValueError, match=r"\['kernels'\] must be one of \('auto', 'torch'\), got 'triton'"):
         ta.kernels_option(cfg)
     assert ta.kernels_option(dataclasses.replace(cfg, backend_options={"torch_a2a": {"kernels": "torch"}})) == "torch"
+
+
+def test_exchange_option_and_the_per_size_choice(monkeypatch):
+    """``exchange`` (decision 64): a bad value is refused naming it; "collective" and "direct" force the transport;
+    "auto" takes the plugin's direct writes per mode from ``DIRECT_FROM_CAPACITY`` (exact mode only with
+    ``max_tokens_per_rank`` set)."""
+    import types
+
+    from moe_core.distributed import torch_a2a as ta
+
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32,
+                    backend_options={"torch_a2a": {"exchange": "nvshmem"}})
+    with pytest.raises(ValueError, match=r"\['exchange'\] must be one of \('auto', 'collective', 'direct'\), "
+                                         r"got 'nvshmem'"):
+        ta.exchange_option(cfg)
+    assert ta.exchange_option(dataclasses.replace(cfg, backend_options={})) == "auto"
+    monkeypatch.setattr(ta, "DIRECT_FROM_CAPACITY", {"exact": 256, "worst_case": None, "masked": 64})
+
+    def direct(exchange, masked=False, worst_case=False, capacity=None):
+        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity)
+        return ta.TorchA2ADispatcher._direct_exchange(d)
+
+    assert direct("direct") and not direct("collective", masked=True, capacity=4096)
+    assert direct("auto", masked=True, capacity=64) and not direct("auto", masked=True, capacity=63)
+    assert not direct("auto", worst_case=True, capacity=4096)
+    assert direct("auto", capacity=256) and not direct("auto", capacity=128) and not direct("auto")
