@@ -1,32 +1,40 @@
-"""Fused Triton kernels of ``torch_a2a``'s exact normal mode (docs/decisions.md 63), registered with the core
-by the plugin (``plugin.py``) and imported at the first dispatch on a CUDA device.
+"""Fused Triton kernels of ``torch_a2a`` (docs/decisions.md 63, 64), registered with the core by the plugin
+(``plugin.py``) and imported at the first dispatch on a CUDA device.
 
 The torch path (``moe_core.distributed.torch_a2a``) spends ~70 host operations a dispatch (~1.1 ms of host
-time on the lent GPUs' host) for ~0.2 ms of GPU work. Here a dispatch is four kernels and two collectives:
+time on the lent GPUs' host) for ~0.2 ms of GPU work. Here an exact normal dispatch is four kernels and two
+collectives:
 
 1. ``layout`` (two launches of one program per 128 tokens): per (token, rank) the 1-based row in the send buffer
    (0: not sent), and the counts message ``[W, 3 + E_local]`` of ``_normal_layout`` (ids below -1, ids from E up,
-   rows per rank, (token, expert) pairs per expert): the first counts each block's tokens per rank, the second
-   scans each block with the earlier blocks' counts as base and adds the pairs per expert (atomic adds);
-2. ``pack`` (one program per token): the token's wire row quantized as the core quantizer does (FP8: the
-   128-channel group scales; INT8: one per token; IEEE division as decision 57 asks, and the scalar
-   divisions by 448 / 127 as torch does them on the device: times the fp32 reciprocal on CUDA, a division
-   elsewhere), written with its side block ``[scales | K ids (int32) | K weights (fp32)]`` into every send
-   row of the token: one byte row per (token, rank), so ONE all-to-all moves data and side block;
+   rows per rank, (token, expert) pairs per expert) plus a last word (the direct exchange's overflow flag): the
+   first counts each block's tokens per rank, the second scans each block with the earlier blocks' counts as base
+   and adds the pairs per expert (atomic adds);
+2. ``pack`` (one program per token, before the count exchange): the token's wire row quantized as the core
+   quantizer does (FP8: the 128-channel group scales; INT8: one per token; IEEE division as decision 57 asks, and
+   the scalar divisions by 448 / 127 as torch does them on the device: times the fp32 reciprocal on CUDA, a
+   division elsewhere), written with its side block ``[scales | K ids (int32) | K weights (fp32)]`` into every
+   send row of the token: one byte row per (token, rank), so ONE all-to-all moves data and side block;
 3. ``unpack`` (one program per received row): the wire data to a contiguous ``[R, H]`` (the experts read
    it contiguous), the scales to ``[R, n_scale]``, the ids made local (-1 where the expert is elsewhere,
    with weight 0) and, in program 0, the per-local-expert counts from the received counts message.
 
 Combine's ``reduce``: per token the sum of its returned rows (fp32, ranks in order, as ``_reduce_pairs_loop``).
-``layout_fixed`` (two launches, as ``layout``) and ``pack_fixed`` (one program per slot): the fixed-capacity modes' send slots,
-in-band counts included.
+``layout_fixed`` (two launches, as ``layout``) and ``pack_fixed`` (one program per slot): the fixed-capacity modes'
+send slots, in-band counts included. Masked mode's receive side ``expand_masked`` (three launches: the slab rows
+of each received pair, then the rows into the slab) and combine's weighted sums ``reduce_masked``.
+
+The direct-write exchanges (``exchange_fixed``, ``exchange_masked_back``, ``exchange_normal``, ``exchange_counts``,
+decision 64): receive rows in torch symmetric memory, which the same pack / reduce kernels write straight into
+through a table of every rank's address of them, between two barriers; graph-capturable once allocated.
 
 Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
 arguments that change per call are few (the token count), so its value-keyed cache hits.
 
 A send row is ``[data (H * element bytes, padded to 16) | side block (4 * (n_scale + 2K) bytes)]``, padded
 to 16 bytes; it is private to ``pack`` and ``unpack``. Everything here is checked byte for byte against the
-torch functions in ``tests/test_a2a_kernels.py`` (Triton's interpreter on the CPU) and on NCCL.
+torch functions in ``tests/test_a2a_kernels.py`` (Triton's interpreter on the CPU, every rank's buffers in one
+process for the direct writes) and on NCCL.
 """
 
 from __future__ import annotations
