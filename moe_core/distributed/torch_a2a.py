@@ -161,7 +161,7 @@ def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` / ``exchange_counts`` /
     ``exchange_normal`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
     collective) or ``"auto"`` (the default: per mode and ``max_tokens_per_rank``, from measurements,
-    ``DIRECT_FROM_CAPACITY``; decision 64)."""
+    ``DIRECT_CAPACITIES``; decision 64)."""
     choice = config.options(name).get("exchange", "auto")
     if choice not in EXCHANGE_CHOICES:
         raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
@@ -248,7 +248,7 @@ class TorchA2AKernels:
       normal mode's rows AND counts messages moved before the host read (like ``exchange_fixed``; ``msg[1]`` filled
       as by ``exchange_counts``): source s's rows for this rank in rows ``s * capacity ...``; a rank that would
       send some rank more than ``capacity`` rows sends none past it and sets the last word of its message rows to
-      1, which every rank reads in the counts and refuses (decision 64).
+      1: every rank reads it in the counts and moves the rows again by ``all_to_all_single`` (decision 64).
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -277,10 +277,15 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
 # takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
 FUSED_WORST_CASE_MAX_CAPACITY = 128
-# exchange="auto": from which max_tokens_per_rank each mode moves its rows (and exact mode its counts messages) by
-# the plugin's direct writes over symmetric memory instead of all_to_all_single; None: never (decision 64; not
-# measured yet).
-DIRECT_FROM_CAPACITY: dict[str, Optional[int]] = {"exact": None, "worst_case": None, "masked": None}
+# exchange="auto": the max_tokens_per_rank (lowest, highest or None: no limit) over which each mode moves its rows
+# (and exact mode its counts messages) by the plugin's direct writes over symmetric memory instead of
+# all_to_all_single (decision 64). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
+# exact normal dispatch 598 / 536 direct against 1002 / 787 at 4096 tokens a rank, 503 / 451 against 996 / 496 at
+# 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
+# at 128; worst-case normal (CUDA graphs) 93 / 93 against 161 / 97 at 128, but at 4096 its fused exchange took 946
+# / 796 against the torch exchange's 798 / 711 (the run before), so it stays there. Sizes in between: not measured.
+DIRECT_CAPACITIES: dict[str, tuple[int, Optional[int]]] = {"exact": (1, None), "worst_case": (1, 128),
+                                                           "masked": (1, None)}
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -781,9 +786,10 @@ class TorchA2ADispatcher(Dispatcher):
 
     # ----------------------------------------------------------------- normal mode
 
-    def _read_counts(self, msg: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...]]:
+    def _read_counts(self, msg: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...], bool]:
         """The one host sync of exact normal mode: the counts message (``_normal_layout``), exchanged, read
-        in one ``tolist`` -> (rows sent to each rank, rows received from each, pairs per local expert).
+        in one ``tolist`` -> (rows sent to each rank, rows received from each, pairs per local expert, whether
+        some rank's direct exchange overflowed its chunks: every rank reads the same flags, decision 64).
         Raises ``ValueError`` on every rank alike when any rank has ids outside ``[-1, E)``."""
         sent_msg, recv_msg = msg.tolist()
         bad_by_rank = [m[0] + m[1] for m in recv_msg]
@@ -792,12 +798,8 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(f"topk.ids out of range [-1, {self.num_experts}) on EP rank(s) {ranks} "
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
         counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(self.num_local))
-        over = [r for r, m in enumerate(recv_msg) if len(m) > 3 + self.num_local and m[3 + self.num_local]]
-        if over:  # the direct exchange's chunks overflowed (decision 64): every rank reads the same flags
-            raise ValueError(f"exact normal dispatch with the direct exchange: EP rank(s) {over} send one rank more "
-                             f"than max_tokens_per_rank={self.capacity} rows (the exchange's chunk per source); "
-                             "raise max_tokens_per_rank, split the batch, or use exchange='collective'")
-        return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host
+        overflowed = any(len(m) > 3 + self.num_local and m[3 + self.num_local] for m in recv_msg)
+        return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host, overflowed
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         kernels = _kernels_for(x.device.type) if self.fused else None
@@ -812,7 +814,7 @@ class TorchA2ADispatcher(Dispatcher):
         # the one cat of the BF16 side block (decision 56)
         wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
         q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
-        send_counts, recv_counts, counts_host = self._read_counts(msg)
+        send_counts, recv_counts, counts_host, _ = self._read_counts(msg)
 
         n_send, n_recv = sum(send_counts), sum(recv_counts)
         data = _bytes(q)
@@ -845,7 +847,10 @@ class TorchA2ADispatcher(Dispatcher):
                 kernels.exchange_counts(msg, self.group)
             else:
                 dist.all_to_all_single(msg[1], msg[0], group=self.group)
-        send_counts, recv_counts, counts_host = self._read_counts(msg)
+        send_counts, recv_counts, counts_host, overflowed = self._read_counts(msg)
+        if overflowed:  # some rank sent one rank more rows than a chunk holds: every rank moves them again, below
+            chunk = 0
+            send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
         if not chunk:
             recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
             dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
@@ -933,11 +938,11 @@ class TorchA2ADispatcher(Dispatcher):
 
     def _direct_exchange(self) -> bool:
         """Whether this dispatcher moves its rows by a plugin's direct writes where the plugin has them: the
-        ``exchange`` option, or with ``"auto"`` its mode's ``DIRECT_FROM_CAPACITY`` (decision 64)."""
+        ``exchange`` option, or with ``"auto"`` its mode's ``DIRECT_CAPACITIES`` (decision 64)."""
         if self.exchange != "auto":
             return self.exchange == "direct"
-        start = DIRECT_FROM_CAPACITY["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
-        return start is not None and self.capacity is not None and self.capacity >= start
+        low, high = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+        return self.capacity is not None and low <= self.capacity and (high is None or self.capacity <= high)
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,

@@ -88,6 +88,14 @@ def test_fused_direct_exchange_matches_torch():
     assert n == 2 * 3 * 2 * 5  # every rank, mode, wire (bf16, fp8) and routing
 
 
+def test_direct_exchange_overflow_falls_back_on_every_rank():
+    """Exact normal mode's direct exchange with one rank over max_tokens_per_rank (decision 64): every rank reads the
+    overflow in the counts and moves the rows again by all_to_all_single; the result is the torch path's."""
+    pytest.importorskip("moe_plugin_cuda.triton.a2a", exc_type=ImportError)
+    for where, _name, case in _cases(run_ranks("direct_overflow", 2, 3 * TIMEOUT, seed=SEED)):
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_layout(world):
     """Dispatched layouts are exactly DeepEP's, and combine inverts them (stand-in float64 experts).
@@ -219,7 +227,7 @@ def test_kernel_registry_and_option(monkeypatch):
 
 def test_exchange_option_and_the_per_size_choice(monkeypatch):
     """``exchange`` (decision 64): a bad value is refused naming it; "collective" and "direct" force the transport;
-    "auto" takes the plugin's direct writes per mode from ``DIRECT_FROM_CAPACITY`` (exact mode only with
+    "auto" takes the plugin's direct writes per mode over ``DIRECT_CAPACITIES`` (exact mode only with
     ``max_tokens_per_rank`` set)."""
     import types
 
@@ -231,7 +239,7 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
                                          r"got 'nvshmem'"):
         ta.exchange_option(cfg)
     assert ta.exchange_option(dataclasses.replace(cfg, backend_options={})) == "auto"
-    monkeypatch.setattr(ta, "DIRECT_FROM_CAPACITY", {"exact": 256, "worst_case": None, "masked": 64})
+    monkeypatch.setattr(ta, "DIRECT_CAPACITIES", {"exact": (256, None), "worst_case": (1, 128), "masked": (64, 512)})
 
     def direct(exchange, masked=False, worst_case=False, capacity=None):
         d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity)
@@ -239,5 +247,6 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
 
     assert direct("direct") and not direct("collective", masked=True, capacity=4096)
     assert direct("auto", masked=True, capacity=64) and not direct("auto", masked=True, capacity=63)
-    assert not direct("auto", worst_case=True, capacity=4096)
-    assert direct("auto", capacity=256) and not direct("auto", capacity=128) and not direct("auto")
+    assert direct("auto", masked=True, capacity=512) and not direct("auto", masked=True, capacity=513)
+    assert direct("auto", worst_case=True, capacity=128) and not direct("auto", worst_case=True, capacity=4096)
+    assert direct("auto", capacity=4096) and not direct("auto", capacity=128) and not direct("auto")

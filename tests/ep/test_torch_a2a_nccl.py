@@ -55,6 +55,13 @@ def test_fused_direct_exchange_nccl():
         assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
 
 
+def test_fused_direct_overflow_nccl():
+    """The direct exchange of exact normal mode with one rank over max_tokens_per_rank (decision 64): every rank
+    falls back to all_to_all_single, same bytes as the torch path."""
+    for where, _name, case in _cases(run_ranks("direct_overflow", 2, TIMEOUT, backend="nccl")):
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+
+
 def test_errors_nccl():
     for res in run_ranks("errors", 2, TIMEOUT, backend="nccl"):
         c = res["cases"]

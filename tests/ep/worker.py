@@ -353,6 +353,40 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
     return results
 
 
+def scenario_direct_overflow(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Exact normal mode with the direct exchange (decision 64) and rank 0 over ``max_tokens_per_rank`` (its rows
+    overflow their chunks): every rank moves the rows again by ``all_to_all_single``, and the dispatch is the torch
+    path's, byte for byte."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from moe_plugin_cuda.triton import a2a
+
+        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_normal=_emulated_exchange_normal))
+    else:
+        register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    gen = torch.Generator().manual_seed(seed + rank)
+    spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
+                       formats=MODES, devices=frozenset({"cpu", "cuda"}))
+    out = {}
+    for kernels in ("auto", "torch"):
+        cfg = dataclasses.replace(ep_config(world, rank, "bf16", kernels=kernels, exchange="direct"),
+                                  max_tokens_per_rank=4)
+        d = TorchA2ADispatcher(BackendContext(cfg, spec, Format.EP_NORMAL, WireDtype("bf16")))
+        gen.manual_seed(seed + rank)
+        t = 9 if rank == 0 else 3
+        x, tk = make_hidden(t, H, torch.bfloat16, gen).to(device), make_topk(t, K, E, gen)
+        out[kernels] = d.dispatch(x, TopK(tk.weights.to(device), tk.ids.to(device)))
+    a, b = out["auto"], out["torch"]
+    rows = [int(n) for n in ((tk.ids.unsqueeze(0) // (E // world)) == torch.arange(world).view(world, 1, 1)).any(2).sum(1)]
+    same = lambda u, v: u.shape == v.shape and torch.equal(u.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8))  # noqa: E731
+    return {"overflow": {"checks": {"fused": torch_a2a._kernels_for(device.type) is not None,
+                                    "data": same(a.hidden.data, b.hidden.data), "ids": same(a.topk.ids, b.topk.ids),
+                                    "weights": same(a.topk.weights, b.topk.weights),
+                                    "counts_host": a.expert_counts_host == b.expert_counts_host,
+                                    # the premise: rank 0's rows overflow a chunk of 4 (every rank falls back)
+                                    "premise": rank != 0 or max(rows) > 4}}}
+
+
 def _wire_roundtrip(x: torch.Tensor, wire: str, device: torch.device) -> torch.Tensor:
     """What the wire carries, quantized on the same device as the dispatcher does (CPU and CUDA
     may round an FP8 tie differently), dequantized in float64 on the CPU."""
@@ -617,7 +651,7 @@ SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_
              "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)),
              # (bf16 and fp8: the transport is the same code for every wire, and the interpreter is slow)
              "comm_fused_direct": lambda *a: scenario_comm_fused(*a, exchange="direct", wires=("bf16", "fp8")),
-             "errors": scenario_errors, "graph": scenario_graph,
+             "direct_overflow": scenario_direct_overflow, "errors": scenario_errors, "graph": scenario_graph,
              "graph_direct": lambda *a: scenario_graph(*a, exchange="direct"),
              "ops": scenario_ops, "overflow": scenario_overflow}
 

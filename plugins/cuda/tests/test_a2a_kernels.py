@@ -214,13 +214,13 @@ def test_expand_masked_matches_torch(wire, t, h, k, world, el, cap, rank, dtype)
     assert torch.equal(masked_m, m_ref) and torch.equal(index, index_ref) and torch.equal(valid, mine)
     assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32))
     ref = torch.empty(el * cw + cw, data.shape[1], dtype=torch.uint8, device=DEV)
-    ta.expand_pairs(ref, data.contiguous(), write_index)
+    ref.index_put_((write_index,), data.contiguous().unsqueeze(1))  # (expand_pairs, eager: no inductor in the test)
     here = (torch.arange(cw, device=DEV) < masked_m.unsqueeze(1))  # [EL, CW]: the valid slab rows
     assert slab.shape == (el, cw, h) and slab.dtype == wdt
     assert torch.equal(slab.view(torch.uint8).view(el, cw, -1)[here], ref[:el * cw].view(el, cw, -1)[here])
     if ns:
         ref_scale = torch.empty(el * cw + cw, ns, dtype=torch.float32, device=DEV)
-        ta.expand_pairs(ref_scale, scale_ref, write_index)
+        ref_scale.index_put_((write_index,), scale_ref.unsqueeze(1))
         assert torch.equal(slab_scale[here].view(torch.int32), ref_scale[:el * cw].view(el, cw, ns)[here].view(torch.int32))
     else:
         assert slab_scale is None

@@ -270,7 +270,7 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_
     ``DIRECT``: the send rows for rank r go straight into rank r's receive rows (base address ``peers[r]``), this
     rank's chunk of ``C`` rows at ``RANK * C``, in order (after the rows for lower ranks, from the counts message
     ``msg`` ``[W, 4 + EL]``); rows past ``C`` are not written, and program 0 sets the message's last word (1: this
-    rank sends some rank more than ``C`` rows, and every rank then refuses the dispatch)."""
+    rank sends some rank more than ``C`` rows, and every rank then moves the rows again by the collective)."""
     t = tl.program_id(0).to(tl.int64)
     ranks = tl.arange(0, WP)
     dst = tl.load(row_ptr + t * row_s0 + ranks.to(tl.int64) * row_s1, mask=ranks < W, other=0)  # 1-based, 0: none
