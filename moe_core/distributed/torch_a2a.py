@@ -249,6 +249,9 @@ class TorchA2AKernels:
       as by ``exchange_counts``): source s's rows for this rank in rows ``s * capacity ...``; a rank that would
       send some rank more than ``capacity`` rows sends none past it and sets the last word of its message rows to
       1: every rank reads it in the counts and moves the rows again by ``all_to_all_single`` (decision 64).
+    - ``direct_ok(group, device) -> bool``: whether the ``exchange_*`` kernels can serve ``group`` (the cuda plugin:
+      every rank a GPU of this host that each can reach; the same answer on every rank; may run a collective the
+      first time). None: always.
     - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 64); the rows may be reused by the next
@@ -268,6 +271,7 @@ class TorchA2AKernels:
     exchange_masked_back: Optional[Callable] = None
     exchange_counts: Optional[Callable] = None
     exchange_normal: Optional[Callable] = None
+    direct_ok: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -835,7 +839,7 @@ class TorchA2ADispatcher(Dispatcher):
         """Exact normal dispatch with a plugin's kernels (decisions 63, 64): layout, pack, the count exchange, the
         host read, ONE all-to-all of data and side block, unpack."""
         row, msg = kernels.layout(topk.ids, self.world, self.num_local)
-        direct = self._direct_exchange()
+        direct = self._direct_exchange(kernels, x.device)
         # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
         # while the host issues that exchange and waits for the counts (decision 64)
         chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
@@ -908,11 +912,12 @@ class TorchA2ADispatcher(Dispatcher):
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
         # (worst-case normal: the fused exchange up to a measured capacity, or wherever the direct one is asked for)
-        fused = self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or self._direct_exchange()
-        kernels = _kernels_for(dev.type) if self.fused and fused else None
+        kernels = _kernels_for(dev.type) if self.fused else None
+        direct = kernels is not None and kernels.exchange_fixed is not None and self._direct_exchange(kernels, dev)
+        if not (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or direct):
+            kernels = None
         if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 63)
             slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
-            direct = self._direct_exchange() and kernels.exchange_fixed is not None
             if direct:  # the rows written straight into the peers' (decision 64)
                 recv = kernels.exchange_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire, self.group)
             else:
@@ -936,13 +941,17 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
         return recv_data, recv_meta, slot, src, t, False
 
-    def _direct_exchange(self) -> bool:
-        """Whether this dispatcher moves its rows by a plugin's direct writes where the plugin has them: the
-        ``exchange`` option, or with ``"auto"`` its mode's ``DIRECT_CAPACITIES`` (decision 64)."""
-        if self.exchange != "auto":
-            return self.exchange == "direct"
-        low, high = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
-        return self.capacity is not None and low <= self.capacity and (high is None or self.capacity <= high)
+    def _direct_exchange(self, kernels: TorchA2AKernels, device: torch.device) -> bool:
+        """Whether this dispatcher moves its rows by the plugin's direct writes: asked for (the ``exchange``
+        option, or with ``"auto"`` its mode's ``DIRECT_CAPACITIES``) and possible for this group (the plugin's
+        ``direct_ok``: every rank a GPU this one reaches; decision 64)."""
+        if self.exchange == "collective":
+            return False
+        if self.exchange == "auto":
+            low, high = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+            if self.capacity is None or self.capacity < low or (high is not None and self.capacity > high):
+                return False
+        return kernels.direct_ok is None or kernels.direct_ok(self.group, device)
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
@@ -1027,7 +1036,7 @@ class TorchA2ADispatcher(Dispatcher):
 
         kernels = _kernels_for(y.device.type) if self.fused else None
         if kernels is not None and kernels.reduce_masked is not None:  # one kernel each side (decision 64)
-            if self._direct_exchange() and kernels.exchange_masked_back is not None:
+            if kernels.exchange_masked_back is not None and self._direct_exchange(kernels, y.device):
                 back = kernels.exchange_masked_back(y, h.slab_index, h.valid, weights, self.group)
             else:
                 back = torch.empty(cw, self.hidden, dtype=y.dtype, device=y.device)

@@ -226,9 +226,9 @@ def test_kernel_registry_and_option(monkeypatch):
 
 
 def test_exchange_option_and_the_per_size_choice(monkeypatch):
-    """``exchange`` (decision 64): a bad value is refused naming it; "collective" and "direct" force the transport;
-    "auto" takes the plugin's direct writes per mode over ``DIRECT_CAPACITIES`` (exact mode only with
-    ``max_tokens_per_rank`` set)."""
+    """``exchange`` (decision 64): a bad value is refused naming it; "collective" and "direct" force the transport
+    (direct only where the plugin's ``direct_ok`` says the group can take it); "auto" takes the direct writes per
+    mode over ``DIRECT_CAPACITIES`` (exact mode only with ``max_tokens_per_rank`` set)."""
     import types
 
     from moe_core.distributed import torch_a2a as ta
@@ -241,11 +241,13 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     assert ta.exchange_option(dataclasses.replace(cfg, backend_options={})) == "auto"
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", {"exact": (256, None), "worst_case": (1, 128), "masked": (64, 512)})
 
-    def direct(exchange, masked=False, worst_case=False, capacity=None):
-        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity)
-        return ta.TorchA2ADispatcher._direct_exchange(d)
+    def direct(exchange, masked=False, worst_case=False, capacity=None, reachable=True):
+        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity, group=None)
+        kernels = types.SimpleNamespace(direct_ok=lambda group, device: reachable)
+        return ta.TorchA2ADispatcher._direct_exchange(d, kernels, "cuda")
 
     assert direct("direct") and not direct("collective", masked=True, capacity=4096)
+    assert not direct("direct", reachable=False) and not direct("auto", masked=True, capacity=64, reachable=False)
     assert direct("auto", masked=True, capacity=64) and not direct("auto", masked=True, capacity=63)
     assert direct("auto", masked=True, capacity=512) and not direct("auto", masked=True, capacity=513)
     assert direct("auto", worst_case=True, capacity=128) and not direct("auto", worst_case=True, capacity=4096)

@@ -302,7 +302,7 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
 
         register_torch_a2a_kernels("cpu", dataclasses.replace(
             a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed, exchange_normal=_emulated_exchange_normal,
-            exchange_masked_back=_emulated_exchange_masked_back,
+            exchange_masked_back=_emulated_exchange_masked_back, direct_ok=None,
             exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
@@ -361,7 +361,8 @@ def scenario_direct_overflow(world: int, rank: int, device: torch.device, seed: 
         os.environ.setdefault("TRITON_INTERPRET", "1")
         from moe_plugin_cuda.triton import a2a
 
-        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_normal=_emulated_exchange_normal))
+        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_normal=_emulated_exchange_normal,
+                                                              direct_ok=None))
     else:
         register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
     gen = torch.Generator().manual_seed(seed + rank)
@@ -647,8 +648,9 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
              "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
-             "comm_fused": scenario_comm_fused,
-             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)),
+             # (the fused kernels with the collective exchange; comm_fused_direct: with the direct one)
+             "comm_fused": lambda *a: scenario_comm_fused(*a, exchange="collective"),
+             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",), exchange="collective"),
              # (bf16 and fp8: the transport is the same code for every wire, and the interpreter is slow)
              "comm_fused_direct": lambda *a: scenario_comm_fused(*a, exchange="direct", wires=("bf16", "fp8")),
              "direct_overflow": scenario_direct_overflow, "errors": scenario_errors, "graph": scenario_graph,

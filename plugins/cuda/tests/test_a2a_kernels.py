@@ -325,3 +325,29 @@ def test_peer_addresses_apply_the_tensors_offset_in_its_allocation():
         assert a2a.peer_addresses(buf, handle) == [b + offset for b in bases]
     with pytest.raises(RuntimeError, match="not in this rank's buffer"):
         a2a.peer_addresses(buf, types.SimpleNamespace(buffer_ptrs=[0, buf.data_ptr() + 1, 0], rank=1, buffer_size=8))
+
+
+def test_direct_ok_only_for_reachable_cuda_devices_of_one_host(monkeypatch):
+    """The direct exchanges' condition (decision 64): a CPU device never; on CUDA, one host and distinct devices that
+    reach each other, from one gather of every rank's (host, device), cached per group."""
+    import types
+
+    assert a2a.direct_ok(None, torch.device("cpu")) is False
+    group = types.SimpleNamespace(group_name="g-test")
+    gathered = [("node-a", 0), ("node-a", 1)]
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = gathered
+
+    monkeypatch.setattr(a2a.dist, "get_world_size", lambda group=None: len(gathered))
+    monkeypatch.setattr(a2a.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(a2a.torch.cuda, "can_device_access_peer", lambda a, b: True)
+    for where, ok in (([("node-a", 0), ("node-a", 1)], True), ([("node-a", 0), ("node-b", 1)], False),
+                      ([("node-a", 0), ("node-a", 0)], False)):
+        gathered = where
+        monkeypatch.setattr(a2a, "_DIRECT_OK", {})
+        assert a2a.direct_ok(group, torch.device("cuda", 0)) is ok, where
+    monkeypatch.setattr(a2a.torch.cuda, "can_device_access_peer", lambda a, b: False)
+    gathered = [("node-a", 0), ("node-a", 1)]
+    monkeypatch.setattr(a2a, "_DIRECT_OK", {})
+    assert a2a.direct_ok(group, torch.device("cuda", 0)) is False

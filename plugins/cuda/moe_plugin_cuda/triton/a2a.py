@@ -39,6 +39,7 @@ process for the direct writes) and on NCCL.
 
 from __future__ import annotations
 
+import socket
 import warnings
 
 import torch
@@ -662,6 +663,27 @@ def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, ra
 _SYMMETRIC: dict[tuple, tuple[torch.Tensor, object, torch.Tensor]] = {}
 
 
+_DIRECT_OK: dict[str, bool] = {}
+
+
+def direct_ok(group, device: torch.device) -> bool:
+    """Whether the direct-write exchanges can serve ``group`` from ``device``: every rank a CUDA device of this
+    host, each able to reach every other (P2P; CUDA symmetric memory maps the peers' memory). Every rank computes
+    the same answer from the same gathered (host, device) list: one ``all_gather_object`` per group, at the first
+    call (outside a CUDA graph capture, as the first exchange's allocation)."""
+    if device.type != "cuda":
+        return False
+    group = group if group is not None else dist.group.WORLD
+    if group.group_name not in _DIRECT_OK:
+        where: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(where, (socket.gethostname(), device.index), group=group)
+        devices = [index for _, index in where]
+        _DIRECT_OK[group.group_name] = (len({host for host, _ in where}) == 1 and len(set(devices)) == len(devices)
+                                        and all(a == b or torch.cuda.can_device_access_peer(a, b)
+                                                for a in devices for b in devices))
+    return _DIRECT_OK[group.group_name]
+
+
 def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device, use: str = "rows"):
     """(``uint8 [rows, row_bytes]`` receive rows in symmetric memory, its handle, int64 ``[W]`` the ranks' base
     addresses), allocated and rendezvoused (a collective) at the first call for this group, shape and ``use``."""
@@ -869,4 +891,4 @@ KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce
                           pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
                           expand_masked=expand_masked, reduce_masked=reduce_masked,
                           exchange_masked_back=exchange_masked_back, exchange_counts=exchange_counts,
-                          exchange_normal=exchange_normal)
+                          exchange_normal=exchange_normal, direct_ok=direct_ok)
