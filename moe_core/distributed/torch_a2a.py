@@ -54,7 +54,10 @@ Layout math is a handful of whole-tensor ops (no loops over ranks or experts, no
 shapes); ``tests/ep/opcount.py`` counts the kernels, collectives and host syncs of each stage.
 Where a plugin registered fused kernels for the device type (``register_torch_a2a_kernels``; the cuda
 plugin's Triton kernels on CUDA), exact normal mode runs them instead: three kernels, the count exchange,
-the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 63).
+the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 63). Masked
+mode's slab expansion and weighted sums are plugin kernels too, and where the plugin can write into the peers'
+memory (the cuda plugin: torch symmetric memory, one node) the rows move by direct writes instead of
+``all_to_all_single``, per mode and size (``exchange``, ``DIRECT_CAPACITIES``; decision 64).
 
 Top-k ids of one token must be distinct (every router guarantees it): the masked slab holds
 at most one row per (token, expert).
