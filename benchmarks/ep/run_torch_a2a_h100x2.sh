@@ -5,7 +5,7 @@
 #                                                                     -> OUT/probe_symm.log   (PROBE_S, 0: skipped)
 #   kernels  the cuda plugin's torch_a2a kernels, compiled, byte for byte against the torch functions (KERNELS_S)
 #   direct   the fused paths with the direct-write exchanges against the torch path, and the overflow fallback
-#            (NCCL world 2; CUDA_LAUNCH_BLOCKING=1 there names a faulting launch, at ~3x the time) (DIRECT_S)
+#            (NCCL world 2; CUDA_LAUNCH_BLOCKING=1 names a faulting launch, slower) (DIRECT_S)
 #   graph    capture and replay of the graph-safe modes, collective and direct exchange (GRAPH_S)
 #                                                                     -> OUT/gpu_tests.log
 #   bench    DeepSeek-V3 sizes, bf16 and fp8, each stage next to raw all_to_all_single of the same bytes, in three
