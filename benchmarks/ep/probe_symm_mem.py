@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import triton
 import triton.language as tl
-
 from moe_plugin_cuda.triton.a2a import peer_addresses
 
 
@@ -56,6 +55,59 @@ def _median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def _probe_rows(rows: int, words: int, rank: int, world: int, group, iters: int, say) -> None:
+    """One size: correctness eager and replayed, then the times."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    recv = symm_mem.empty(world * rows, words, dtype=torch.int32, device="cuda")
+    hdl = symm_mem.rendezvous(recv, group)
+    peers = torch.tensor(peer_addresses(recv, hdl), dtype=torch.int64, device="cuda")
+    say(f"rows {rows}: buffer at offset {recv.data_ptr() - hdl.buffer_ptrs[rank]} of the handle's allocation",
+        flush=True)
+    send = torch.empty(world * rows, words, dtype=torch.int32, device="cuda")
+
+    def exchange():
+        hdl.barrier(channel=0)  # the peers are done reading their buffers
+        _put_rows[(world, rows)](send, peers, rows, words, rank, W=world, BW=1024, num_warps=4)
+        hdl.barrier(channel=0)  # every peer's rows have landed here
+
+    def expect():
+        return torch.cat([torch.full((rows, words), 1000 * s + rank, dtype=torch.int32, device="cuda")
+                          for s in range(world)])
+
+    for r in range(world):
+        send[r * rows:(r + 1) * rows] = 1000 * rank + r
+    exchange()
+    torch.cuda.synchronize()
+    ok = torch.equal(recv, expect())
+    say(f"rows {rows}: eager direct write {'OK' if ok else 'WRONG'}", flush=True)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        exchange()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.cuda.graph(graph):
+        exchange()
+    send += 1  # new data: a replay must move it
+    recv.zero_()
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph.replay()
+    torch.cuda.synchronize()
+    ok = torch.equal(recv, expect() + 1)
+    say(f"rows {rows}: graph replay {'OK' if ok else 'WRONG'}", flush=True)
+    out = torch.empty_like(send)
+    ms_direct = _median_ms(graph.replay, iters)
+    ms_eager = _median_ms(exchange, iters)
+    ms_nccl = _median_ms(lambda: dist.all_to_all_single(out, send), iters)
+    mb = send.numel() * 4 / 1e6
+    say(f"rows {rows} ({mb:.1f} MB a rank): direct graph {ms_direct * 1e3:.1f} us, direct eager "
+        f"{ms_eager * 1e3:.1f} us, nccl all_to_all_single {ms_nccl * 1e3:.1f} us", flush=True)
+
+
 def worker(rank: int, world: int, port: int, args) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
@@ -70,56 +122,8 @@ def worker(rank: int, world: int, port: int, args) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             symm_mem.enable_symm_mem_for_group(group.group_name)
-    words = args.row_bytes // 4
     for rows in (128, 4096):
-        recv = symm_mem.empty(world * rows, words, dtype=torch.int32, device="cuda")
-        hdl = symm_mem.rendezvous(recv, group)
-        peers = torch.tensor(peer_addresses(recv, hdl), dtype=torch.int64, device="cuda")
-        say(f"rows {rows}: buffer at offset {recv.data_ptr() - hdl.buffer_ptrs[rank]} of the handle's allocation",
-            flush=True)
-        send = torch.empty(world * rows, words, dtype=torch.int32, device="cuda")
-
-        def exchange():
-            hdl.barrier(channel=0)  # the peers are done reading their buffers
-            _put_rows[(world, rows)](send, peers, rows, words, rank, W=world, BW=1024, num_warps=4)
-            hdl.barrier(channel=0)  # every peer's rows have landed here
-
-        def expect():
-            return torch.cat([torch.full((rows, words), 1000 * s + rank, dtype=torch.int32, device="cuda")
-                              for s in range(world)])
-
-        for r in range(world):
-            send[r * rows:(r + 1) * rows] = 1000 * rank + r
-        exchange()
-        torch.cuda.synchronize()
-        ok = torch.equal(recv, expect())
-        say(f"rows {rows}: eager direct write {'OK' if ok else 'WRONG'}", flush=True)
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            exchange()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        dist.barrier()
-        with torch.cuda.graph(graph):
-            exchange()
-        send += 1  # new data: a replay must move it
-        recv.zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
-        ok = torch.equal(recv, expect() + 1)
-        say(f"rows {rows}: graph replay {'OK' if ok else 'WRONG'}", flush=True)
-        out = torch.empty_like(send)
-        ms_direct = _median_ms(graph.replay, args.iters)
-        ms_eager = _median_ms(exchange, args.iters)
-        ms_nccl = _median_ms(lambda: dist.all_to_all_single(out, send), args.iters)
-        mb = send.numel() * 4 / 1e6
-        say(f"rows {rows} ({mb:.1f} MB a rank): direct graph {ms_direct * 1e3:.1f} us, direct eager "
-            f"{ms_eager * 1e3:.1f} us, nccl all_to_all_single {ms_nccl * 1e3:.1f} us", flush=True)
-        del hdl, recv
+        _probe_rows(rows, args.row_bytes // 4, rank, world, group, args.iters, say)
     dist.barrier()
     dist.destroy_process_group()
 

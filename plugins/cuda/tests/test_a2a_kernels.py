@@ -309,7 +309,7 @@ def test_pack_into_peers_then_unpack_is_the_all_to_all(wire, counts, h, k, el, c
         n = int(recv_msg[:, 2].sum())
         got = a2a.unpack(rows[r], recv_msg, wire, dtype, h, k, r, el, rows=n, chunk=cap)
         ref = a2a.unpack(torch.cat([sent[s][r] for s in range(world)]), recv_msg, wire, dtype, h, k, r, el)
-        for a, b_ in zip(got, ref):
+        for a, b_ in zip(got, ref, strict=True):
             assert (a is None and b_ is None) or torch.equal(a.view(torch.uint8), b_.view(torch.uint8))
 
 

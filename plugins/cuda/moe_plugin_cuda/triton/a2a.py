@@ -771,11 +771,10 @@ def exchange_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sr
     reading the previous exchange's rows; the second: every rank's rows have landed). Graph-capturable once the
     rows exist (the first call for a shape allocates them: a collective, outside a capture). Returns this rank's
     received rows ``uint8 [W * C, B]``, reused by the next exchange of the same shape."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     _, _, b = _row_layout(wire, x.shape[1], x.element_size(), ids.shape[1], in_band=True)
     buf, handle, peers = _symmetric_rows(group, src.shape[0], b, x.device)
     handle.barrier(channel=0)
-    pack_fixed_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, rank)
+    pack_fixed_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, handle.rank)
     handle.barrier(channel=0)
     return buf
 
