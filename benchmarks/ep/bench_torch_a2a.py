@@ -82,12 +82,12 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
 
 
 def bench_case(rank: int, world: int, tokens: int, mode: str, wire: str, args) -> dict:
-    fmt, buffers, graph, kernels = MODES[mode]
+    fmt, buffers, graph, extra = MODES[mode]
     e, k, h = args.experts, args.top_k, args.hidden
     el = e // world
     cfg = MoEConfig(num_experts=e, top_k=k, hidden_size=h, intermediate_size=128, ep_size=world, ep_rank=rank,
                     max_tokens_per_rank=tokens, device=DEVICE, dispatcher="torch_a2a", dispatch_dtype=wire,
-                    backend_options=torch_a2a_options(buffers, kernels))
+                    backend_options=torch_a2a_options(buffers, extra))
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
     d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -251,19 +251,26 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
     dist.destroy_process_group()
 
 
-MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, kernels option)
-    "normal": (Format.EP_NORMAL, "exact", False, "auto"), "normal-graph": (Format.EP_NORMAL, "worst_case", True, "auto"),
-    "normal-worst-case": (Format.EP_NORMAL, "worst_case", False, "auto"),
-    "masked": (Format.EP_MASKED, None, False, "auto"), "masked-graph": (Format.EP_MASKED, None, True, "auto"),
+MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, other torch_a2a options)
+    "normal": (Format.EP_NORMAL, "exact", False, {}), "normal-graph": (Format.EP_NORMAL, "worst_case", True, {}),
+    "normal-worst-case": (Format.EP_NORMAL, "worst_case", False, {}),
+    "masked": (Format.EP_MASKED, None, False, {}), "masked-graph": (Format.EP_MASKED, None, True, {}),
     # the torch functions where a plugin registered fused kernels (decision 63): the baselines in the same run
-    "normal-torch": (Format.EP_NORMAL, "exact", False, "torch"),
-    "normal-graph-torch": (Format.EP_NORMAL, "worst_case", True, "torch"),
-    "masked-graph-torch": (Format.EP_MASKED, None, True, "torch")}
+    "normal-torch": (Format.EP_NORMAL, "exact", False, {"kernels": "torch"}),
+    "normal-graph-torch": (Format.EP_NORMAL, "worst_case", True, {"kernels": "torch"}),
+    "masked-graph-torch": (Format.EP_MASKED, None, True, {"kernels": "torch"}),
+    # the fixed-capacity exchange forced either way (decision 66; the plain modes take the "auto" choice)
+    "normal-direct": (Format.EP_NORMAL, "exact", False, {"exchange": "direct"}),
+    "normal-collective": (Format.EP_NORMAL, "exact", False, {"exchange": "collective"}),
+    "normal-graph-direct": (Format.EP_NORMAL, "worst_case", True, {"exchange": "direct"}),
+    "normal-graph-collective": (Format.EP_NORMAL, "worst_case", True, {"exchange": "collective"}),
+    "masked-graph-direct": (Format.EP_MASKED, None, True, {"exchange": "direct"}),
+    "masked-graph-collective": (Format.EP_MASKED, None, True, {"exchange": "collective"})}
 
 
-def torch_a2a_options(buffers, kernels: str) -> dict:
-    """``backend_options`` of a mode: its normal-mode buffers and kernels."""
-    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v and v != "auto"}
+def torch_a2a_options(buffers, extra: dict) -> dict:
+    """``backend_options`` of a mode: its normal-mode buffers and its other options."""
+    options = {"normal_buffers": buffers, **extra} if buffers else dict(extra)
     return {"torch_a2a": options} if options else {}
 
 
@@ -327,7 +334,8 @@ def main() -> None:
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--modes", nargs="+", default=["normal", "normal-graph", "masked-graph"], choices=list(MODES),
                    help="normal (exact buffers, eager), normal-graph (worst-case buffers, CUDA graphs), "
-                        "normal-worst-case (eager), masked (eager), masked-graph")
+                        "normal-worst-case (eager), masked (eager), masked-graph; -torch: the torch functions; "
+                        "-direct / -collective: the fixed-capacity exchange forced (decision 66)")
     p.add_argument("--json", default=None, help="write the per-stage rows here (e.g. results/torch_a2a-h100x2.json)")
     args = p.parse_args()
     with socket.socket() as s:

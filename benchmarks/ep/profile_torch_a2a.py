@@ -39,10 +39,10 @@ E, K, H = 256, 8, 7168
 
 
 def make(rank: int, world: int, tokens: int, mode: str, wire: str):
-    fmt, buffers, _, kernels = MODES[mode]
+    fmt, buffers, _, extra = MODES[mode]
     cfg = MoEConfig(num_experts=E, top_k=K, hidden_size=H, intermediate_size=128, ep_size=world, ep_rank=rank,
                     max_tokens_per_rank=tokens, device="cuda", dispatcher="torch_a2a", dispatch_dtype=wire,
-                    backend_options=torch_a2a_options(buffers, kernels))
+                    backend_options=torch_a2a_options(buffers, extra))
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=(Format.EP_NORMAL, Format.EP_MASKED), devices=frozenset({"cuda"}))
     d = TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))

@@ -54,7 +54,10 @@ Layout math is a handful of whole-tensor ops (no loops over ranks or experts, no
 shapes); ``tests/ep/opcount.py`` counts the kernels, collectives and host syncs of each stage.
 Where a plugin registered fused kernels for the device type (``register_torch_a2a_kernels``; the cuda
 plugin's Triton kernels on CUDA), exact normal mode runs them instead: three kernels, the count exchange,
-the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 63).
+the host read and ONE all-to-all of data and side block; combine sums in one kernel (decision 63). Masked
+mode's slab expansion and weighted sums are plugin kernels too, and where the plugin can write into the peers'
+memory (the cuda plugin: torch symmetric memory, one node) the rows move by direct writes instead of
+``all_to_all_single``, per mode and size (``exchange``, ``DIRECT_CAPACITIES``; decision 66).
 
 Top-k ids of one token must be distinct (every router guarantees it): the masked slab holds
 at most one row per (token, expert).
@@ -124,9 +127,10 @@ def normal_buffers(config: "MoEConfig", name: str = "torch_a2a") -> str:
     options = dict(config.options(name))
     choice = options.pop("normal_buffers", "worst_case" if config.cuda_graph else "exact")
     options.pop("kernels", None)  # checked by kernels_option
+    options.pop("exchange", None)  # checked by exchange_option
     if options:
         raise ValueError(f"backend_options[{name!r}] has unknown keys {sorted(options)}; "
-                         "torch_a2a takes 'normal_buffers' and 'kernels'")
+                         "torch_a2a takes 'normal_buffers', 'kernels' and 'exchange'")
     if choice not in NORMAL_BUFFERS:
         raise ValueError(f"backend_options[{name!r}]['normal_buffers'] must be one of {NORMAL_BUFFERS}, got {choice!r}")
     if choice == "exact" and config.cuda_graph:
@@ -150,6 +154,23 @@ def kernels_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
     return choice
 
 
+EXCHANGE_CHOICES = ("auto", "collective", "direct")
+
+
+def exchange_option(config: "MoEConfig", name: str = "torch_a2a") -> str:
+    """``backend_options[name]["exchange"]``: how the fixed-capacity modes (masked, worst-case normal) move their
+    rows and exact normal mode its counts messages and rows (the rows with ``max_tokens_per_rank`` set: chunks of
+    that many rows per source), where a plugin's kernels run: ``"collective"`` (``all_to_all_single``),
+    ``"direct"`` (the plugin's ``exchange_fixed`` / ``exchange_masked_back`` / ``exchange_counts`` /
+    ``exchange_normal`` where registered: the cuda plugin writes into the peers' rows in symmetric memory; else the
+    collective) or ``"auto"`` (the default: per mode and ``max_tokens_per_rank``, from measurements,
+    ``DIRECT_CAPACITIES``; decision 66)."""
+    choice = config.options(name).get("exchange", "auto")
+    if choice not in EXCHANGE_CHOICES:
+        raise ValueError(f"backend_options[{name!r}]['exchange'] must be one of {EXCHANGE_CHOICES}, got {choice!r}")
+    return choice
+
+
 def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     """Plan-time check: the backend options (and, with CUDA graphs, a fixed capacity: both
     graph-safe modes need ``max_tokens_per_rank``); when torch.distributed is initialized, the EP
@@ -161,6 +182,7 @@ def check(config: "MoEConfig", spec: "BackendSpec") -> list[Reason]:
     try:
         normal_buffers(config, spec.name)
         kernels_option(config, spec.name)
+        exchange_option(config, spec.name)
     except ValueError as exc:
         code = Code.UNSUPPORTED_SHAPE if config.max_tokens_per_rank is None else Code.UNSUPPORTED_FEATURE
         return [unavailable(code, str(exc), "set max_tokens_per_rank, or fix backend_options for torch_a2a")]
@@ -189,15 +211,18 @@ class TorchA2AKernels:
     ``register_torch_a2a_kernels`` (``moe_core.plugin_api``). What each must return, byte for byte
     the torch path's (its functions named):
 
-    - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, 3 + E_local])``: ``_normal_layout``'s
-      row (int64, the transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]``.
-    - ``pack(x, ids, weights, row, wire, n_send) -> uint8 [n_send, B]``: send row ``row[t, r] - 1`` holds
-      token ``t``'s wire data and side block (scales, ids, weights) in the kernels' own row format, so
-      that one all-to-all moves both.
-    - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local) -> (data [R, H], scales or None,
-      local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
+    - ``layout(ids, world, num_local) -> (row [T, W], msg [2, W, M])``: ``_normal_layout``'s row (int64, the
+      transpose of a contiguous ``[W, T]``) and the counts message's send half ``msg[0]`` in its first
+      ``3 + E_local`` words; ``M = 4 + E_local`` adds a word that ``exchange_normal`` sets (decision 66), 0 here.
+    - ``pack(x, ids, weights, row, wire) -> uint8 [N, B]``: send row ``row[t, r] - 1`` holds token ``t``'s wire
+      data and side block (scales, ids, weights) in the kernels' own row format, so that one all-to-all moves
+      both; ``N`` is at least the number of rows sent (the core sends the first ones), so that it is sized
+      without the counts and runs before the count exchange (decision 66).
+    - ``unpack(recv, msg, wire, dtype, hidden, top_k, rank, num_local, rows=None, chunk=0) -> (data [R, H],
+      scales or None, local ids int32 [R, K], weights fp32 [R, K], counts int32 [E_local])``: the received rows as
       ``_normal_received`` leaves them (data contiguous), and the per-local-expert counts of the received
-      counts message ``msg`` (``[W, 3 + E_local]``).
+      counts message ``msg`` (``[W, M]``); ``chunk``: ``recv`` holds source s's rows at rows ``s * chunk`` (as
+      ``exchange_normal`` leaves them), ``rows`` of them in all.
     - ``reduce(back, row, dtype) -> [T, H]``: combine's sum of each token's returned rows
       (``_reduce_pairs_loop`` over ``back`` with a zero row first, in ``dtype``); ``back`` has no zero row.
 
@@ -210,6 +235,30 @@ class TorchA2AKernels:
       side block in-band counts included, so that one all-to-all moves data and side block.
     - ``split_fixed(recv, wire, dtype, hidden, top_k) -> (data uint8 [W*C, D], side block int32 [W*C, M])``:
       views of the received rows as ``_exchange_fixed`` returns them.
+    - ``expand_masked(recv_data, recv_meta, n_scale, top_k, rank, num_local, data_dtype) -> (slab [E_local, W*C, D]
+      in ``data_dtype``, slab scales fp32 [E_local, W*C, n_scale] or None, masked_m int32 [E_local], slab_index int64
+      [W*C, K], valid bool [W*C, K], weights fp32 [W*C, K])``: masked mode's receive side from the received rows
+      (``_exchange_fixed``'s): ``_masked_received``'s slab_index, mine, masked_m and sender's weights (a copy), and the
+      slab's valid rows (and scales) as ``expand_pairs`` writes them (rows past masked_m: anything).
+    - ``reduce_masked(y, slab_index, valid, weights) -> [W*C, H]``: masked combine's rows on the experts' rank
+      (``y`` ``[E_local, W*C, H]``), as ``_masked_pairs`` + ``_reduce_pairs_loop`` compute them (fp32 in the order
+      of k, in ``y.dtype``; rows of slots with no pair here: anything, their senders never read them).
+    - ``exchange_masked_back(y, slab_index, valid, weights, group) -> [W*C, H]``: ``reduce_masked``'s rows returned
+      to their senders as ``all_to_all_single`` would return them, without a collective (like ``exchange_fixed``).
+    - ``exchange_counts(msg, group) -> None``: exact normal mode's ``all_to_all_single(msg[1], msg[0])`` of the
+      counts messages without a collective (like ``exchange_fixed``).
+    - ``exchange_normal(x, ids, weights, row, msg, wire, group, capacity) -> uint8 [W * capacity, B]``: exact
+      normal mode's rows AND counts messages moved before the host read (like ``exchange_fixed``; ``msg[1]`` filled
+      as by ``exchange_counts``): source s's rows for this rank in rows ``s * capacity ...``; a rank that would
+      send some rank more than ``capacity`` rows sends none past it and sets the last word of its message rows to
+      1: every rank reads it in the counts and moves the rows again by ``all_to_all_single`` (decision 66).
+    - ``direct_ok(group, device) -> bool``: whether the ``exchange_*`` kernels can serve ``group`` (the cuda plugin:
+      every rank a GPU of this host that each can reach; the same answer on every rank; may run a collective the
+      first time). None: always.
+    - ``exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group) -> uint8 [W*C, B]``: what
+      ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
+      direct write into the peers' rows in symmetric memory, decision 66); the rows may be reused by the next
+      call (the core copies what it keeps). Graph-capturable after a first call outside the capture.
     """
 
     layout: Callable
@@ -219,6 +268,13 @@ class TorchA2AKernels:
     layout_fixed: Optional[Callable] = None
     pack_fixed: Optional[Callable] = None
     split_fixed: Optional[Callable] = None
+    exchange_fixed: Optional[Callable] = None
+    expand_masked: Optional[Callable] = None
+    reduce_masked: Optional[Callable] = None
+    exchange_masked_back: Optional[Callable] = None
+    exchange_counts: Optional[Callable] = None
+    exchange_normal: Optional[Callable] = None
+    direct_ok: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -228,6 +284,15 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
 # takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
 FUSED_WORST_CASE_MAX_CAPACITY = 128
+# exchange="auto": the max_tokens_per_rank (lowest, highest or None: no limit) over which each mode moves its rows
+# (and exact mode its counts messages) by the plugin's direct writes over symmetric memory instead of
+# all_to_all_single (decision 66). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
+# exact normal dispatch 598 / 536 direct against 1002 / 787 at 4096 tokens a rank, 503 / 451 against 996 / 496 at
+# 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
+# at 128; worst-case normal (CUDA graphs) 93 / 93 against 161 / 97 at 128, but at 4096 its fused exchange took 946
+# / 796 against the torch exchange's 798 / 711 (the run before), so it stays there. Sizes in between: not measured.
+DIRECT_CAPACITIES: dict[str, tuple[int, Optional[int]]] = {"exact": (1, None), "worst_case": (1, 128),
+                                                           "masked": (1, None)}
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -689,6 +754,7 @@ class TorchA2ADispatcher(Dispatcher):
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
         self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
         self.fused = kernels_option(cfg, ctx.spec.name) == "auto"  # a plugin's kernels where registered (decision 63)
+        self.exchange = exchange_option(cfg, ctx.spec.name)  # the fixed-capacity modes' transport (decision 66)
 
     # ----------------------------------------------------------------- common
 
@@ -727,9 +793,10 @@ class TorchA2ADispatcher(Dispatcher):
 
     # ----------------------------------------------------------------- normal mode
 
-    def _read_counts(self, msg: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...]]:
+    def _read_counts(self, msg: torch.Tensor) -> tuple[list[int], list[int], tuple[int, ...], bool]:
         """The one host sync of exact normal mode: the counts message (``_normal_layout``), exchanged, read
-        in one ``tolist`` -> (rows sent to each rank, rows received from each, pairs per local expert).
+        in one ``tolist`` -> (rows sent to each rank, rows received from each, pairs per local expert, whether
+        some rank's direct exchange overflowed its chunks: every rank reads the same flags, decision 66).
         Raises ``ValueError`` on every rank alike when any rank has ids outside ``[-1, E)``."""
         sent_msg, recv_msg = msg.tolist()
         bad_by_rank = [m[0] + m[1] for m in recv_msg]
@@ -738,7 +805,8 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(f"topk.ids out of range [-1, {self.num_experts}) on EP rank(s) {ranks} "
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
         counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(self.num_local))
-        return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host
+        overflowed = any(len(m) > 3 + self.num_local and m[3 + self.num_local] for m in recv_msg)
+        return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host, overflowed
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         kernels = _kernels_for(x.device.type) if self.fused else None
@@ -753,7 +821,7 @@ class TorchA2ADispatcher(Dispatcher):
         # the one cat of the BF16 side block (decision 56)
         wire_rows = _normal_wire_rows if self.wire is WireDtype.BF16 else _fast(_normal_wire_rows, dev)
         q, scale, meta = wire_rows(x, topk.ids, topk.weights, self.wire)
-        send_counts, recv_counts, counts_host = self._read_counts(msg)
+        send_counts, recv_counts, counts_host, _ = self._read_counts(msg)
 
         n_send, n_recv = sum(send_counts), sum(recv_counts)
         data = _bytes(q)
@@ -771,16 +839,31 @@ class TorchA2ADispatcher(Dispatcher):
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
 
     def _dispatch_normal_fused(self, x: torch.Tensor, topk: TopK, kernels: TorchA2AKernels) -> EPNormalDispatch:
-        """Exact normal dispatch with a plugin's kernels (decision 63): layout, the count exchange, the host
-        read, pack, ONE all-to-all of data and side block, unpack."""
+        """Exact normal dispatch with a plugin's kernels (decisions 63, 66): layout, pack, the count exchange, the
+        host read, ONE all-to-all of data and side block, unpack."""
         row, msg = kernels.layout(topk.ids, self.world, self.num_local)
-        dist.all_to_all_single(msg[1], msg[0], group=self.group)
-        send_counts, recv_counts, counts_host = self._read_counts(msg)
-        send = kernels.pack(x, topk.ids, topk.weights, row, self.wire, sum(send_counts))
-        recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
-        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
+        direct = self._direct_exchange(kernels, x.device)
+        # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
+        # while the host issues that exchange and waits for the counts (decision 66)
+        chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
+        if chunk:  # the rows and the counts messages (decision 66)
+            recv = kernels.exchange_normal(x, topk.ids, topk.weights, row, msg, self.wire, self.group, chunk)
+        else:
+            send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
+            if direct and kernels.exchange_counts is not None:
+                kernels.exchange_counts(msg, self.group)
+            else:
+                dist.all_to_all_single(msg[1], msg[0], group=self.group)
+        send_counts, recv_counts, counts_host, overflowed = self._read_counts(msg)
+        if overflowed:  # some rank sent one rank more rows than a chunk holds: every rank moves them again, below
+            chunk = 0
+            send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
+        if not chunk:
+            recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
+            dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
         data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
-                                                            self.top_k, self.rank, self.num_local)
+                                                            self.top_k, self.rank, self.num_local,
+                                                            rows=sum(recv_counts), chunk=chunk)
         hidden = QuantizedActivations(data, self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, x.shape[0], x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
@@ -819,27 +902,35 @@ class TorchA2ADispatcher(Dispatcher):
     # ----------------------------------------------------------------- masked mode
 
     def _exchange_fixed(self, x: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                     torch.Tensor, int]:
+                                                                     torch.Tensor, int, bool]:
         """The fixed-capacity exchange of masked and worst-case normal mode: every rank sends
-        ``C`` row slots (wire data, side block) to every rank in equal-split all-to-alls, a token
-        once per destination rank, unused slots padding. Returns (received data ``uint8 [W*C, B]``,
-        received side blocks ``int32 [W*C, M]``, ``slot [T, W]``, ``src [W*C]``, tokens sent)."""
+        ``C`` row slots (wire data, side block) to every rank, a token once per destination rank, unused slots
+        padding. Returns (received data ``uint8 [W*C, B]``, received side blocks ``int32 [W*C, M]``, ``slot [T, W]``,
+        ``src [W*C]``, tokens sent, whether the received rows are a plugin's buffer that its next exchange reuses:
+        the caller copies what it keeps)."""
         dev, w, el, c = x.device, self.world, self.num_local, self.capacity
         t_in, cw, ids_in = x.shape[0], c * w, topk.ids
         overflow = t_in > c
         if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
             x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
         t = x.shape[0]
-        kernels = _kernels_for(dev.type) if self.fused and (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY) else None
+        # (worst-case normal: the fused exchange up to a measured capacity, or wherever the direct one is asked for)
+        kernels = _kernels_for(dev.type) if self.fused else None
+        direct = kernels is not None and kernels.exchange_fixed is not None and self._direct_exchange(kernels, dev)
+        if not (self.masked or c <= FUSED_WORST_CASE_MAX_CAPACITY or direct):
+            kernels = None
         if kernels is not None and kernels.pack_fixed is not None:  # two kernels, one all-to-all (decision 63)
             slot, src, bad = kernels.layout_fixed(ids_in, w, el, c, overflow)
-            send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=self.group)
+            if direct:  # the rows written straight into the peers' (decision 66)
+                recv = kernels.exchange_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire, self.group)
+            else:
+                send = kernels.pack_fixed(x, topk.ids, topk.weights, src, t_in, bad, self.wire)
+                recv = torch.empty_like(send)
+                dist.all_to_all_single(recv, send, group=self.group)
             if overflow:
                 raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
             recv_data, recv_meta = kernels.split_fixed(recv, self.wire, x.dtype, self.hidden, self.top_k)
-            return recv_data, recv_meta, slot, src, t
+            return recv_data, recv_meta, slot, src, t, direct
         slot, bad = _masked_layout(ids_in, w, el, c, self.num_experts, overflow)
         src = _sources(slot, cw, t)[1:]
         q, scale, meta = _fast(_wire_rows, dev)(x, topk.ids, topk.weights, self.wire, self.meta_words, t_in, bad)
@@ -851,28 +942,53 @@ class TorchA2ADispatcher(Dispatcher):
         _a2a(recv_meta, meta.index_select(0, src), None, None, self.group)
         if overflow:
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
-        return recv_data, recv_meta, slot, src, t
+        return recv_data, recv_meta, slot, src, t, False
+
+    def _direct_exchange(self, kernels: TorchA2AKernels, device: torch.device) -> bool:
+        """Whether this dispatcher moves its rows by the plugin's direct writes: asked for (the ``exchange``
+        option, or with ``"auto"`` its mode's ``DIRECT_CAPACITIES``) and possible for this group (the plugin's
+        ``direct_ok``: every rank a GPU this one reaches; decision 66)."""
+        if self.exchange == "collective":
+            return False
+        if self.exchange == "auto":
+            low, high = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+            if self.capacity is None or self.capacity < low or (high is not None and self.capacity > high):
+                return False
+        return kernels.direct_ok is None or kernels.direct_ok(self.group, device)
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,
         rank-major, each source's tokens first in its ``C`` rows, then padding rows (local ids
         all -1, weights 0, FP8/INT8 scales 0). Nothing is read on the host: graph-safe."""
-        recv_data, recv_meta, slot, _, _ = self._exchange_fixed(x, topk)
+        recv_data, recv_meta, slot, _, _, shared = self._exchange_fixed(x, topk)
         received = _fast(_worst_case_received, x.device, static=True)(recv_meta, self.n_scale, self.top_k, self.rank,
                                                                       self.num_local)
         scale, lids, weights, rbad, rtokens, counts = received
         self._check_senders(rtokens, rbad)
-        if not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it contiguous
-            recv_data = recv_data.contiguous()
+        if shared or not recv_data.is_contiguous():  # a view into the fused exchange's rows: the experts read it
+            recv_data = recv_data.clone(memory_format=torch.contiguous_format)  # contiguous, and after the next one
+        if shared and scale is not None:
+            scale = scale.clone()
         hidden = QuantizedActivations(recv_data.view(self._wire_torch_dtype(x)), self.wire, scale)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, None, _WorstCaseHandle(slot, x.shape[0], x.dtype))
 
     def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
         dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
         cw = c * w
-        recv_data, recv_meta, slot, src, t = self._exchange_fixed(x, topk)
+        recv_data, recv_meta, slot, src, t, shared = self._exchange_fixed(x, topk)
+        kernels = _kernels_for(dev.type) if self.fused else None
+        if kernels is not None and kernels.expand_masked is not None:  # three kernels (decision 66)
+            data_slab, slab_scale, masked_m, slab_index, mine, rweights = kernels.expand_masked(
+                recv_data, recv_meta, self.n_scale, k, self.rank, el, self._wire_torch_dtype(x))
+            rbad, rtokens = _in_band_counts(recv_meta)
+            self._check_senders(rtokens, rbad)
+            hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
+            handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
+            return EPMaskedDispatch(hidden, masked_m, topk, handle)
         received = _fast(_masked_received, dev, static=True)(recv_meta, self.n_scale, k, self.rank, el)
         scale, rweights, rbad, rtokens, mine, slab_index, masked_m, write_index = received
+        if shared:  # the handle keeps the weights past the next exchange, which reuses the received rows
+            rweights = rweights.clone()
         self._check_senders(rtokens, rbad)
         db = recv_data.shape[1]
         slab = torch.empty(el * cw + cw, db, dtype=torch.uint8, device=dev)
@@ -921,6 +1037,14 @@ class TorchA2ADispatcher(Dispatcher):
             weights = torch.empty(cw, k, dtype=torch.float32, device=y.device)
             _a2a(weights, table.index_select(0, h.src), None, None, self.group)
 
+        kernels = _kernels_for(y.device.type) if self.fused else None
+        if kernels is not None and kernels.reduce_masked is not None:  # one kernel each side (decision 66)
+            if kernels.exchange_masked_back is not None and self._direct_exchange(kernels, y.device):
+                back = kernels.exchange_masked_back(y, h.slab_index, h.valid, weights, self.group)
+            else:
+                back = torch.empty(cw, self.hidden, dtype=y.dtype, device=y.device)
+                _a2a(back, kernels.reduce_masked(y, h.slab_index, h.valid, weights), None, None, self.group)
+            return kernels.reduce(back, h.slot, h.dtype)
         # weighted sum of each received token's rows on this rank (fp32 accumulation)
         index, pair_w = _fast(_masked_pairs, y.device, static=True)(h.slab_index, h.valid, weights, el * cw - 1)
         send = reduce_pairs(y.reshape(el * cw, self.hidden), index, pair_w, static=True)

@@ -47,6 +47,21 @@ def test_fused_normal_nccl():
         assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
 
 
+def test_fused_direct_exchange_nccl():
+    """Every mode with the cuda plugin's direct-write exchanges over symmetric memory (decision 66) against the torch
+    path: same bytes, nothing returned living in the reused receive rows."""
+    for where, _name, case in _cases(run_ranks("comm_fused_direct", 2, TIMEOUT, backend="nccl")):
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+
+
+def test_fused_direct_overflow_nccl():
+    """The direct exchange of exact normal mode with one rank over max_tokens_per_rank (decision 66): every rank
+    falls back to all_to_all_single, same bytes as the torch path."""
+    for where, _name, case in _cases(run_ranks("direct_overflow", 2, TIMEOUT, backend="nccl")):
+        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+
+
 def test_errors_nccl():
     for res in run_ranks("errors", 2, TIMEOUT, backend="nccl"):
         c = res["cases"]
@@ -99,6 +114,14 @@ def test_graph_safe_modes_nccl(world):
         assert case["no_sync_err"] == 0.0, f"{where}: {case}"
         assert case["expected_norm"] > 0 and case["replay_err"] <= 1e-6, f"{where}: CUDA graph replay differs: {case}"
     assert modes == {"ep_masked", "ep_normal_worst_case"}, modes
+
+
+def test_graph_safe_direct_exchange_nccl():
+    """The same with the direct-write exchange (decision 66): two barriers and a kernel, captured and replayed."""
+    for where, _name, case in _cases(run_ranks("graph_direct", 2, TIMEOUT, backend="nccl")):
+        assert case["host_sync"] is None, f"{where}: synced with the host: {case['host_sync']}"
+        assert case["no_sync_err"] == 0.0, f"{where}: {case}"
+        assert case["expected_norm"] > 0 and case["replay_err"] <= 1e-6, f"{where}: CUDA graph replay differs: {case}"
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
     }
 
 
-def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None) -> MoEConfig:
-    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels)) if v}
+def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None,
+              exchange=None) -> MoEConfig:
+    options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels), ("exchange", exchange)) if v}
     return MoEConfig(backend_options={"torch_a2a": options} if options else {},
                      num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
                      ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
@@ -126,8 +127,9 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
     return results
 
 
-def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels)
+def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None,
+                     exchange=None) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels, exchange=exchange)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -240,13 +242,68 @@ def scenario_comm(world: int, rank: int, device: torch.device, seed: int) -> dic
     return results
 
 
-def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS)) -> dict:
+_REUSED: dict = {}
+
+
+def _emulated_exchange_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, group):
+    """The cuda plugin's ``exchange_fixed`` on gloo (no symmetric memory there): its rows, moved by
+    ``all_to_all_single`` into ONE receive buffer per shape that every call reuses, as the direct write's are."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire)
+    recv = _REUSED.setdefault(tuple(send.shape), torch.empty_like(send))
+    torch.distributed.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _emulated_exchange_normal(x, ids, weights, row, msg, wire, group, capacity):
+    """The cuda plugin's ``exchange_normal`` on gloo: its rows in chunks of ``capacity`` per source (the overflow flag
+    set as its kernel sets it), moved by ``all_to_all_single`` into one reused receive buffer per shape, and the
+    counts messages."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.pack(x, ids, weights, row, wire)
+    per_rank = msg[0, :, 2].tolist()
+    chunks = send.new_zeros(len(per_rank) * capacity, send.shape[1])
+    for r, n in enumerate(per_rank):
+        first = sum(per_rank[:r])
+        chunks[r * capacity:r * capacity + min(n, capacity)] = send[first:first + min(n, capacity)]
+    msg[0, :, -1] = int(max(per_rank) > capacity)
+    recv = _REUSED.setdefault(("normal",) + tuple(chunks.shape), torch.empty_like(chunks))
+    torch.distributed.all_to_all_single(recv, chunks, group=group)
+    torch.distributed.all_to_all_single(msg[1], msg[0], group=group)  # (it moves the counts messages too)
+    return recv
+
+
+def _emulated_exchange_masked_back(y, slab_index, valid, weights, group):
+    """The cuda plugin's ``exchange_masked_back`` on gloo: ``reduce_masked``'s rows by ``all_to_all_single`` into one
+    reused buffer per shape."""
+    from moe_plugin_cuda.triton import a2a
+
+    send = a2a.reduce_masked(y, slab_index, valid, weights)
+    recv = _REUSED.setdefault(("back",) + tuple(send.shape), torch.empty_like(send))
+    torch.distributed.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS),
+                        exchange=None, wires=WIRES) -> dict:
     """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
     the torch path: the same received bytes, ids, weights and counts (masked: the slab's valid rows), the same
-    combined rows."""
+    combined rows. ``exchange="direct"``: the fixed-capacity modes move their rows by the plugin's
+    ``exchange_fixed`` (decision 66; on gloo an emulation that reuses its receive rows as the real one does), and
+    every dispatch is followed by another one before its outputs are checked and combined (nothing it returned
+    may live in the reused rows)."""
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels' module is imported
     register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    if exchange == "direct" and device.type == "cpu":
+        from moe_plugin_cuda.triton import a2a
+
+        register_torch_a2a_kernels("cpu", dataclasses.replace(
+            a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed, exchange_normal=_emulated_exchange_normal,
+            exchange_masked_back=_emulated_exchange_masked_back, direct_ok=None,
+            exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     results = {}
 
@@ -257,12 +314,14 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
 
     for mode in modes:
         fmt, buffers = VARIANTS[mode]
-        for wire in WIRES:
-            fused = _make_dispatcher(world, rank, fmt, wire, buffers)
+        for wire in wires:
+            fused = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange)
             plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch")
             for name, (x, topk) in routing_cases(world, rank, seed).items():
                 x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
                 a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
+                if exchange == "direct":  # other rows through the same receive rows before `a` is read
+                    fused.dispatch(-x, TopK(topk.weights, topk.ids.flip(0)))
                 checks = {"fused": torch_a2a._kernels_for(device.type) is not None}  # the kernels loaded: the fused path ran
                 if fmt is Format.EP_NORMAL:
                     checks.update({
@@ -286,9 +345,47 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
                     y = y.view(a.hidden.data.shape[0], a.hidden.data.shape[1], H).to(device)
                     ca, cb = EPMaskedCombine(y, a.topk, a.handle), EPMaskedCombine(y, b.topk, b.handle)
                 out_a, out_b = fused.combine(ca), plain.combine(cb)
+                # masked combine sums like the CUDA torch path (decision 66); the CPU one sums by embedding_bag
+                exact = fmt is not Format.EP_MASKED or device.type == "cuda"
                 results[f"{mode}/{wire}/{name}"] = {"checks": checks, "combine_err": rel_error(out_a.float(), out_b.float()),
-                                                    "combine_same": torch.equal(out_a, out_b), "tokens": x.shape[0]}
+                                                    "combine_same": torch.equal(out_a, out_b) if exact else None,
+                                                    "tokens": x.shape[0]}
     return results
+
+
+def scenario_direct_overflow(world: int, rank: int, device: torch.device, seed: int) -> dict:
+    """Exact normal mode with the direct exchange (decision 66) and rank 0 over ``max_tokens_per_rank`` (its rows
+    overflow their chunks): every rank moves the rows again by ``all_to_all_single``, and the dispatch is the torch
+    path's, byte for byte."""
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from moe_plugin_cuda.triton import a2a
+
+        register_torch_a2a_kernels("cpu", dataclasses.replace(a2a.KERNELS, exchange_normal=_emulated_exchange_normal,
+                                                              direct_ok=None))
+    else:
+        register_torch_a2a_kernels(device.type, "moe_plugin_cuda.triton.a2a:KERNELS")
+    gen = torch.Generator().manual_seed(seed + rank)
+    spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
+                       formats=MODES, devices=frozenset({"cpu", "cuda"}))
+    out = {}
+    for kernels in ("auto", "torch"):
+        cfg = dataclasses.replace(ep_config(world, rank, "bf16", kernels=kernels, exchange="direct"),
+                                  max_tokens_per_rank=4)
+        d = TorchA2ADispatcher(BackendContext(cfg, spec, Format.EP_NORMAL, WireDtype("bf16")))
+        gen.manual_seed(seed + rank)
+        t = 9 if rank == 0 else 3
+        x, tk = make_hidden(t, H, torch.bfloat16, gen).to(device), make_topk(t, K, E, gen)
+        out[kernels] = d.dispatch(x, TopK(tk.weights.to(device), tk.ids.to(device)))
+    a, b = out["auto"], out["torch"]
+    rows = [int(n) for n in ((tk.ids.unsqueeze(0) // (E // world)) == torch.arange(world).view(world, 1, 1)).any(2).sum(1)]
+    same = lambda u, v: u.shape == v.shape and torch.equal(u.contiguous().view(torch.uint8), v.contiguous().view(torch.uint8))  # noqa: E731
+    return {"overflow": {"checks": {"fused": torch_a2a._kernels_for(device.type) is not None,
+                                    "data": same(a.hidden.data, b.hidden.data), "ids": same(a.topk.ids, b.topk.ids),
+                                    "weights": same(a.topk.weights, b.topk.weights),
+                                    "counts_host": a.expert_counts_host == b.expert_counts_host,
+                                    # the premise: rank 0's rows overflow a chunk of 4 (every rank falls back)
+                                    "premise": rank != 0 or max(rows) > 4}}}
 
 
 def _wire_roundtrip(x: torch.Tensor, wire: str, device: torch.device) -> torch.Tensor:
@@ -356,13 +453,13 @@ def scenario_errors(world: int, rank: int, device: torch.device, seed: int) -> d
     return results
 
 
-def scenario_graph(world: int, rank: int, device: torch.device, seed: int) -> dict:
+def scenario_graph(world: int, rank: int, device: torch.device, seed: int, exchange=None) -> dict:
     """CUDA only: masked mode and worst-case normal mode never sync with the host, and are
-    captured and replayed in a CUDA graph."""
+    captured and replayed in a CUDA graph (``exchange``: the backend option, decision 66)."""
     results = {}
     gen = torch.Generator().manual_seed(seed + rank)
     for (mode, (fmt, buffers)), wire in [(v, w) for v in VARIANTS.items() if v[0] != "ep_normal" for w in WIRES]:
-        d = _make_dispatcher(world, rank, fmt, wire, buffers)
+        d = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange)
         x = make_hidden(CAPACITY - 3 - rank, H, torch.bfloat16, gen).to(device)
         tk = make_topk(CAPACITY - 3 - rank, K, E, gen, neg_fraction=0.2)
         topk = TopK(tk.weights.to(device), tk.ids.to(device))
@@ -551,8 +648,13 @@ def scenario_input_rule(world: int, rank: int, device: torch.device, seed: int) 
 
 SCENARIOS = {"input_rule": scenario_input_rule, "layer_bad_ids": scenario_layer_bad_ids,
              "layer_bad_ids_device": scenario_layer_bad_ids_device, "mismatch": scenario_mismatch, "layer": scenario_layer, "comm": scenario_comm,
-             "comm_fused": scenario_comm_fused,
-             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",)), "errors": scenario_errors, "graph": scenario_graph,
+             # (the fused kernels with the collective exchange; comm_fused_direct: with the direct one)
+             "comm_fused": lambda *a: scenario_comm_fused(*a, exchange="collective"),
+             "comm_fused_exact": lambda *a: scenario_comm_fused(*a, modes=("ep_normal",), exchange="collective"),
+             # (bf16 and fp8: the transport is the same code for every wire, and the interpreter is slow)
+             "comm_fused_direct": lambda *a: scenario_comm_fused(*a, exchange="direct", wires=("bf16", "fp8")),
+             "direct_overflow": scenario_direct_overflow, "errors": scenario_errors, "graph": scenario_graph,
+             "graph_direct": lambda *a: scenario_graph(*a, exchange="direct"),
              "ops": scenario_ops, "overflow": scenario_overflow}
 
 

@@ -29,7 +29,9 @@ def _ids(t: int, k: int, e: int, gen: torch.Generator, bad: bool = False) -> tor
     return ids.to(DEV)
 
 
-CASES = [(0, 4, 2, 8), (1, 4, 2, 8), (37, 4, 2, 8), (300, 8, 2, 128), (5, 3, 3, 4), (129, 6, 4, 16), (64, 2, 1, 8)]
+# (several layout blocks of a2a.LAYOUT_BLOCK tokens: 256 exactly two, 300 and 517 a partial last one)
+CASES = [(0, 4, 2, 8), (1, 4, 2, 8), (37, 4, 2, 8), (300, 8, 2, 128), (5, 3, 3, 4), (129, 6, 4, 16), (64, 2, 1, 8),
+         (256, 2, 2, 8), (517, 4, 4, 8)]
 
 
 @pytest.mark.parametrize("t,k,world,el", CASES)
@@ -40,7 +42,7 @@ def test_layout_matches_torch(t, k, world, el, bad):
     row, msg = a2a.layout(ids, world, el)
     row_ref, msg_ref = ta._normal_layout(ids, world, el)
     assert row.shape == (t, world) and torch.equal(row, row_ref)
-    assert torch.equal(msg[0], msg_ref[0])
+    assert torch.equal(msg[0, :, :3 + el], msg_ref[0]) and not msg[0, :, -1].any()  # (+ the direct exchange's flag)
 
 
 @pytest.mark.parametrize("wire", WIRES, ids=str)
@@ -57,7 +59,9 @@ def test_pack_unpack_match_torch(wire, t, h, k, world, el, dtype):
     weights = torch.rand(t, k, generator=gen).to(DEV)
     row, msg = a2a.layout(ids, world, el)
     n_send = int((row > 0).sum())
-    send = a2a.pack(x, ids, weights, row, wire, n_send)
+    send = a2a.pack(x, ids, weights, row, wire)
+    assert send.shape[0] >= n_send
+    send = send[:n_send]
 
     # the torch path's rows, in send-buffer order
     q, scale, meta = ta._normal_wire_rows(x, ids, weights, wire)
@@ -73,7 +77,7 @@ def test_pack_unpack_match_torch(wire, t, h, k, world, el, dtype):
             assert torch.equal(sc.view(torch.int32), sc_ref.view(torch.int32)), "scales"
         assert lids.dtype == lids_ref.dtype and torch.equal(lids, lids_ref), "local ids"
         assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32)), "weights"
-        assert torch.equal(counts, msg[0, :, 3:].sum(0, dtype=torch.int32)), "per-expert counts"
+        assert torch.equal(counts, msg[0, :, 3:3 + el].sum(0, dtype=torch.int32)), "per-expert counts"
 
 
 @pytest.mark.parametrize("t,h,world,dtype", [(0, 64, 2, torch.bfloat16), (1, 64, 2, torch.bfloat16),
@@ -137,7 +141,8 @@ def test_pack_fixed_matches_torch(wire, t, h, k, world, el, cap, dtype):
 
 
 @pytest.mark.parametrize("t,k,world,el,cap", [(0, 4, 2, 8, 5), (1, 4, 2, 8, 1), (37, 4, 2, 8, 40), (300, 8, 2, 128, 300),
-                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (12, 4, 2, 8, 9)])
+                                             (5, 3, 3, 4, 7), (129, 6, 4, 16, 130), (260, 4, 3, 8, 300),
+                                             (12, 4, 2, 8, 9)])
 @pytest.mark.parametrize("bad", [False, True])
 def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
     """Slots, source tokens (padding T) and bad-id count of the fixed-capacity modes; over capacity (the last case)
@@ -151,3 +156,198 @@ def test_layout_fixed_matches_torch(t, k, world, el, cap, bad):
     assert slot.shape == slot_ref.shape and torch.equal(slot, slot_ref)
     assert torch.equal(src, src_ref)
     assert nbad.dtype == bad_ref.dtype and nbad.shape == bad_ref.shape and torch.equal(nbad, bad_ref)
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("counts,h,k,el,cap,dtype", [((0, 3), 256, 4, 8, 5, torch.bfloat16),
+                                                     ((1, 0, 2), 129, 3, 4, 3, torch.float32),
+                                                     ((23, 17), 200, 4, 8, 23, torch.bfloat16)])
+def test_pack_fixed_into_peers_is_the_all_to_all(wire, counts, h, k, el, cap, dtype):
+    """The direct-write exchange's kernel (decision 66), every rank's buffer in this one process: after every rank
+    wrote its slots through the table of base addresses, rank r's rows are what ``all_to_all_single`` of the ranks'
+    ``pack_fixed`` rows gives it (chunk s: rank s's slots r * C ...), byte for byte, padding slots included."""
+    world = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) + h + cap)
+    _, _, b = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+    recv = [torch.full((world * cap, b), 0xAB, dtype=torch.uint8, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64, device=DEV)
+    sent = []
+    for rank, t in enumerate(counts):
+        x = make_hidden(t, h, dtype, gen).to(DEV)
+        ids = _ids(t, k, world * el, gen)
+        weights = torch.rand(t, k, generator=gen).to(DEV)
+        _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+        sent.append(a2a.pack_fixed(x, ids, weights, src, t, bad, wire))
+        a2a.pack_fixed_into(x, ids, weights, src, t, bad, wire, peers, rank)
+    for r in range(world):
+        expected = torch.cat([sent[s][r * cap:(r + 1) * cap] for s in range(world)])
+        _, dp, _ = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+        data_bytes, _, _ = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+        side = 4 * (ta._scale_words(wire, h) + 2 * k + 2)
+        for part in (slice(0, data_bytes), slice(dp, dp + side)):  # (the padding bytes between are never written)
+            assert torch.equal(recv[r][:, part], expected[:, part]), f"rank {r} bytes {part}"
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("t,h,k,world,el,cap,rank,dtype", [(0, 256, 4, 2, 8, 5, 0, torch.bfloat16),
+                                                           (1, 256, 4, 2, 8, 3, 1, torch.bfloat16),
+                                                           (37, 200, 4, 2, 8, 40, 0, torch.bfloat16),
+                                                           (17, 129, 3, 3, 4, 20, 2, torch.float32),
+                                                           (70, 256, 8, 1, 16, 70, 0, torch.bfloat16)])
+def test_expand_masked_matches_torch(wire, t, h, k, world, el, cap, rank, dtype):
+    """Masked mode's receive side (decision 66) against ``_masked_received`` + ``expand_pairs``: the slab's valid
+    rows and scales, masked_m, every pair's slab row, validity and weight, from rows as the fused exchange leaves
+    them (a view with the send row's stride; padding slots, -1 and out-of-range ids among them)."""
+    gen = torch.Generator().manual_seed(t + h + cap + rank)
+    x = make_hidden(t, h, dtype, gen).to(DEV)
+    ids = _ids(t, k, world * el, gen, bad=t > 2)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+    rows = a2a.pack_fixed(x, ids, weights, src, t, bad, wire)  # as if every slot came to this rank
+    data, meta = a2a.split_fixed(rows, wire, x.dtype, h, k)
+    ns = ta._scale_words(wire, h)
+    wdt = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
+    slab, slab_scale, masked_m, index, valid, w = a2a.expand_masked(data, meta, ns, k, rank, el, wdt)
+
+    scale_ref, w_ref, _, _, mine, index_ref, m_ref, write_index = ta._masked_received(meta, ns, k, rank, el)
+    cw = cap * world
+    assert torch.equal(masked_m, m_ref) and torch.equal(index, index_ref) and torch.equal(valid, mine)
+    assert torch.equal(w.view(torch.int32), w_ref.contiguous().view(torch.int32))
+    ref = torch.empty(el * cw + cw, data.shape[1], dtype=torch.uint8, device=DEV)
+    ref.index_put_((write_index,), data.contiguous().unsqueeze(1))  # (expand_pairs, eager: no inductor in the test)
+    here = (torch.arange(cw, device=DEV) < masked_m.unsqueeze(1))  # [EL, CW]: the valid slab rows
+    assert slab.shape == (el, cw, h) and slab.dtype == wdt
+    assert torch.equal(slab.view(torch.uint8).view(el, cw, -1)[here], ref[:el * cw].view(el, cw, -1)[here])
+    if ns:
+        ref_scale = torch.empty(el * cw + cw, ns, dtype=torch.float32, device=DEV)
+        ref_scale.index_put_((write_index,), scale_ref.unsqueeze(1))
+        assert torch.equal(slab_scale[here].view(torch.int32), ref_scale[:el * cw].view(el, cw, ns)[here].view(torch.int32))
+    else:
+        assert slab_scale is None
+
+
+@pytest.mark.parametrize("t,h,k,world,el,cap,rank,dtype", [(0, 64, 4, 2, 8, 5, 0, torch.bfloat16),
+                                                           (1, 100, 4, 2, 8, 3, 1, torch.bfloat16),
+                                                           (37, 200, 4, 2, 8, 40, 0, torch.bfloat16),
+                                                           (17, 129, 3, 3, 4, 20, 2, torch.float32)])
+@pytest.mark.parametrize("direct", [False, True])
+def test_reduce_masked_matches_torch(t, h, k, world, el, cap, rank, dtype, direct):
+    """Masked combine's rows on the experts' rank (decision 66) against ``_masked_pairs`` + ``_reduce_pairs_loop``
+    (the CUDA torch path), byte for byte on every slot with a pair here; ``direct``: written through a table of base
+    addresses into every rank's rows, where ``all_to_all_single`` would put them."""
+    gen = torch.Generator().manual_seed(t + h + cap + rank)
+    ids = _ids(t, k, world * el, gen)
+    weights = torch.rand(t, k, generator=gen).to(DEV)
+    x = make_hidden(t, 16, torch.bfloat16, gen).to(DEV)
+    _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+    rows = a2a.pack_fixed(x, ids, weights, src, t, bad, WireDtype.BF16)  # as if every slot came to this rank
+    data, meta = a2a.split_fixed(rows, WireDtype.BF16, x.dtype, 16, k)
+    _, _, _, index, valid, w = a2a.expand_masked(data, meta, 0, k, rank, el, torch.bfloat16)
+    cw = cap * world
+    y = make_hidden(el * cw, h, dtype, gen).view(el, cw, h).to(DEV)
+    idx, pair_w = ta._masked_pairs(index, valid, w, el * cw - 1)
+    ref = ta._reduce_pairs_loop(y.view(el * cw, h), idx, pair_w)
+    used = valid.any(1)
+    if direct:  # every rank's rows in this process; only this rank writes here
+        back = [torch.zeros(cw, h, dtype=dtype, device=DEV) for _ in range(world)]
+        peers = torch.tensor([b.data_ptr() for b in back], dtype=torch.int64, device=DEV)
+        a2a._reduce_masked(y, index, valid, w, None, peers, rank, cap)
+        out = torch.zeros(cw, h, dtype=dtype, device=DEV)
+        for r in range(world):  # rank r got this rank's rows of its slots r * C ... as its rows rank * C ...
+            out[r * cap:(r + 1) * cap] = back[r][rank * cap:(rank + 1) * cap]
+    else:
+        out = a2a.reduce_masked(y, index, valid, w)
+    word = torch.int16 if dtype.itemsize == 2 else torch.int32
+    assert torch.equal(out[used].view(word), ref[used].view(word))
+
+
+@pytest.mark.parametrize("world,m", [(1, 4), (2, 11), (3, 131)])
+def test_put_counts_is_the_all_to_all(world, m):
+    """Exact normal mode's counts messages written into every rank's rows through the table of base addresses
+    (decision 66): rank r's rows are what ``all_to_all_single`` of the messages gives it."""
+    msgs = [torch.randint(0, 1 << 40, (world, m), dtype=torch.int64).to(DEV) for _ in range(world)]
+    rows = [torch.full((world, m), -1, dtype=torch.int64, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=DEV)
+    for rank in range(world):
+        a2a._put_counts_kernel[(world,)](msgs[rank], peers, m, rank, MP=triton.next_power_of_2(m))
+    for r in range(world):
+        assert torch.equal(rows[r], torch.stack([msgs[s][r] for s in range(world)]))
+
+
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("counts,h,k,el,cap,dtype", [((0, 5), 256, 4, 8, 6, torch.bfloat16),
+                                                     ((7, 1, 4), 129, 3, 4, 7, torch.float32),
+                                                     ((23, 17), 200, 4, 8, 23, torch.bfloat16),
+                                                     ((23, 17), 200, 4, 8, 9, torch.bfloat16)])
+def test_pack_into_peers_then_unpack_is_the_all_to_all(wire, counts, h, k, el, cap, dtype):
+    """Exact normal mode's direct exchange (decision 66), every rank's rows in this one process: after every rank
+    wrote its rows into the others' chunks of ``cap`` rows, ``unpack`` of rank r's chunks gives what it gives for
+    the rows ``all_to_all_single`` of the ranks' ``pack`` rows delivers, byte for byte; a rank that sends some rank
+    more than ``cap`` rows says so in its counts message (the last case: every rank refuses then)."""
+    world = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) + h + cap)
+    _, _, b = a2a._row_layout(wire, h, dtype.itemsize, k)
+    rows = [torch.full((world * cap, b), 0xAB, dtype=torch.uint8, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in rows], dtype=torch.int64, device=DEV)
+    msgs, sent = [], []
+    for rank, t in enumerate(counts):
+        x = make_hidden(t, h, dtype, gen).to(DEV)
+        ids = _ids(t, k, world * el, gen)
+        weights = torch.rand(t, k, generator=gen).to(DEV)
+        row, msg = a2a.layout(ids, world, el)
+        a2a.pack_into(x, ids, weights, row, msg, wire, peers, rank, cap)
+        per_rank = msg[0, :, 2].tolist()
+        assert msg[0, :, -1].tolist() == [int(max(per_rank) > cap)] * world, "overflow flag"
+        send = a2a.pack(x, ids, weights, row, wire)
+        start = [sum(per_rank[:r]) for r in range(world)]
+        sent.append([send[start[r]:start[r] + per_rank[r]] for r in range(world)])
+        msgs.append(msg)
+    if any(int(m[0, 0, -1]) for m in msgs):
+        return  # overflowed: the dispatch is refused on every rank (the core reads the flags), nothing to compare
+    for r in range(world):
+        recv_msg = torch.stack([msgs[s][0, r] for s in range(world)])
+        n = int(recv_msg[:, 2].sum())
+        got = a2a.unpack(rows[r], recv_msg, wire, dtype, h, k, r, el, rows=n, chunk=cap)
+        ref = a2a.unpack(torch.cat([sent[s][r] for s in range(world)]), recv_msg, wire, dtype, h, k, r, el)
+        for a, b_ in zip(got, ref, strict=True):
+            assert (a is None and b_ is None) or torch.equal(a.view(torch.uint8), b_.view(torch.uint8))
+
+
+def test_peer_addresses_apply_the_tensors_offset_in_its_allocation():
+    """A rendezvous handle's ``buffer_ptrs`` are the ranks' allocation bases (a pool may put several tensors in one
+    allocation): every rank's address of the tensor is its base plus this rank's offset (decision 66)."""
+    import types
+
+    buf = torch.empty(64, dtype=torch.uint8)
+    for offset in (0, 16, 48):
+        bases = [1 << 40, buf.data_ptr() - offset, 3 << 40]
+        handle = types.SimpleNamespace(buffer_ptrs=bases, rank=1, buffer_size=128)
+        assert a2a.peer_addresses(buf, handle) == [b + offset for b in bases]
+    with pytest.raises(RuntimeError, match="not in this rank's buffer"):
+        a2a.peer_addresses(buf, types.SimpleNamespace(buffer_ptrs=[0, buf.data_ptr() + 1, 0], rank=1, buffer_size=8))
+
+
+def test_direct_ok_only_for_reachable_cuda_devices_of_one_host(monkeypatch):
+    """The direct exchanges' condition (decision 66): a CPU device never; on CUDA, one host and distinct devices that
+    reach each other, from one gather of every rank's (host, device), cached per group."""
+    import types
+
+    assert a2a.direct_ok(None, torch.device("cpu")) is False
+    group = types.SimpleNamespace(group_name="g-test")
+    gathered = [("node-a", 0), ("node-a", 1)]
+
+    def all_gather_object(out, obj, group=None):
+        out[:] = gathered
+
+    monkeypatch.setattr(a2a.dist, "get_world_size", lambda group=None: len(gathered))
+    monkeypatch.setattr(a2a.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(a2a.torch.cuda, "can_device_access_peer", lambda a, b: True)
+    for where, ok in (([("node-a", 0), ("node-a", 1)], True), ([("node-a", 0), ("node-b", 1)], False),
+                      ([("node-a", 0), ("node-a", 0)], False)):
+        gathered = where
+        monkeypatch.setattr(a2a, "_DIRECT_OK", {})
+        assert a2a.direct_ok(group, torch.device("cuda", 0)) is ok, where
+    monkeypatch.setattr(a2a.torch.cuda, "can_device_access_peer", lambda a, b: False)
+    gathered = [("node-a", 0), ("node-a", 1)]
+    monkeypatch.setattr(a2a, "_DIRECT_OK", {})
+    assert a2a.direct_ok(group, torch.device("cuda", 0)) is False
