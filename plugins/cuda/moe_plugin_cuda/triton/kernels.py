@@ -32,10 +32,16 @@ no routing weight (the dispatcher's combine weights).
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+# fp32 1 / 448 as torch on CUDA computes a Python-scalar divisor's reciprocal: the core quantizer's group scale
+# ``max(amax, 1e-4) / 448`` is ``max(amax, 1e-4) * INV_FP8_MAX`` on the device (docs/decisions.md, "The FP8 group
+# scale is the device's core quantizer's")
+INV_FP8_MAX = tl.constexpr(struct.unpack("f", struct.pack("f", 1.0 / FP8_MAX))[0])
 GROUP = 128  # FP8 activation group and weight block edge
 
 
@@ -197,11 +203,20 @@ def _align_place_kernel(ids_ptr, numel, chunk_counts_ptr, n_chunks, cursor_ptr, 
 
 
 @triton.jit
+def _group_scale(amax):
+    """The FP8 scale of groups with maximum ``amax``, as the core quantizer computes it on CUDA (times the fp32
+    reciprocal of 448: not Triton's ``/``, which is approximate, ``div.full.f32``, nor an IEEE division, which
+    is what torch does on the CPU): one scale off by an ulp moves every code of its group at an e4m3 rounding tie
+    (bf16 tokens have many when the scale is exact), a few percent of a one-token output."""
+    return tl.maximum(amax, 1e-4) * INV_FP8_MAX
+
+
+@triton.jit
 def _quant_groups(x):
     """Rows of one 128-column group each, fp32 ``[R, 128]`` (zeros where masked) -> (codes, scales ``[R]``):
-    scale = max(amax, 1e-4) / 448, codes = clamp(x / scale) with IEEE division (Triton's ``/`` is
-    approximate): the same codes as the core quantizer, in every kernel that quantizes."""
-    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4) / 448.0
+    scale = ``_group_scale(amax)``, codes = clamp(x / scale) with IEEE division (Triton's ``/`` is
+    approximate): the same codes as the core quantizer on the device, in every kernel that quantizes."""
+    s = _group_scale(tl.max(tl.abs(x), axis=1))
     return tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, None], x.shape)), -448.0, 448.0), s
 
 
@@ -447,7 +462,7 @@ def _moe_reduce_kernel(y_ptr, ids_ptr, out_ptr, H, scale, E, row_map_ptr, topk_w
 
 @triton.jit
 def _quant_fp8_group_kernel(x_ptr, q_ptr, s_ptr, H, stride_x, stride_q, stride_s, GROUPS: tl.constexpr):
-    """Per (row, 128-column group): scale = max(amax, 1e-4) / 448; q = fp8(clamp(x / scale)).
+    """Per (row, 128-column group): scale = ``_group_scale(amax)``; q = fp8(clamp(x / scale)).
     GROUPS groups of one row per program (one group per program was 140 us, ~4x HBM time, for
     DeepSeek-V3's 4096 x 7168 input on the H100)."""
     _quant_row_groups(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), H, stride_x, stride_q, stride_s, GROUPS)
@@ -551,7 +566,7 @@ def _as_codes(q, codes_dtype: tl.constexpr):
 def _quant_groups_3d(x, codes_dtype: tl.constexpr):
     """``_quant_groups`` over the last axis of ``[1, G, 128]`` fp32 (G groups of one row): (codes x scale as fp32
     ``[1, G, 128]``, i.e. the dequantized values the scheme computes with)."""
-    s = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4) / 448.0
+    s = _group_scale(tl.max(tl.abs(x), axis=2))
     q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None], x.shape)), -448.0, 448.0)
     return _as_codes(q, codes_dtype) * s[:, :, None]
 
@@ -729,7 +744,7 @@ def _decode_down_step(acc, h_ptr, w_ptr, w_scale_ptr, e, limit, weight, slot, i,
 def _quant_groups_4d(x, codes_dtype: tl.constexpr):
     """``_quant_groups`` over each [128 // VEC, VEC] group of ``[1, G, 128 // VEC, VEC]`` fp32: the dequantized values
     (codes x scale) the scheme computes with."""
-    s = tl.maximum(tl.max(tl.max(tl.abs(x), axis=3), axis=2), 1e-4) / 448.0
+    s = _group_scale(tl.max(tl.max(tl.abs(x), axis=3), axis=2))
     q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(s[:, :, None, None], x.shape)), -448.0, 448.0)
     return _as_codes(q, codes_dtype) * s[:, :, None, None]
 
