@@ -291,8 +291,11 @@ FUSED_WORST_CASE_MAX_CAPACITY = 128
 # 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
 # at 128; worst-case normal (CUDA graphs) 93 / 93 against 161 / 97 at 128, but at 4096 its fused exchange took 946
 # / 796 against the torch exchange's 798 / 711 (the run before), so it stays there. Sizes in between: not measured.
-DIRECT_CAPACITIES: dict[str, tuple[int, Optional[int]]] = {"exact": (1, None), "worst_case": (1, 128),
-                                                           "masked": (1, None)}
+# Those measured ranges were (1, None) for exact and masked, (1, 128) for worst-case. None: "auto" never takes the
+# direct writes, because the byte-for-byte NCCL test of the direct exchange (test_fused_direct_exchange_nccl)
+# FAILED on 2x H200 (2026-11-26 11:27 UTC), cause not yet found; exchange="direct" still asks for them.
+DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": None, "worst_case": None,
+                                                                     "masked": None}
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -951,7 +954,10 @@ class TorchA2ADispatcher(Dispatcher):
         if self.exchange == "collective":
             return False
         if self.exchange == "auto":
-            low, high = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+            limits = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
+            if limits is None:
+                return False
+            low, high = limits
             if self.capacity is None or self.capacity < low or (high is not None and self.capacity > high):
                 return False
         return kernels.direct_ok is None or kernels.direct_ok(self.group, device)

@@ -239,6 +239,7 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
                                          r"got 'nvshmem'"):
         ta.exchange_option(cfg)
     assert ta.exchange_option(dataclasses.replace(cfg, backend_options={})) == "auto"
+    shipped = dict(ta.DIRECT_CAPACITIES)
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", {"exact": (256, None), "worst_case": (1, 128), "masked": (64, 512)})
 
     def direct(exchange, masked=False, worst_case=False, capacity=None, reachable=True):
@@ -252,3 +253,7 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     assert direct("auto", masked=True, capacity=512) and not direct("auto", masked=True, capacity=513)
     assert direct("auto", worst_case=True, capacity=128) and not direct("auto", worst_case=True, capacity=4096)
     assert direct("auto", capacity=4096) and not direct("auto", capacity=128) and not direct("auto")
+    # the shipped table: "auto" keeps the collective until the direct exchange passes its NCCL test (decision 66)
+    monkeypatch.setattr(ta, "DIRECT_CAPACITIES", shipped)
+    assert not any(direct("auto", masked=m, worst_case=w, capacity=c)
+                   for m, w in ((True, False), (False, True), (False, False)) for c in (1, 128, 4096))
