@@ -309,13 +309,7 @@ class DeepEPDispatcher(Dispatcher):
                 else:
                     if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
                         self._validate(x, topk)
-                    handle = _new_tuple(_LowLatencyHandle, (handle, idx, _BF16))
-                    if self.fp8:
-                        data, scale = recv_x
-                        if self.ue8m0:
-                            scale = unpack_ue8m0(scale, self.hidden // 128)
-                        return masked_dispatch_unchecked(data, self.wire, scale, self.ue8m0, recv_count, topk, handle)
-                    return masked_dispatch_unchecked(recv_x, self.wire, None, False, recv_count, topk, handle)
+                    return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, _BF16)
             launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)
         return self._dispatch_normal(hidden_states, topk, None, False).wait()

@@ -113,10 +113,9 @@ def check_graph_replay(backend, quant, options):
     replay_on_new_inputs(layer, x, random_topk(T, cfg), ref, TOL[quant])
 
 
-def replay_on_new_inputs(layer, x, topk, expected, tol):
-    """One forward of ``layer`` captured in a CUDA graph (after a warm-up on a side stream), then replayed twice
-    on new tokens and routing written into the captured ``x`` and ``topk``: each replay against
-    ``expected(x, topk)`` within ``tol``."""
+def capture_forward(layer, x, topk):
+    """(graph, its output): one forward of ``layer`` on ``x`` / ``topk`` captured in a CUDA graph after a warm-up
+    call on a side stream (what allocates and compiles runs outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -125,6 +124,14 @@ def replay_on_new_inputs(layer, x, topk, expected, tol):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = layer(x, topk)
+    return g, out
+
+
+def replay_on_new_inputs(layer, x, topk, expected, tol):
+    """One forward of ``layer`` captured in a CUDA graph (after a warm-up on a side stream), then replayed twice
+    on new tokens and routing written into the captured ``x`` and ``topk``: each replay against
+    ``expected(x, topk)`` within ``tol``."""
+    g, out = capture_forward(layer, x, topk)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         new = random_topk(x.shape[0], layer.config)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from cuda_layer_cases import (
     TOL,
+    capture_forward,
     fp8_scheme_reference,
     layers,
     needs_gpu,
@@ -308,14 +309,7 @@ def test_decode_graph_replay_is_the_eager_call(backend, quant):
 
         need_cutlass()
     layer, expected, x, topk = _gpu_case(backend, quant, 8, 1, cuda_graph=True, **SIZES[backend])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer(x, topk)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = layer(x, topk)
+    g, out = capture_forward(layer, x, topk)
     errors, slacks = [], []
     for _ in range(20):
         x.copy_(torch.randn_like(x))

@@ -49,6 +49,15 @@ GROUP = 128  # FP8 activation group and weight block edge
 
 
 @triton.jit
+def _gated_activation(gate, up, ACT: tl.constexpr):
+    """ACT 0: silu(gate) * up; 1: exact gelu(gate) * up (every kernel's gate/up epilogue)."""
+    if ACT == 0:
+        return gate * tl.sigmoid(gate) * up
+    else:
+        return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+
+
+@triton.jit
 def _align_count_kernel(ids_ptr, numel, chunk_counts_ptr, E: tl.constexpr, E_POW2: tl.constexpr,
                         CHUNK: tl.constexpr):
     """Per-chunk expert histogram: chunk_counts[c, e] (deterministic, no atomics)."""
@@ -404,10 +413,7 @@ def _gemm_tile(
         offs_o = offs_n
         o_mask = n_mask
     if GATE != 0:
-        if ACT == 0:  # silu(gate) * up
-            acc = gate * tl.sigmoid(gate) * up
-        else:  # exact gelu(gate) * up
-            acc = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+        acc = _gated_activation(gate, up, ACT)
     if MUL_WEIGHT:
         w = tl.load(topk_w_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * w[:, None]
@@ -658,10 +664,7 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
         tl.extra.cuda.gdc_launch_dependents()
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-    if ACT == 0:  # silu(gate) * up
-        h = gate * tl.sigmoid(gate) * up
-    else:  # exact gelu(gate) * up
-        h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    h = _gated_activation(gate, up, ACT)
     tl.store(h_ptr + slot.to(tl.int64) * stride_h + offs_i, h, mask=i_mask)
 
 
@@ -829,10 +832,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         tl.extra.cuda.gdc_launch_dependents()
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-    if ACT == 0:  # silu(gate) * up
-        h = gate * tl.sigmoid(gate) * up
-    else:  # exact gelu(gate) * up
-        h = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    h = _gated_activation(gate, up, ACT)
     tl.store(h_ptr + slot * stride_h + offs_i, h, mask=ok)
 
 
