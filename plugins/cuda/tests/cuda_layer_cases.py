@@ -127,16 +127,21 @@ def capture_forward(layer, x, topk):
     return g, out
 
 
+def refill_inputs(layer, x, topk):
+    """New O(1) tokens and routing written into a captured graph's ``x`` and ``topk`` (in place)."""
+    x.copy_(torch.randn_like(x))
+    new = random_topk(x.shape[0], layer.config)
+    topk.weights.copy_(new.weights)
+    topk.ids.copy_(new.ids)
+
+
 def replay_on_new_inputs(layer, x, topk, expected, tol):
     """One forward of ``layer`` captured in a CUDA graph (after a warm-up on a side stream), then replayed twice
     on new tokens and routing written into the captured ``x`` and ``topk``: each replay against
     ``expected(x, topk)`` within ``tol``."""
     g, out = capture_forward(layer, x, topk)
     for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        new = random_topk(x.shape[0], layer.config)
-        topk.weights.copy_(new.weights)
-        topk.ids.copy_(new.ids)
+        refill_inputs(layer, x, topk)
         g.replay()
         torch.cuda.synchronize()
         assert relative_error(out, expected(x, topk)) < tol

@@ -16,6 +16,7 @@ from cuda_layer_cases import (
     layers,
     needs_gpu,
     random_topk,
+    refill_inputs,
     replay_on_new_inputs,
     within_fp8_scheme,
 )
@@ -312,10 +313,7 @@ def test_decode_graph_replay_is_the_eager_call(backend, quant):
     g, out = capture_forward(layer, x, topk)
     errors, slacks = [], []
     for _ in range(20):
-        x.copy_(torch.randn_like(x))
-        new = random_topk(x.shape[0], layer.config)
-        topk.weights.copy_(new.weights)
-        topk.ids.copy_(new.ids)
+        refill_inputs(layer, x, topk)
         g.replay()
         eager = layer(x, topk)
         torch.cuda.synchronize()
