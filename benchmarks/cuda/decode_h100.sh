@@ -54,7 +54,7 @@ if [ "$TESTS_K" != none ]; then  # (with SWEEP: alongside its compile phase, end
   say "GPU tests start (-k '$TESTS_K')"
   timeout "${TESTS_S:-$(until_left $(( ${WARM_LEFT:-190} + 5 )))}" python3 -m pytest plugins/cuda/tests/test_decode.py \
     plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py plugins/cuda/tests/test_triton.py \
-    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n 4 -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
+    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
   TESTS_PID=$!
 fi
 

@@ -442,11 +442,13 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pre):
     either loop form (form 1) or split and not (form 2), several groups a step: eager, replayed, in a CUDA graph,
     against float64; the same bytes every call (deterministic, the split's last-program reduction included). ``pre``:
     form 2's prefetching kernels (the down kernel's first weights loaded before its PDL wait) with the down kernel
-    released as the gate/up programs start (PDL 2)."""
+    released as the gate/up programs start (PDL 2); form 2 in registers (not split) without it: Triton's software
+    pipeline over both loops (3 stages, through shared memory)."""
     if form == 2:
+        stages = 3 if not (pre or flat) else 1
         cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, PRE=pre, num_warps=2,
-                              num_stages=1),
-               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, PRE=pre, num_warps=1, num_stages=1),
+                              num_stages=stages),
+               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, PRE=pre, num_warps=1, num_stages=stages),
                "PDL": 2 if pre else 1}
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),

@@ -112,7 +112,8 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                s13.stride(1), s13.stride(2), h.stride(0), TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
-               PRE=bool(cfg.get("PRE", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               PRE=bool(cfg.get("PRE", 0)), STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
         return
     if cnt is not None:
         raise ValueError("decode gate/up: counters to zero need the form-2 kernel (cfg FORM 2)")
@@ -152,7 +153,8 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               PRE=bool(cfg.get("PRE", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+               PRE=bool(cfg.get("PRE", 0)), STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),

@@ -782,7 +782,8 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                               stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+                              STAGES: tl.constexpr):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
     with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
@@ -790,7 +791,9 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     would otherwise dominate the ALU; dispatched codes are scaled as they came. The weight block scales multiply the
     step's per-(row, group) sums. ZERO_CNT: the programs (first slot group of token t, 0) zero token t's ``n_cnt``
     counters of the split down kernel (which runs after this one). PRE: the next step's weights and scales are
-    loaded before this step's products (software pipelining in registers: two steps of loads in flight). PDL: 1 lets
+    loaded before this step's products (software pipelining in registers: two steps of loads in flight). STAGES > 1:
+    Triton's software pipeline over the loop (its loads run STAGES - 1 steps ahead through shared memory, cp.async;
+    a loop without a dot is pipelined only when the loop asks, ``tl.range(num_stages=)``). PDL: 1 lets
     the down kernel launch once every program is past its loop, 2 as soon as every program has started (the down
     kernel fetches its first weights while this one streams; it waits for this grid before reading h)."""
     if PDL == 2:
@@ -835,7 +838,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     if PRE:
         g, u, g_s, u_s = _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, 0, H, stride_wsk, FP8,
                                              GROUPS, False)
-    for k in range(0, n_k):
+    for k in tl.range(0, n_k, num_stages=STAGES):
         if PRE:
             g_next, u_next, gs_next, us_next = _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, k + 1,
                                                                    H, stride_wsk, FP8, GROUPS, False)
@@ -899,7 +902,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                           SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr):
+                           SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, STAGES: tl.constexpr):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
@@ -907,7 +910,8 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
     FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
     PRE: the next step's weights are loaded before this step's products (two steps of loads in flight), the first
-    step's before the PDL wait (the weights and ids do not depend on the gate/up kernel; h does)."""
+    step's before the PDL wait (the weights and ids do not depend on the gate/up kernel; h does). STAGES: as the
+    gate/up kernel's (Triton's software pipeline over the loop, through shared memory)."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -934,7 +938,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                                              stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for j in range(0, n_steps):  # (slot, I-step) flat: the software pipeline runs across slots
+    for j in tl.range(0, n_steps, num_stages=STAGES):  # (slot, I-step) flat: the pipeline runs across slots
         if PRE:
             k_n, i_n, limit_n, wv_n, w_s_n = _down_v2_step(w_ptr, w_scale_ptr, ids_ptr, j + 1, n_steps, n_i, k_first,
                                                            t, E, inter, offs_h, h_mask, offs_i, s_row, stride_it,
@@ -963,10 +967,10 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         if arrived == TOP_K - 1:  # the token's last slot for this H-block: reduce in slot order
             tl.store(cnt_ptr + t * n_cnt + hb, 0)  # (back to zero: a buffer zeroed once serves every launch)
             total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            for k in tl.static_range(TOP_K):
-                e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-                if (e >= 0) & (e < E):
-                    total += tl.load(part_ptr + (t * TOP_K + k) * stride_p + offs_h, mask=h_mask, other=0.0,
+            for kk in tl.static_range(TOP_K):
+                e_kk = tl.load(ids_ptr + t * stride_it + kk * stride_ik)
+                if (e_kk >= 0) & (e_kk < E):
+                    total += tl.load(part_ptr + (t * TOP_K + kk) * stride_p + offs_h, mask=h_mask, other=0.0,
                                      cache_modifier=".cg")
             tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
     else:
