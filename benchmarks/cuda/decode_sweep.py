@@ -37,15 +37,13 @@ from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 LAUNCHES = {"decode": ((4, 1), (4, 3), (8, 3)), "down": ((4, 1, 0), (4, 3, 0), (4, 3, 1), (8, 3, 1))}
 
 
-def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2), pre: tuple[int, ...] = (0, 1),
+def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2),
                warps: Optional[tuple[int, ...]] = None, stages: tuple[int, ...] = (1,)) -> list[dict[str, int]]:
     """Form 1: rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up:
     two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread. Form 2
-    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x warps, down rows x groups x warps
-    x ``SPLIT``, each with ``PRE`` 1 (register prefetch, one stage) or 0 with each of ``stages`` (Triton's software
-    pipeline through shared memory where > 1; ``pre`` says which PRE values). Weights a thread a step at most (the
-    fp32 tiles their products expand to are what fills the registers; ptxas, sm_90, FP8: more spills): gate/up
-    (gate and up) 256, down 128, 64 with PRE (it holds two steps). The step's columns need at least half the
+    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x warps x ``stages``, at most 256
+    weights a thread a step; down rows x groups x warps x stages x ``SPLIT``, at most 128 weights a thread a step
+    (stages > 1: Triton's software pipeline through shared memory); the step's columns need at least half the
     threads (16-byte loads: 8 threads a group in FP8, 16 in bf16). ``warps``: form 2's warp counts (default 1, 2,
     4)."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
@@ -58,28 +56,27 @@ def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2), pr
                 if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
     if 2 in forms:
         lanes = 8 if fp8 else 16  # threads over one 128-column group
-        launches = [(w, p, s) for w in (warps or (1, 2, 4)) for p in pre for s in ((1,) if p else stages)]
+        launches = [(w, st) for w in (warps or (1, 2, 4)) for st in stages]
         if part == "decode":  # (rows: SLOTS x BLOCK_I (slot, I-row) pairs; SLOTS must divide the preset's top_k)
             for slots in (1, 2, 4, 8):
                 for b in (1, 2, 4, 8):
                     for g in (2, 4, 8):
-                        for w, p, st in launches:
+                        for w, st in launches:
                             threads, rows = 32 * w, slots * b
-                            if not 2 <= rows <= 16 or g * lanes * 2 < threads or \
-                                    2 * rows * g * 128 > (64 if p else 256) * threads:
+                            if not 2 <= rows <= 16 or g * lanes * 2 < threads or 2 * rows * g * 128 > 256 * threads:
                                 continue
-                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "PRE": p,
-                                        "num_warps": w, "num_stages": st})
+                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "num_warps": w,
+                                        "num_stages": st})
         else:
             for b in (4, 8, 16, 32):
                 for g in (2, 4, 8, 16):
-                    for w, p, st in launches:
+                    for w, st in launches:
                         threads = 32 * w
-                        if g * lanes * 2 < threads or b * g * 128 > (64 if p else 128) * threads:
+                        if g * lanes * 2 < threads or b * g * 128 > 128 * threads:
                             continue
                         for split in (0, 1):
-                            out.append({block: b, "GROUPS": g, "FORM": 2, "PRE": p, "num_warps": w,
-                                        "num_stages": st, "SPLIT": split})
+                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": w, "num_stages": st,
+                                        "SPLIT": split})
     return out
 
 
@@ -88,13 +85,13 @@ TOP = 3  # the fastest of each kernel tried together
 
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
                   shard: tuple[int, int] = (0, 1), forms: tuple[int, ...] = (1, 2),
-                  current: Optional[dict] = None, pre: tuple[int, ...] = (0, 1),
-                  warps: Optional[tuple[int, ...]] = None, stages: tuple[int, ...] = (1,)) -> dict[str, Any]:
+                  current: Optional[dict] = None, warps: Optional[tuple[int, ...]] = None,
+                  stages: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
     HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
     forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
-    the fastest full config}. ``forms``, ``pre``, ``warps``, ``stages``: the kernel forms, form 2's PRE values, warp
-    counts and pipeline stages swept (``candidates``); ``current``: a decode config (the shape's table
+    the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
+    stages swept (``candidates``); ``current``: a decode config (the shape's table
     entry) whose parts are candidates too. A split down kernel alone reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
@@ -117,7 +114,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     tops = {}
     for part in ("decode", "down"):
         timed = []
-        cands = [c for c in candidates(part, fp8, forms, pre, warps, stages) if top_k % c.get("SLOTS", 1) == 0]
+        cands = [c for c in candidates(part, fp8, forms, warps, stages) if top_k % c.get("SLOTS", 1) == 0]
         if current and current.get(part) and current[part] not in cands:
             cands.append(current[part])
         for c in cands[shard[0]::shard[1]]:
@@ -176,10 +173,9 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
         return res
     pairs.sort(key=lambda r: r[0])
     best_t, best = pairs[0]
-    # the best pair, and the best with a prefetching down kernel, with PDL: released past the gate/up loop (1) or,
-    # form-2 gate/up, as it starts (2: the down kernel's first weights, PRE, load while the gate/up kernel streams)
-    for cfg in {json.dumps(c, sort_keys=True): c for c in [best] + [c for _, c in pairs if c["down"].get("PRE")][:1]
-                }.values():
+    # the best two pairs with PDL: the down kernel released past the gate/up loop (1) or, form-2 gate/up, as its
+    # programs start (2)
+    for _, cfg in pairs[:2]:
         for level in ((1, 2) if cfg["decode"].get("FORM", 1) == 2 else (1,)):
             with_pdl = {**cfg, "PDL": level}
             try:
@@ -240,11 +236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
     p.add_argument("--forms", nargs="+", type=int, default=[1, 2], help="the kernel forms swept (1, 2); the "
                    "shape's current table config is a candidate either way")
-    p.add_argument("--pre", nargs="+", type=int, default=[0, 1], help="form 2's PRE values swept (0, 1)")
     p.add_argument("--warps", nargs="+", type=int, default=None, help="form 2's warp counts swept (default 1 2 4)")
-    p.add_argument("--stages", nargs="+", type=int, default=[1, 3], help="form 2's pipeline stages swept (PRE 0)")
+    p.add_argument("--stages", nargs="+", type=int, default=[1, 3], help="form 2's pipeline stages swept")
     args = p.parse_args(argv)
-    p_args = dict(pre=tuple(args.pre), warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages))
+    p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages))
     forms = tuple(args.forms)
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []

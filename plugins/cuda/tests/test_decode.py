@@ -30,15 +30,12 @@ else:
     pytest.importorskip("triton")
 
 
-def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, slots=1, pre=0):
+def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, slots=1):
     """A decode config: form 1 (``flat``: the down kernel's loop form) or form 2 (``split``: one down program per
-    slot, partials reduced by the last; ``slots``: gate/up slots a program; ``pre``: both kernels load the next
-    step's weights before this step's products)."""
+    slot, partials reduced by the last; ``slots``: gate/up slots a program)."""
     if form == 2:
-        return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, PRE=pre, num_warps=4,
-                               num_stages=2),
-                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, PRE=pre, num_warps=4,
-                             num_stages=2)}
+        return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, num_warps=4, num_stages=2),
+                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
 
@@ -74,8 +71,7 @@ def test_decode_experts_interpreter(interleaved, groups, form, flat, T, E, K, H,
     out = triton_ops.fused_experts(x, None, interleave_gate_up(w13) if interleaved else w13, w2, None, None, w, ids,
                                    fp8_block=False, activation=act, routed_scaling_factor=1.5, out_dtype=dtype,
                                    cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat,
-                                            slots=2 if K % 2 == 0 and flat else 1, pre=int(groups > 1)),
-                                   w13_interleaved=interleaved)
+                                            slots=2 if K % 2 == 0 and flat else 1), w13_interleaved=interleaved)
     assert out.shape == (T, H) and out.dtype == dtype
     assert relative_error(out, ref) < (1e-2 if dtype is torch.float16 else 1e-5)
 
@@ -119,8 +115,7 @@ def test_decode_fp8_scales_interpreter(interleaved, groups, form, flat, inter, g
                                    fp8_block=True, activation="silu", routed_scaling_factor=1.5,
                                    out_dtype=torch.float32,
                                    cfg=_cfg(groups=groups, groups2=groups, flat=flat, form=form, split=flat,
-                                            slots=4 if flat else 1, pre=int(groups < 4)),
-                                   w13_interleaved=interleaved)
+                                            slots=4 if flat else 1), w13_interleaved=interleaved)
     want = torch.zeros(T, H, dtype=torch.float64)
     for t in range(T):
         for k in range(K):
@@ -436,20 +431,17 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("form,flat,pre", [(f, flat, 0) for f, flat in FORMS] + [(2, 0, 1), (2, 1, 1)])
-def test_decode_pdl_and_loop_variants(quant, form, flat, pre):
+@pytest.mark.parametrize("form,flat,pdl", [(f, flat, 1) for f, flat in FORMS] + [(2, 0, 2), (2, 1, 2)])
+def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
-    either loop form (form 1) or split and not (form 2), several groups a step: eager, replayed, in a CUDA graph,
-    against float64; the same bytes every call (deterministic, the split's last-program reduction included). ``pre``:
-    form 2's prefetching kernels (the down kernel's first weights loaded before its PDL wait) with the down kernel
-    released as the gate/up programs start (PDL 2); form 2 in registers (not split) without it: Triton's software
-    pipeline over both loops (3 stages, through shared memory)."""
+    released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
+    (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
+    over its loops (3 stages, through shared memory): eager, replayed, in a CUDA graph, against float64; the same
+    bytes every call (deterministic, the split's last-program reduction included)."""
     if form == 2:
-        stages = 3 if not (pre or flat) else 1
-        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, PRE=pre, num_warps=2,
-                              num_stages=stages),
-               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, PRE=pre, num_warps=1, num_stages=stages),
-               "PDL": 2 if pre else 1}
+        stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
+        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=stages),
+               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=stages), "PDL": pdl}
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}

@@ -18,7 +18,9 @@ group in fp32 and scaled by the activation and weight block scales (``kernels._d
 Form 2 (a config part's ``"FORM": 2``; docs/decisions.md, "FP8 decode kernels, form 2"): the same math with the
 threads over a step's columns and the rows in registers, so the FP8 quantization of a step is paid once per value;
 gate/up programs own ``SLOTS`` slots x ``BLOCK_I`` rows; the down kernel may ``SPLIT`` over slots (fp32 partials
-reduced in slot order by the last program of each token and H-block: deterministic).
+reduced in slot order by the last program of each token and H-block: deterministic). Form 2's ``num_stages`` > 1
+runs Triton's software pipeline over both loops (cp.async through shared memory), and ``"PDL": 2`` releases the down
+kernel as the gate/up programs start (docs/decisions.md, "Decode kernels: pipelined loads").
 """
 
 from __future__ import annotations
@@ -112,8 +114,7 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                s13.stride(1), s13.stride(2), h.stride(0), TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
-               PRE=bool(cfg.get("PRE", 0)), STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
-               num_stages=cfg["num_stages"])
+               STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     if cnt is not None:
         raise ValueError("decode gate/up: counters to zero need the form-2 kernel (cfg FORM 2)")
@@ -133,8 +134,7 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     """``kernels._decode_down_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_down_v2_kernel`` (2) from ``h``
     into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``: launched with programmatic dependent launch
     behind ``gate_up``, Hopper and later; ``cfg["SPLIT"]``: one program per slot and H-block, ``part`` [T*K, H] fp32
-    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``; form 2's ``cfg["PRE"]``: the next step's weights loaded
-    before this step's products, the first step's before the PDL wait)."""
+    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``; form 2's ``num_stages`` pipelines the loop)."""
     T, H = out.shape
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -153,8 +153,8 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               PRE=bool(cfg.get("PRE", 0)), STAGES=cfg["num_stages"], num_warps=cfg["num_warps"],
-               num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+               STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+               **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),

@@ -753,36 +753,12 @@ def _quant_groups_4d(x, codes_dtype: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, k, H, stride_wsk, FP8: tl.constexpr,
-                        GROUPS: tl.constexpr, ALL_K: tl.constexpr):
-    """Step ``k`` of ``_decode_gate_up_v2_kernel``'s weights: (gate tile, up tile, their block scales [R, GROUPS]);
-    columns past H masked (so a step past the last, a prefetch's, loads nothing) unless ALL_K (every step whole,
-    none past the last)."""
-    if ALL_K:
-        k_mask = tl.full(offs_k.shape, 1, tl.int1)
-    else:
-        k_mask = offs_k < H - k * GROUPS * 128
-    w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
-    g = tl.load(g_ptrs + k * GROUPS * 128, mask=w_mask, other=0.0)
-    u = tl.load(u_ptrs + k * GROUPS * 128, mask=w_mask, other=0.0)
-    if FP8:
-        grp = tl.arange(0, GROUPS)
-        s_mask = ok[:, None] & (grp[None, :] < tl.cdiv(H, 128) - k * GROUPS)
-        g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
-        u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
-    else:  # (unused)
-        g_s = tl.zeros((1, GROUPS), tl.float32)
-        u_s = g_s
-    return g, u, g_s, u_s
-
-
-@triton.jit
 def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, cnt_ptr, H, inter, E, n_cnt,
                               stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn,
                               stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr,
+                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr,
                               STAGES: tl.constexpr):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
@@ -790,12 +766,10 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     share the token's values of a step and, in FP8, its per-128-column quantization (QUANT_X), whose IEEE divisions
     would otherwise dominate the ALU; dispatched codes are scaled as they came. The weight block scales multiply the
     step's per-(row, group) sums. ZERO_CNT: the programs (first slot group of token t, 0) zero token t's ``n_cnt``
-    counters of the split down kernel (which runs after this one). PRE: the next step's weights and scales are
-    loaded before this step's products (software pipelining in registers: two steps of loads in flight). STAGES > 1:
-    Triton's software pipeline over the loop (its loads run STAGES - 1 steps ahead through shared memory, cp.async;
-    a loop without a dot is pipelined only when the loop asks, ``tl.range(num_stages=)``). PDL: 1 lets
-    the down kernel launch once every program is past its loop, 2 as soon as every program has started (the down
-    kernel fetches its first weights while this one streams; it waits for this grid before reading h)."""
+    counters of the split down kernel (which runs after this one). STAGES > 1: Triton's software pipeline over the
+    loop (its loads run STAGES - 1 steps ahead through shared memory, cp.async; a loop without a dot is pipelined
+    only when the loop asks, ``tl.range(num_stages=)``). PDL: 1 lets the down kernel launch once every program is
+    past its loop, 2 as soon as every program has started (it waits for this grid before reading h)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
@@ -827,42 +801,39 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     g_ptrs = (w_rows + g_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
     u_ptrs = (w_rows + u_rows.to(tl.int64) * stride_wn)[:, None, None, None] + offs_k[None, :, :, :]
     x_ptrs = x_ptr + t * stride_x + offs_k[None, :, :, :]
-    # each row's weight scale row (its expert's, its checkpoint row's block): [R, GROUPS] (unread unless FP8)
-    s_rows = w_scale_ptr + e * stride_wse
-    gs_ptrs = (s_rows + (offs_i // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
-    us_ptrs = (s_rows + ((offs_i + inter) // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
-    xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
+    if FP8:  # each row's weight scale row (its expert's, its checkpoint row's block): [R, GROUPS]
+        s_rows = w_scale_ptr + e * stride_wse
+        gs_ptrs = (s_rows + (offs_i // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
+        us_ptrs = (s_rows + ((offs_i + inter) // 128) * stride_wsn)[:, None] + grp[None, :] * stride_wsk
+        xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
     acc_g = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
     acc_u = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
-    n_k = tl.cdiv(H, GROUPS * 128)
-    if PRE:
-        g, u, g_s, u_s = _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, 0, H, stride_wsk, FP8,
-                                             GROUPS, False)
-    for k in tl.range(0, n_k, num_stages=STAGES):
-        if PRE:
-            g_next, u_next, gs_next, us_next = _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, k + 1,
-                                                                   H, stride_wsk, FP8, GROUPS, False)
-        else:
-            g, u, g_s, u_s = _gate_up_v2_weights(g_ptrs, u_ptrs, gs_ptrs, us_ptrs, ok, offs_k, k, H, stride_wsk, FP8,
-                                                 GROUPS, EVEN_K)
+    for k in tl.range(0, tl.cdiv(H, GROUPS * 128), num_stages=STAGES):
         if EVEN_K:
             k_mask = tl.full((GROUPS, LANES, VEC), 1, tl.int1)
         else:
             k_mask = offs_k < H - k * GROUPS * 128
-        x = tl.load(x_ptrs + k * GROUPS * 128, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)
+        w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, LANES, VEC]
         if FP8:
+            g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
             if QUANT_X:
                 x = _quant_groups_4d(x, w_ptr.dtype.element_ty)
             else:
-                g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
                 x = x * tl.load(xs_ptrs + k * GROUPS * stride_xsk, mask=g_ok, other=0.0)[:, :, None, None]
+            s_mask = ok[:, None] & g_ok
+            g_s = tl.load(gs_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
+            u_s = tl.load(us_ptrs + k * GROUPS * stride_wsk, mask=s_mask, other=0.0)
             acc_g += tl.sum(g.to(tl.float32) * x, axis=3) * g_s[:, :, None]
             acc_u += tl.sum(u.to(tl.float32) * x, axis=3) * u_s[:, :, None]
         else:
             acc_g += tl.sum(g.to(tl.float32) * x, axis=3)
             acc_u += tl.sum(u.to(tl.float32) * x, axis=3)
-        if PRE:
-            g, u, g_s, u_s = g_next, u_next, gs_next, us_next
+        x_ptrs += GROUPS * 128
+        g_ptrs += GROUPS * 128
+        u_ptrs += GROUPS * 128
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
@@ -872,46 +843,18 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
 
 
 @triton.jit
-def _down_v2_step(w_ptr, w_scale_ptr, ids_ptr, j, n_steps, n_i, k_first, t, E, inter, offs_h, h_mask, offs_i, s_row,
-                  stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, FP8: tl.constexpr,
-                  GROUPS: tl.constexpr):
-    """Step ``j`` (slot k_first + j // n_i, I-step j % n_i) of ``_decode_down_v2_kernel``: (slot k, I-step i,
-    columns' limit (I, or 0 for a skipped slot or a step past ``n_steps``: nothing loaded), w2 tile, its block
-    scales [GROUPS])."""
-    live = tl.minimum(n_steps - j, 1)  # 1, or 0 past the last step (integers: no scalar masks)
-    k = tl.minimum(k_first + j // n_i, k_first + n_steps // n_i - 1)
-    i = j % n_i
-    e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
-    ok = (e >= 0) & (e < E)
-    e = tl.where(ok, e, 0).to(tl.int64)
-    limit = tl.where(ok, inter, 0) * live
-    cols = i * GROUPS * 128 + offs_i
-    wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None, None] * stride_wn + cols[None, :, :, :],
-                 mask=h_mask[:, None, None, None] & (cols < limit)[None, :, :, :], other=0.0)
-    grp = tl.arange(0, GROUPS)
-    if FP8:
-        w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
-                      mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
-    else:  # (unused)
-        w_s = tl.zeros((GROUPS,), tl.float32)
-    return k, i, limit, wv, w_s
-
-
-@triton.jit
 def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, part_ptr, cnt_ptr, H, inter, E,
                            scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                           SPLIT: tl.constexpr, PDL: tl.constexpr, PRE: tl.constexpr, STAGES: tl.constexpr):
+                           SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
     gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
     FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
-    PRE: the next step's weights are loaded before this step's products (two steps of loads in flight), the first
-    step's before the PDL wait (the weights and ids do not depend on the gate/up kernel; h does). STAGES: as the
-    gate/up kernel's (Triton's software pipeline over the loop, through shared memory)."""
+    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory)."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -930,35 +873,30 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
     offs_i = (grp[:, None, None] * 128 + tl.arange(0, LANES)[None, :, None] * VEC
               + tl.arange(0, VEC)[None, None, :])  # [GROUPS, LANES, VEC]
     acc = tl.zeros((BLOCK_H, GROUPS, LANES), dtype=tl.float32)
-    n_i = tl.cdiv(inter, GROUPS * 128)
-    n_steps = n_slots * n_i
-    if PRE:
-        k, i, limit, wv, w_s = _down_v2_step(w_ptr, w_scale_ptr, ids_ptr, 0, n_steps, n_i, k_first, t, E, inter,
-                                             offs_h, h_mask, offs_i, s_row, stride_it, stride_ik, stride_we, stride_wn,
-                                             stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for j in tl.range(0, n_steps, num_stages=STAGES):  # (slot, I-step) flat: the pipeline runs across slots
-        if PRE:
-            k_n, i_n, limit_n, wv_n, w_s_n = _down_v2_step(w_ptr, w_scale_ptr, ids_ptr, j + 1, n_steps, n_i, k_first,
-                                                           t, E, inter, offs_h, h_mask, offs_i, s_row, stride_it,
-                                                           stride_ik, stride_we, stride_wn, stride_wse, stride_wsn,
-                                                           stride_wsk, FP8, GROUPS)
-        else:
-            k, i, limit, wv, w_s = _down_v2_step(w_ptr, w_scale_ptr, ids_ptr, j, n_steps, n_i, k_first, t, E, inter,
-                                                 offs_h, h_mask, offs_i, s_row, stride_it, stride_ik, stride_we,
-                                                 stride_wn, stride_wse, stride_wsn, stride_wsk, FP8, GROUPS)
+    n_i = tl.cdiv(inter, GROUPS * 128)
+    for j in tl.range(0, n_slots * n_i, num_stages=STAGES):  # (slot, I-step) flat: the pipeline runs across slots
+        k = k_first + j // n_i
+        i = j % n_i
+        e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+        ok = (e >= 0) & (e < E)
+        e = tl.where(ok, e, 0).to(tl.int64)
+        limit = tl.where(ok, inter, 0)  # (a skipped slot loads nothing)
         weight = tl.load(topk_w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
         cols = i * GROUPS * 128 + offs_i
-        hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + cols[None, :, :, :], mask=(cols < limit)[None, :, :, :],
+        i_mask = cols < limit
+        hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + cols[None, :, :, :], mask=i_mask[None, :, :, :],
                      other=0.0)
+        wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None, None] * stride_wn
+                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0)
         if FP8:
+            w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
+                          mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
             hv = _quant_groups_4d(hv, w_ptr.dtype.element_ty)
             acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * (w_s * weight)[None, :, None]
         else:
             acc += tl.sum(wv.to(tl.float32) * hv, axis=3) * weight
-        if PRE:
-            k, i, limit, wv, w_s = k_n, i_n, limit_n, wv_n, w_s_n
     total = tl.sum(tl.sum(acc, axis=2), axis=1)
     if SPLIT:
         tl.store(part_ptr + slot * stride_p + offs_h, total, mask=h_mask)
@@ -967,10 +905,10 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         if arrived == TOP_K - 1:  # the token's last slot for this H-block: reduce in slot order
             tl.store(cnt_ptr + t * n_cnt + hb, 0)  # (back to zero: a buffer zeroed once serves every launch)
             total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            for kk in tl.static_range(TOP_K):
-                e_kk = tl.load(ids_ptr + t * stride_it + kk * stride_ik)
-                if (e_kk >= 0) & (e_kk < E):
-                    total += tl.load(part_ptr + (t * TOP_K + kk) * stride_p + offs_h, mask=h_mask, other=0.0,
+            for k in tl.static_range(TOP_K):
+                e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
+                if (e >= 0) & (e < E):
+                    total += tl.load(part_ptr + (t * TOP_K + k) * stride_p + offs_h, mask=h_mask, other=0.0,
                                      cache_modifier=".cg")
             tl.store(out_ptr + t * stride_out + offs_h, (total * scale).to(out_ptr.dtype.element_ty), mask=h_mask)
     else:
