@@ -19,7 +19,7 @@
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
 #   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
-# PRESETS (default all four): the presets of decode.py and host_time.py.
+# PRESETS (default all four): the presets of decode.py and host_time.py; QUANT (default both): decode.py's.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR SWEEP="..." bash benchmarks/cuda/decode_h100.sh OUT
 set -o pipefail
 OUT=${1:?usage: decode_h100.sh OUT}
@@ -54,7 +54,7 @@ if [ "$TESTS_K" != none ]; then  # (with SWEEP: alongside its compile phase, end
   say "GPU tests start (-k '$TESTS_K')"
   timeout "${TESTS_S:-$(until_left $(( ${WARM_LEFT:-190} + 5 )))}" python3 -m pytest plugins/cuda/tests/test_decode.py \
     plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py plugins/cuda/tests/test_triton.py \
-    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n 4 -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
+    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
   TESTS_PID=$!
 fi
 
@@ -86,7 +86,8 @@ say "warm Triton's cache, GPU tests"
 
 for p in $PRESETS; do
   (for b in ${BACKENDS:-triton cutlass}; do
-     python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends $b --tokens ${TOKENS:-1 16 64}; done
+     python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends $b --tokens ${TOKENS:-1 16 64} \
+       ${QUANT:+--quant $QUANT}; done
   ) > "$LOGS/warm_$p.log" 2>&1 &
 done
 if [ -n "$BASE" ]; then
@@ -105,7 +106,7 @@ fi
 
 say decode
 timeout "$(until_left 30)" python3 "$BENCH/decode.py" --presets $PRESETS --tokens ${TOKENS:-1 16 64} \
-  --backends ${BACKENDS:-auto triton cutlass} --out-dir "$OUT" 2>&1 | tail -n 70
+  --backends ${BACKENDS:-auto triton cutlass} ${QUANT:+--quant $QUANT} --out-dir "$OUT" 2>&1 | tail -n 70
 
 say "host_time (this tree)"
 HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25; [ -n "$EXTRA_TOKENS" ] && HT_LEFT=35  # (what the phases after get)

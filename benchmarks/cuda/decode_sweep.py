@@ -35,16 +35,17 @@ from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 
 # (warps, stages) of gate/up; (warps, stages, FLAT) of down: form 1
 LAUNCHES = {"decode": ((4, 1), (4, 3), (8, 3)), "down": ((4, 1, 0), (4, 3, 0), (4, 3, 1), (8, 3, 1))}
-# form 2 (columns over threads, rows in registers): (warps, stages)
-LAUNCHES_2 = ((1, 1), (2, 1), (4, 1), (4, 3))
 
 
-def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) -> list[dict[str, int]]:
+def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2),
+               warps: Optional[tuple[int, ...]] = None, stages: tuple[int, ...] = (1,)) -> list[dict[str, int]]:
     """Form 1: rows (BLOCK_I / BLOCK_H) x 128-column groups a step x launch, the fp32 registers bounded (gate/up:
     two accumulators and two tiles of BLOCK_I x GROUPS x 128; down: one and one) to ~160 a thread. Form 2
-    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x launch, at most 256 weights a
-    thread a step; down rows x groups x launch x ``SPLIT``, at most 128 weights a thread a step; the step's columns
-    need at least half the threads (16-byte loads: 8 threads a group in FP8, 16 in bf16)."""
+    (``FORM`` 2): gate/up rows (``SLOTS`` slots x ``BLOCK_I``, 2 to 16) x groups x warps x ``stages``, at most 256
+    weights a thread a step; down rows x groups x warps x stages x ``SPLIT``, at most 128 weights a thread a step
+    (stages > 1: Triton's software pipeline through shared memory); the step's columns need at least half the
+    threads (16-byte loads: 8 threads a group in FP8, 16 in bf16). ``warps``: form 2's warp counts (default 1, 2,
+    4)."""
     block = "BLOCK_I" if part == "decode" else "BLOCK_H"
     out = []
     if 1 in forms:
@@ -55,25 +56,26 @@ def candidates(part: str, fp8: bool = False, forms: tuple[int, ...] = (1, 2)) ->
                 if per_thread * b * g * 128 <= 160 * 32 * launch[0]]
     if 2 in forms:
         lanes = 8 if fp8 else 16  # threads over one 128-column group
+        launches = [(w, st) for w in (warps or (1, 2, 4)) for st in stages]
         if part == "decode":  # (rows: SLOTS x BLOCK_I (slot, I-row) pairs; SLOTS must divide the preset's top_k)
             for slots in (1, 2, 4, 8):
                 for b in (1, 2, 4, 8):
                     for g in (2, 4, 8):
-                        for warps, stages in LAUNCHES_2[:3]:
-                            threads, rows = 32 * warps, slots * b
+                        for w, st in launches:
+                            threads, rows = 32 * w, slots * b
                             if not 2 <= rows <= 16 or g * lanes * 2 < threads or 2 * rows * g * 128 > 256 * threads:
                                 continue
-                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "num_warps": warps,
-                                        "num_stages": stages})
+                            out.append({"BLOCK_I": b, "SLOTS": slots, "GROUPS": g, "FORM": 2, "num_warps": w,
+                                        "num_stages": st})
         else:
             for b in (4, 8, 16, 32):
                 for g in (2, 4, 8, 16):
-                    for warps, stages in LAUNCHES_2:
-                        threads = 32 * warps
+                    for w, st in launches:
+                        threads = 32 * w
                         if g * lanes * 2 < threads or b * g * 128 > 128 * threads:
                             continue
                         for split in (0, 1):
-                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": warps, "num_stages": stages,
+                            out.append({block: b, "GROUPS": g, "FORM": 2, "num_warps": w, "num_stages": st,
                                         "SPLIT": split})
     return out
 
@@ -83,11 +85,13 @@ TOP = 3  # the fastest of each kernel tried together
 
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
                   shard: tuple[int, int] = (0, 1), forms: tuple[int, ...] = (1, 2),
-                  current: Optional[dict] = None) -> dict[str, Any]:
+                  current: Optional[dict] = None, warps: Optional[tuple[int, ...]] = None,
+                  stages: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
     HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
     forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
-    the fastest full config}. ``forms``: the kernel forms swept; ``current``: a decode config (the shape's table
+    the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
+    stages swept (``candidates``); ``current``: a decode config (the shape's table
     entry) whose parts are candidates too. A split down kernel alone reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
@@ -110,7 +114,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     tops = {}
     for part in ("decode", "down"):
         timed = []
-        cands = [c for c in candidates(part, fp8, forms) if top_k % c.get("SLOTS", 1) == 0]
+        cands = [c for c in candidates(part, fp8, forms, warps, stages) if top_k % c.get("SLOTS", 1) == 0]
         if current and current.get(part) and current[part] not in cands:
             cands.append(current[part])
         for c in cands[shard[0]::shard[1]]:
@@ -169,16 +173,22 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
         return res
     pairs.sort(key=lambda r: r[0])
     best_t, best = pairs[0]
-    with_pdl = {**best, "PDL": 1}
-    try:
-        pair(with_pdl)()
-        torch.cuda.synchronize(dev)
-        t1 = graph_time(pair(with_pdl), dev, reps) * 1e6
-        pairs.append((t1, with_pdl))
-        if t1 < best_t:
-            best_t, best = t1, with_pdl
-    except Exception as exc:
-        print(f"  {tag} pair with PDL: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+    # the best two pairs with PDL: the down kernel released past the gate/up loop (1) or, form-2 gate/up, as its
+    # programs start (2)
+    for _, cfg in pairs[:2]:
+        for level in ((1, 2) if cfg["decode"].get("FORM", 1) == 2 else (1,)):
+            with_pdl = {**cfg, "PDL": level}
+            try:
+                pair(with_pdl)()
+                torch.cuda.synchronize(dev)
+                t1 = graph_time(pair(with_pdl), dev, reps) * 1e6
+            except Exception as exc:
+                print(f"  {tag} pair with PDL {level}: FAILED {type(exc).__name__}: {str(exc)[:300]}",
+                      file=sys.stderr)
+                continue
+            pairs.append((t1, with_pdl))
+            if t1 < best_t:
+                best_t, best = t1, with_pdl
     res["pairs"] = [[round(t, 2), c] for t, c in pairs]
     res["best"] = best
     print(f"  {tag} pairs {[round(t, 1) for t, _ in pairs]} -> {best_t:.2f} us {best}", file=sys.stderr, flush=True)
@@ -226,7 +236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--shard", default="0/1", help="warm-only: candidates i, i+n, ... (i/n)")
     p.add_argument("--forms", nargs="+", type=int, default=[1, 2], help="the kernel forms swept (1, 2); the "
                    "shape's current table config is a candidate either way")
+    p.add_argument("--warps", nargs="+", type=int, default=None, help="form 2's warp counts swept (default 1 2 4)")
+    p.add_argument("--stages", nargs="+", type=int, default=[1, 3], help="form 2's pipeline stages swept")
     args = p.parse_args(argv)
+    p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages))
     forms = tuple(args.forms)
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
@@ -239,7 +252,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for T in args.sweep_tokens:
                     x, topk, w = stand_in(cfg, T, dev)
                     sweep_kernels(f"{name} {q} T={T}", x, topk, w, fp8, True, args.reps, True,
-                                  tuple(int(v) for v in args.shard.split("/")), forms, current)
+                                  tuple(int(v) for v in args.shard.split("/")), forms, current, **p_args)
                 continue
             layer = build_layer(cfg, dev)
             experts = layer.experts
@@ -253,7 +266,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 try:
                     if T in args.sweep_tokens:
                         row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
-                                                       args.reps, False, forms=forms, current=current)
+                                                       args.reps, False, forms=forms, current=current,
+                                                       **p_args)
                         swept[T] = row["kernels"].get("best")
                     # the nearest swept T's configs (their grids only grow with T), else the heuristic's
                     near = min(swept, key=lambda s: abs(s - T)) if swept else None

@@ -431,14 +431,17 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("form,flat", FORMS)
-def test_decode_pdl_and_loop_variants(quant, form, flat):
+@pytest.mark.parametrize("form,flat,pdl", [(f, flat, 1) for f, flat in FORMS] + [(2, 0, 2), (2, 1, 2)])
+def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
-    either loop form (form 1) or split and not (form 2), several groups a step: eager, replayed, in a CUDA graph,
-    against float64; the same bytes every call (deterministic, the split's last-program reduction included)."""
+    released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
+    (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
+    over its loops (3 stages, through shared memory): eager, replayed, in a CUDA graph, against float64; the same
+    bytes every call (deterministic, the split's last-program reduction included)."""
     if form == 2:
-        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=1),
-               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=1), "PDL": 1}
+        stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
+        cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=stages),
+               "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=stages), "PDL": pdl}
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}

@@ -18,7 +18,9 @@ group in fp32 and scaled by the activation and weight block scales (``kernels._d
 Form 2 (a config part's ``"FORM": 2``; docs/decisions.md, "FP8 decode kernels, form 2"): the same math with the
 threads over a step's columns and the rows in registers, so the FP8 quantization of a step is paid once per value;
 gate/up programs own ``SLOTS`` slots x ``BLOCK_I`` rows; the down kernel may ``SPLIT`` over slots (fp32 partials
-reduced in slot order by the last program of each token and H-block: deterministic).
+reduced in slot order by the last program of each token and H-block: deterministic). Form 2's ``num_stages`` > 1
+runs Triton's software pipeline over both loops (cp.async through shared memory), and ``"PDL": 2`` releases the down
+kernel as the gate/up programs start (docs/decisions.md, "Decode kernels: pipelined loads").
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
                    layouts: Optional[Layouts] = None) -> tuple[torch.Tensor, Optional[tuple[int, int]]]:
     """``triton.ops.fused_experts``'s math (same arguments) in the two decode launches: (the output [T, H], the
     scratch's byte range or None). ``cfg``: ``{"decode": {BLOCK_I, GROUPS, num_warps, num_stages}, "down":
-    {BLOCK_H, GROUPS, FLAT, num_warps, num_stages}, "PDL": 0 or 1}`` (GROUPS: 128-column groups a loop step) (``tuning_configs.decode_config``; PDL: the down
-    kernel launched with programmatic dependent launch, overlapping the gate/up kernel's tail)."""
+    {BLOCK_H, GROUPS, FLAT, num_warps, num_stages}, "PDL": 0, 1 or 2}`` (GROUPS: 128-column groups a loop step)
+    (``tuning_configs.decode_config``; PDL: the down kernel launched with programmatic dependent launch, released by
+    the gate/up programs past their loop (1) or, form-2 gate/up, as they start (2); form 1 treats 2 as 1)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
     inter = n1 // 2
@@ -72,11 +75,11 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
     lay = layout(layouts, ("decode", T, top_k, inter, H, n_hb, split, hidden.device), lambda: parts)
     h, *split_bufs = lay.carve(hidden.device)
     part, cnt = split_bufs if split else (None, None)
-    pdl = bool(cfg.get("PDL", 0))
+    pdl = int(cfg.get("PDL", 0))
     gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, fp8_block=fp8_block, activation=activation,
             w13_interleaved=w13_interleaved, cfg=c1, pdl=pdl, cnt=cnt)
     down(h, w2, w2_scale, topk_ids, topk_weights, out, fp8_block=fp8_block,
-         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=pdl, part=part, cnt=cnt)
+         routed_scaling_factor=routed_scaling_factor, cfg=c2, pdl=bool(pdl), part=part, cnt=cnt)
     base = h.untyped_storage().data_ptr()
     return out, (base, base + lay.nbytes)
 
@@ -87,10 +90,10 @@ def _vec(t: torch.Tensor) -> int:
 
 
 def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, activation: str, w13_interleaved: bool,
-            cfg: dict, pdl: bool = False, cnt: Optional[torch.Tensor] = None) -> None:
+            cfg: dict, pdl: int = 0, cnt: Optional[torch.Tensor] = None) -> None:
     """``kernels._decode_gate_up_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_gate_up_v2_kernel`` (2) into
     ``h`` [T*K, I] fp32 (``cfg``: a decode config's "decode" part; ``pdl``: the down kernel follows with programmatic
-    dependent launch; ``cnt``: [T, H-blocks] int32 counters of the split down kernel, zeroed here, form 2; form 2's
+    dependent launch, released past the loop (1) or, form 2, at the start (2); ``cnt``: [T, H-blocks] int32 counters of the split down kernel, zeroed here, form 2; form 2's
     ``SLOTS``: slots a program, default 1)."""
     T, H = hidden.shape
     E, n1, _ = w13.shape
@@ -111,7 +114,7 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                s13.stride(1), s13.stride(2), h.stride(0), TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
-               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     if cnt is not None:
         raise ValueError("decode gate/up: counters to zero need the form-2 kernel (cfg FORM 2)")
@@ -121,7 +124,7 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
            w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), h.stride(0),
            TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block, QUANT_X=quant_x, INTERLEAVED=w13_interleaved,
            BLOCK_I=cfg["BLOCK_I"], GROUPS=cfg["GROUPS"], EVEN_K=H % (128 * cfg["GROUPS"]) == 0,
-           FOLD=fold, PDL=pdl,
+           FOLD=fold, PDL=bool(pdl),
            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -131,7 +134,7 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     """``kernels._decode_down_kernel`` (``cfg["FORM"]`` 1, the default) or ``_decode_down_v2_kernel`` (2) from ``h``
     into ``out`` [T, H] (``cfg``: a decode config's "down" part; ``pdl``: launched with programmatic dependent launch
     behind ``gate_up``, Hopper and later; ``cfg["SPLIT"]``: one program per slot and H-block, ``part`` [T*K, H] fp32
-    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``)."""
+    and ``cnt`` [T, H-blocks] int32 zeroed by ``gate_up``; form 2's ``num_stages`` pipelines the loop)."""
     T, H = out.shape
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -150,7 +153,8 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **({"launch_pdl": True} if pdl else {}))
+               STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+               **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),

@@ -758,14 +758,20 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                               stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr):
+                              EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr,
+                              STAGES: tl.constexpr):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
     with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
     share the token's values of a step and, in FP8, its per-128-column quantization (QUANT_X), whose IEEE divisions
     would otherwise dominate the ALU; dispatched codes are scaled as they came. The weight block scales multiply the
     step's per-(row, group) sums. ZERO_CNT: the programs (first slot group of token t, 0) zero token t's ``n_cnt``
-    counters of the split down kernel (which runs after this one)."""
+    counters of the split down kernel (which runs after this one). STAGES > 1: Triton's software pipeline over the
+    loop (its loads run STAGES - 1 steps ahead through shared memory, cp.async; a loop without a dot is pipelined
+    only when the loop asks, ``tl.range(num_stages=)``). PDL: 1 lets the down kernel launch once every program is
+    past its loop, 2 as soon as every program has started (it waits for this grid before reading h)."""
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
     t = tl.program_id(0) // GROUPS_PER_T
     k0 = (tl.program_id(0) % GROUPS_PER_T) * SLOTS
@@ -802,7 +808,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         xs_ptrs = x_scale_ptr + t * stride_xs + grp[None, :] * stride_xsk
     acc_g = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
     acc_u = tl.zeros((SLOTS * BLOCK_I, GROUPS, LANES), dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, GROUPS * 128)):
+    for k in tl.range(0, tl.cdiv(H, GROUPS * 128), num_stages=STAGES):
         if EVEN_K:
             k_mask = tl.full((GROUPS, LANES, VEC), 1, tl.int1)
         else:
@@ -828,7 +834,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         x_ptrs += GROUPS * 128
         g_ptrs += GROUPS * 128
         u_ptrs += GROUPS * 128
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
     up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
@@ -841,13 +847,14 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                           SPLIT: tl.constexpr, PDL: tl.constexpr):
+                           SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
     gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
-    FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program."""
+    FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
+    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory)."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -869,7 +876,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
     if PDL:
         tl.extra.cuda.gdc_wait()
     n_i = tl.cdiv(inter, GROUPS * 128)
-    for j in range(0, n_slots * n_i):  # (slot, I-step) flat: the software pipeline runs across slots
+    for j in tl.range(0, n_slots * n_i, num_stages=STAGES):  # (slot, I-step) flat: the pipeline runs across slots
         k = k_first + j // n_i
         i = j % n_i
         e = tl.load(ids_ptr + t * stride_it + k * stride_ik)
