@@ -329,14 +329,18 @@ def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | No
     by_corr = collections.defaultdict(list)
     for e in gpu:
         by_corr[e.get("args", {}).get("correlation")].append(e)
+    cpu_ops = [e for e in ev if e.get("cat") == "cpu_op"]
     stats = {n: collections.defaultdict(list) for n in ("direct", "moe_core")}
     calls = {n: collections.Counter() for n in stats}
+    durs = {n: collections.defaultdict(list) for n in stats}  # host us of each runtime call / aten op by name
     kernels = {n: collections.Counter() for n in stats}
     for a in ann:
         n = a["name"].split("#")[0]
         t0, t1 = a["ts"], a["ts"] + a["dur"]
         inside = [r for r in runtime if t0 <= r["ts"] <= t1]
         calls[n].update(r["name"] for r in inside)
+        for r in inside + [o for o in cpu_ops if t0 <= o["ts"] <= t1]:
+            durs[n][r["name"]].append(r["dur"])
         ks = [k for r in inside for k in by_corr.get(r.get("args", {}).get("correlation"), [])]
         kernels[n].update(k["name"][:60] for k in ks)
         s = stats[n]
@@ -352,6 +356,8 @@ def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | No
     summary = {n: {k: med(v) for k, v in s.items()} for n, s in stats.items()}
     say(rank, f"D {wire} profile rank0", {"medians_us": summary, "runtime_calls_per_call": calls_per,
                                           "gpu_ops": {n: dict(k) for n, k in kernels.items()}})
+    say(rank, f"D {wire} host us per runtime call / aten op (median, rank0)",
+        {n: {k: med(v) for k, v in sorted(dd.items())} for n, dd in durs.items()})
     # rank 1's medians too (its kernels wait for rank 0's send)
     vals = torch.tensor([summary[n].get(k, float("nan")) for n in stats
                          for k in ("host", "launch_at", "kernel_at", "kernel_dur", "kernel_end_at")],
