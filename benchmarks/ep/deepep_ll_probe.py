@@ -162,19 +162,20 @@ def variants(c: dict) -> dict[str, Callable[[], Any]]:
 
     out = {"direct": direct, "direct_pos": direct_pos, "moe_core": moe_core, "pre+direct": pre_direct,
            "direct+result": direct_result, "spin2+direct": spin_direct, "direct+spin3": direct_spin}
-    rt = getattr(buf, "runtime", None)
-    if rt is not None:  # DeepEP's C++ call below Buffer.low_latency_dispatch's Python wrapper (v1.2.1's order)
+    # DeepEP's C++ call below Buffer.low_latency_dispatch's Python wrapper, in v1.2.1's order
+    if getattr(buf, "runtime", None) is not None:
         ue8m0, hidden, wire, top_k = d.ue8m0, x.shape[1], d.wire, d.top_k
 
         def direct_rt():
-            return rt.low_latency_dispatch(x, ids64, None, None, num_max, bench.E, fp8, ue8m0, ue8m0, False, False)
+            return buf.runtime.low_latency_dispatch(x, ids64, None, None, num_max, bench.E, fp8, ue8m0, ue8m0, False,
+                                                    False)
 
         def moe_core_rt():  # moe-core's hot path with the C++ call and its own handle tuple
             idx, b = topk.ids_int64(False), d._entry.low_latency_ready
             if (b is not None and idx is not None and x.__class__ is torch.Tensor and x.dtype is bf16
                     and x.shape in d._ll_x_shapes):
-                rx, rs, count, src, rng, _, _ = rt.low_latency_dispatch(x, idx, None, None, num_max, bench.E, fp8,
-                                                                        ue8m0, ue8m0, False, False)
+                rx, rs, count, src, rng, _, _ = b.runtime.low_latency_dispatch(x, idx, None, None, num_max, bench.E,
+                                                                               fp8, ue8m0, ue8m0, False, False)
                 if idx.shape[1] != top_k:
                     raise RuntimeError("top_k")
                 handle = _new_tuple(_LowLatencyHandle, ((src, rng, num_max, hidden, bench.E), idx, bf16))
@@ -241,9 +242,11 @@ def pass_e(c: dict, wire: str, rank: int, pairs: int, warmup: int) -> None:
     say(rank, f"E {wire} aligned starts", summarize(names, times, hosts, starts))
 
 
-def pass_c(c: dict, wire: str, rank: int, pairs: int) -> None:
-    """Host split around DeepEP's C++ call (runtime.low_latency_dispatch), by rank."""
-    buf, fns = c["buf"], variants(c)
+def pass_c(c: dict, wire: str, rank: int, rounds: int) -> None:
+    """Host split around DeepEP's C++ call (``runtime.low_latency_dispatch``) for every variant, in a fresh random
+    order each round, by rank: before it, inside it (checks, allocations, the launch, stream waits), after it until
+    the call returned, and the result's release (its tensors back to the caching allocator)."""
+    buf = c["buf"]
     marks: list[float] = []
     runtime = getattr(buf, "runtime", None)
 
@@ -268,20 +271,27 @@ def pass_c(c: dict, wire: str, rank: int, pairs: int) -> None:
         buf.low_latency_dispatch = timed_method
     else:
         buf.runtime = Proxy()
-    split = {n: {"pre": [], "cpp": [], "post": [], "enter": [], "exit": []} for n in ("direct", "moe_core")}
+    fns = variants(c)  # (the runtime variants read buf.runtime per call: the proxy)
+    names = [n for n in fns if not n.startswith("spin") and not n.endswith("spin3")]
+    split = {n: {k: [] for k in ("pre", "cpp", "post", "free", "exit")} for n in names}
     try:
-        for i in range(pairs + 20):
-            for n in (("direct", "moe_core") if i % 2 == 0 else ("moe_core", "direct")):
+        for i in range(rounds + 20):
+            order = names[:]
+            random.Random(10_000 + i).shuffle(order)
+            for n in order:
                 marks.clear()
                 t0 = perf()
-                fns[n]()
+                r = fns[n]()
                 t1 = perf()
+                del r
+                t2 = perf()
                 if bench.DEVICE.type == "cuda":
                     torch.cuda.synchronize()
                 if i >= 20:
                     s = split[n]
                     s["pre"].append((marks[0] - t0) * 1e6), s["cpp"].append((marks[1] - marks[0]) * 1e6)
-                    s["post"].append((t1 - marks[1]) * 1e6), s["enter"].append(marks[0]), s["exit"].append(marks[1])
+                    s["post"].append((t1 - marks[1]) * 1e6), s["free"].append((t2 - t1) * 1e6)
+                    s["exit"].append(marks[1])
     finally:
         if runtime is None:
             del buf.low_latency_dispatch
@@ -289,14 +299,11 @@ def pass_c(c: dict, wire: str, rank: int, pairs: int) -> None:
             buf.runtime = runtime
     out = {}
     for n, s in split.items():
-        pre, cpp, post = gather(s["pre"]), gather(s["cpp"]), gather(s["post"])
-        enter, exit_ = gather(s["enter"]), gather(s["exit"])
-        out[n] = {"pre_by_rank": [med(r) for r in pre], "cpp_by_rank": [med(r) for r in cpp],
-                  "post_by_rank": [med(r) for r in post]}
-        if len(enter) > 1:
+        out[n] = {k: [med(r) for r in gather(s[k])] for k in ("pre", "cpp", "post", "free")}
+        exit_ = gather(s["exit"])
+        if len(exit_) > 1:
             out[n]["cpp_exit_skew_r1_minus_r0"] = med([(b - a) * 1e6 for a, b in zip(exit_[0], exit_[1], strict=True)])
-            out[n]["cpp_enter_skew_r1_minus_r0"] = med([(b - a) * 1e6 for a, b in zip(enter[0], enter[1], strict=True)])
-    say(rank, f"C {wire} host split", out)
+    say(rank, f"C {wire} host split by rank [pre, cpp, post, free]", out)
 
 
 def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | None) -> None:
