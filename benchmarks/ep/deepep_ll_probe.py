@@ -375,19 +375,25 @@ def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | No
         {n: [[round(v, 2) for v in r.tolist()[j * 5:(j + 1) * 5]] for r in allv] for j, n in enumerate(stats)})
 
 
-def pass_f(rank: int, world: int, pairs: int) -> None:
-    """Normal mode, bf16, 4096 tokens (the bench's case): host time per call and where it goes (profiler's CPU
-    ops by self time, CUDA runtime calls per call) for moe-core and the direct calls."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
+def setup_normal(rank: int, world: int) -> dict:
+    """Normal mode's case, its dispatcher declared before the low-latency ones: the group's one buffer is built
+    for both needs at the first call (a later, larger need would rebuild it, NVSHMEM included)."""
     tokens = 4096 if bench.DEVICE.type == "cuda" else 37
     gen = torch.Generator(device=bench.DEVICE).manual_seed(2000 + rank)
     x = torch.randn(tokens, bench.H, device=bench.DEVICE, generator=gen).to(torch.bfloat16)
     ids64 = torch.rand(tokens, bench.E, device=bench.DEVICE, generator=gen).topk(bench.K, dim=1).indices
     w = torch.rand(tokens, bench.K, device=bench.DEVICE, generator=gen)
     w = w / w.sum(1, keepdim=True)
-    topk = TopK(w, ids64)
-    d = bench.dispatcher("deepep", "normal", "bf16", tokens, rank, world)
+    return dict(x=x, ids64=ids64, w=w, topk=TopK(w, ids64),
+                d=bench.dispatcher("deepep", "normal", "bf16", tokens, rank, world))
+
+
+def pass_f(c: dict, rank: int, pairs: int) -> None:
+    """Normal mode, bf16, 4096 tokens (the bench's case): host time per call and where it goes (profiler's CPU
+    ops by self time, CUDA runtime calls per call) for moe-core and the direct calls."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x, ids64, w, topk, d = c["x"], c["ids64"], c["w"], c["topk"], c["d"]
     d.dispatch(x, topk)
     buf = d.buffer
     fns = {"direct": lambda: bench.direct_normal_dispatch(buf, x, ids64, w, False), "moe_core": lambda: d.dispatch(x, topk)}
@@ -437,6 +443,7 @@ def main() -> int:
     out_dir = pathlib.Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+    normal = None if args.no_normal else setup_normal(rank, world)
     cases = {wire: setup(wire, rank, world) for wire in ("fp8", "bf16")}
     dist.barrier()
     say(rank, "pinning", bench.pin_main_thread(int(os.environ.get("LOCAL_RANK", rank))))
@@ -455,7 +462,7 @@ def main() -> int:
         for wire in ("fp8", "bf16"):
             pass_d(cases[wire], wire, rank, args.profile_pairs, out_dir)
         if not args.no_normal:
-            pass_f(rank, world, 100)
+            pass_f(normal, rank, 100)
     finally:
         gc.enable()
     dist.barrier()
