@@ -51,6 +51,7 @@ from moe_core.contracts import TopK, masked_dispatch_unchecked  # noqa: E402
 _new_tuple = tuple.__new__
 
 perf = time.perf_counter
+TRIO = ("direct", "moe_core", "moe_core_old")  # the passes beyond A: DeepEP direct, moe-core now and before 68
 
 
 def spin(us: float) -> None:
@@ -129,7 +130,8 @@ def setup(wire: str, rank: int, world: int) -> dict:
 
 def variants(c: dict) -> dict[str, Callable[[], Any]]:
     x, ids64, topk, d, buf, fp8 = c["x"], c["ids64"], c["topk"], c["d"], c["buf"], c["fp8"]
-    num_max, args, bf16 = d.num_max, d._ll_dispatch_args, torch.bfloat16
+    num_max, bf16 = d.num_max, torch.bfloat16
+    args = (num_max, bench.E, None, None, fp8, d.ue8m0, d.ue8m0)  # (positionally, as moe-core called it before 68)
 
     def direct():
         return buf.low_latency_dispatch(x, ids64, num_max, bench.E, use_fp8=fp8)
@@ -160,11 +162,24 @@ def variants(c: dict) -> dict[str, Callable[[], Any]]:
         spin(3.0)
         return r
 
-    out = {"direct": direct, "direct_pos": direct_pos, "moe_core": moe_core, "pre+direct": pre_direct,
+    top_k = d.top_k
+
+    def moe_core_old():  # dispatch's hot path before decision 68: DeepEP's Python wrapper, then _masked_dispatch
+        idx, b = topk.ids_int64(False), d._entry.low_latency_ready
+        if (b is not None and idx is not None and x.__class__ is torch.Tensor and x.dtype is bf16
+                and x.shape in d._ll_x_shapes):
+            recv_x, count, handle, _, _ = b.low_latency_dispatch(x, idx, *args)
+            if idx.shape[1] != top_k:
+                raise RuntimeError("top_k")
+            return d._masked_dispatch(recv_x, count, handle, topk, idx, bf16)
+        raise RuntimeError("hot path not taken")
+
+    out = {"direct": direct, "direct_pos": direct_pos, "moe_core": moe_core, "moe_core_old": moe_core_old,
+           "pre+direct": pre_direct,
            "direct+result": direct_result, "spin2+direct": spin_direct, "direct+spin3": direct_spin}
     # DeepEP's C++ call below Buffer.low_latency_dispatch's Python wrapper, in v1.2.1's order
     if getattr(buf, "runtime", None) is not None:
-        ue8m0, hidden, wire, top_k = d.ue8m0, x.shape[1], d.wire, d.top_k
+        ue8m0, hidden, wire = d.ue8m0, x.shape[1], d.wire
 
         def direct_rt():
             return buf.runtime.low_latency_dispatch(x, ids64, None, None, num_max, bench.E, fp8, ue8m0, ue8m0, False,
@@ -197,12 +212,17 @@ def pass_a(c: dict, wire: str, rank: int, rounds: int, warmup: int) -> None:
             t, h, s = timer(fns[n])
             if i >= warmup:
                 times[n].append(t), hosts[n].append(h), starts[n].append(s)
-    say(rank, f"A {wire}", summarize(names, times, hosts, starts))
+    out = summarize(names, times, hosts, starts)
+    say(rank, f"A {wire}", out)
+    if rank == 0:  # one line per variant: us (slower rank), ratio to direct in the same round, host by rank, skew
+        for n, v in out.items():
+            print(f"A-short {wire} {n:14s} {v['us']:8.2f} x{v['ratio']:.4f} host {v['host']} skew {v['skew_r1_minus_r0']}"
+                  f" by_rank {v['by_rank']}", flush=True)
 
 
 def pass_b(c: dict, wire: str, rank: int, pairs: int, warmup: int) -> None:
     fns = variants(c)
-    held: dict[str, Any] = {"direct": None, "moe_core": None}
+    held: dict[str, Any] = {n: None for n in TRIO}
 
     def holding(name: str) -> Callable[[], None]:
         fn = fns[name]
@@ -216,8 +236,7 @@ def pass_b(c: dict, wire: str, rank: int, pairs: int, warmup: int) -> None:
     timer = Timer()
     times, hosts, starts = ({n: [] for n in held} for _ in range(3))
     for i in range(warmup + pairs):
-        order = ("direct", "moe_core") if i % 2 == 0 else ("moe_core", "direct")
-        for n in order:
+        for n in (TRIO if i % 2 == 0 else TRIO[::-1]):
             t, h, s = timer(calls[n])
             if i >= warmup:
                 times[n].append(t), hosts[n].append(h), starts[n].append(s)
@@ -229,7 +248,7 @@ def pass_e(c: dict, wire: str, rank: int, pairs: int, warmup: int) -> None:
     """Pairs as in ``bench_deepep.py``, but every call starts after a barrier of the ranks (outside the timing):
     no call inherits the ranks' skew from the one before it."""
     fns = variants(c)
-    names = [n for n in ("direct", "moe_core", "moe_core_rt") if n in fns]
+    names = [n for n in (*TRIO, "moe_core_rt") if n in fns]
     timer = Timer()
     times, hosts, starts = ({n: [] for n in names} for _ in range(3))
     for i in range(warmup + pairs):
@@ -313,12 +332,13 @@ def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | No
     fns = variants(c)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if bench.DEVICE.type == "cuda" else [])
     for _ in range(10):
-        fns["direct"](), fns["moe_core"]()
+        for n in TRIO:
+            fns[n]()
     if bench.DEVICE.type == "cuda":
         torch.cuda.synchronize()
     with profile(activities=acts) as prof:
         for i in range(pairs):
-            for n in (("direct", "moe_core") if i % 2 == 0 else ("moe_core", "direct")):
+            for n in (TRIO if i % 2 == 0 else TRIO[::-1]):
                 with record_function(f"{n}#{i}"):
                     fns[n]()
                 if bench.DEVICE.type == "cuda":
@@ -337,7 +357,7 @@ def pass_d(c: dict, wire: str, rank: int, pairs: int, out_dir: pathlib.Path | No
     for e in gpu:
         by_corr[e.get("args", {}).get("correlation")].append(e)
     cpu_ops = [e for e in ev if e.get("cat") == "cpu_op"]
-    stats = {n: collections.defaultdict(list) for n in ("direct", "moe_core")}
+    stats = {n: collections.defaultdict(list) for n in TRIO}
     calls = {n: collections.Counter() for n in stats}
     durs = {n: collections.defaultdict(list) for n in stats}  # host us of each runtime call / aten op by name
     kernels = {n: collections.Counter() for n in stats}
@@ -449,7 +469,10 @@ def main() -> int:
     say(rank, "pinning", bench.pin_main_thread(int(os.environ.get("LOCAL_RANK", rank))))
     time.sleep(0 if args.smoke else 2)
     name = torch.cuda.get_device_name(bench.DEVICE) if bench.DEVICE.type == "cuda" else "CPU (emulated)"
-    say(rank, "device", {"device": f"{world}x {name}", "torch": torch.__version__})
+    entry = cases["fp8"]["d"]._entry
+    say(rank, "device", {"device": f"{world}x {name}", "torch": torch.__version__,
+                         "wraps_runtime": getattr(entry, "wraps_runtime", None),
+                         "hot_path_ready": entry.low_latency_ready is not None})
     gc.collect()
     gc.disable()
     try:
