@@ -230,10 +230,11 @@ def pin_main_thread(local_rank: int) -> dict:
     proxies, torch's) off the ranks' cores and off their SMT siblings: a quiet host for both columns alike.
     moe-core's extra cost is host time before DeepEP's launch and the later rank's launch decides a collective's
     time (docs/decisions.md entry 68), so a rank whose thread shared a core ran the same calls up to 2x slower (run
-    2's repeat, 2026-11-26: pre-launch 5.2 vs 2.6 us by rank), and one whose core's sibling ran another thread
-    ran them up to 1.5x slower (rank 0 against rank 1 in the 13:24 probe on 2x H100, when only the core itself was
-    reserved). The run script keeps the CUTLASS build off the first 4 CPUs and lets it finish before the bench.
-    Returns what it did (for the JSON)."""
+    2's repeat, 2026-11-26: pre-launch 5.2 vs 2.6 us by rank). With only the core itself reserved, rank 0 still ran
+    the same direct calls 1.55x slower than rank 1 (13:24 probe on 2x H100; the cause is not known, an SMT sibling
+    shared with another thread would be one): the siblings are now kept free too, and the JSON names them. The run
+    script keeps the CUTLASS build off the first 4 CPUs and lets it finish before the bench. Returns what it did
+    (for the JSON)."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": False}
     allowed = sorted(os.sched_getaffinity(0))
