@@ -20,7 +20,7 @@ pairs (the spread within the run). The bar reads the columns (issue #30); ``pair
 their ratio holds pair by pair or is drift. Each rank's Python thread runs alone on a core
 (``pin_main_thread``): the slower rank's host decides each call. ``torch_a2a`` and the raw all-to-all are
 timed on their own, up to 400 calls each. Diagnostics: each column's host time per call and its host time
-until DeepEP's first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by
+until DeepEP's C++ runtime is entered (``*_pre_us``, the max over ranks of each rank's median, and by
 rank). "direct"
 does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
@@ -372,7 +372,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
                         "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
                         "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
-                        # until DeepEP's first Buffer method: moe-core's own work before the launch
+                        # until DeepEP's C++ runtime: the host work before the launch (the direct call's Python wrapper included)
                         "moe_core_pre_us": round(median_over_ranks(mc_pre), 2),
                         "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2),
                         "pre_us_by_rank": {"moe_core": per_rank(statistics.median(mc_pre)),
