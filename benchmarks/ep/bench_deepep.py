@@ -20,7 +20,7 @@ pairs (the spread within the run). The bar reads the columns (issue #30); ``pair
 their ratio holds pair by pair or is drift. Each rank's Python thread runs alone on a core
 (``pin_main_thread``): the slower rank's host decides each call. ``torch_a2a`` and the raw all-to-all are
 timed on their own, up to 400 calls each. Diagnostics: each column's host time per call and its host time
-until DeepEP's first ``Buffer`` method (``*_pre_us``, the max over ranks of each rank's median, and by
+until DeepEP's C++ runtime is entered (``*_pre_us``, the max over ranks of each rank's median, and by
 rank). "direct"
 does what a DeepEP user does
 for the same result: the FP8 normal wire is quantized with the same function before
@@ -110,17 +110,40 @@ def timed_pairs(fa: Callable[[], object], fb: Callable[[], object], pairs: int, 
 DEEPEP_METHODS = ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine")
 
 
+class _MarkFirst:
+    """``buffer.runtime`` (DeepEP's C++ object) as seen through a proxy that notes when a call first reaches it."""
+
+    def __init__(self, runtime, mark: Callable[[], None]) -> None:
+        self._runtime, self._mark = runtime, mark
+
+    def __getattr__(self, name: str):
+        real = getattr(self._runtime, name)
+        if not callable(real):
+            return real
+
+        def marked(*args, **kwargs):
+            self._mark()
+            return real(*args, **kwargs)
+        return marked
+
+
 def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf,
                      pairs: int) -> tuple[list[float], list[float]]:
-    """Host us from each call's start to its first ``deep_ep.Buffer`` method, ``fa`` and ``fb`` alternated as
-    in ``timed_pairs``: how long the GPU idles before DeepEP's own host code starts, in a call from an idle
-    GPU. The buffer's methods are wrapped on the instance for these calls only (the same wrapper for both)."""
+    """Host us from each call's start to DeepEP's C++ runtime (``Buffer.runtime``, which every ``Buffer`` method
+    of the real library calls and moe-core's low-latency dispatch calls itself: docs/decisions.md entry 69), ``fa``
+    and ``fb`` alternated as in ``timed_pairs``: how long the GPU idles before DeepEP's C++ host code starts, in a
+    call from an idle GPU. DeepEP's Python wrapper counts for the direct column, as a direct call pays it. The
+    emulation's methods mostly do not reach a runtime: there each method's entry counts too (the smoke run). The
+    proxy and the wrappers are set on the instance for these calls only (the same for both columns)."""
     first: list[float] = []
+
+    def mark() -> None:
+        if not first:
+            first.append(time.perf_counter())
 
     def wrap(real: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            if not first:
-                first.append(time.perf_counter())
+            mark()
             return real(*args, **kwargs)
         return wrapped
 
@@ -132,7 +155,11 @@ def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf,
             torch.cuda.synchronize()
         return (first[0] - t0) * 1e6
 
-    for name in DEEPEP_METHODS:
+    runtime = getattr(buf, "runtime", None)
+    methods = DEEPEP_METHODS if runtime is None or getattr(sys.modules["deep_ep"], "EMULATED", False) else ()
+    if runtime is not None:
+        buf.runtime = _MarkFirst(runtime, mark)
+    for name in methods:
         setattr(buf, name, wrap(getattr(buf, name)))
     try:
         ta, tb = [], []
@@ -144,8 +171,10 @@ def pre_launch_pairs(fa: Callable[[], object], fb: Callable[[], object], buf,
             ta.append(a), tb.append(b)
         return ta, tb
     finally:
-        for name in DEEPEP_METHODS:
+        for name in methods:
             delattr(buf, name)
+        if runtime is not None:
+            buf.runtime = runtime
 
 
 def host_probe(x: torch.Tensor, topk: TopK) -> dict:
@@ -183,27 +212,54 @@ def per_rank(value: float) -> list[float]:
     return [round(v, 2) for v in t.tolist()]
 
 
+def smt_siblings(cpu: int) -> set[int]:
+    """The logical CPUs sharing ``cpu``'s physical core (Linux sysfs; just ``cpu`` where it cannot tell)."""
+    try:
+        text = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return {cpu}
+    out = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out | {cpu}
+
+
 def pin_main_thread(local_rank: int) -> dict:
-    """This rank's Python thread alone on one core, the process's other threads (NCCL's, NVSHMEM's proxies,
-    torch's) off the ranks' cores: a quiet host for both columns alike. moe-core's extra cost is host time
-    before DeepEP's launch and the slower rank's decides a collective's time, so a rank whose thread shared a
-    core ran the same calls up to 2x slower (run 2's repeat, 2026-11-26: pre-launch 5.2 vs 2.6 us by rank).
-    The run script keeps the CUTLASS build off these cores too. Returns what it did (for the JSON)."""
+    """This rank's Python thread alone on one physical core, the process's other threads (NCCL's, NVSHMEM's
+    proxies, torch's) off the ranks' cores and off their SMT siblings: a quiet host for both columns alike.
+    moe-core's extra cost is host time before DeepEP's launch and the later rank's launch decides a collective's
+    time (docs/decisions.md entry 69), so a rank whose thread shared a core ran the same calls up to 2x slower (run
+    2's repeat, 2026-11-26: pre-launch 5.2 vs 2.6 us by rank). With only the core itself reserved, rank 0 still ran
+    the same direct calls 1.55x slower than rank 1 (13:24 probe on 2x H100; the cause is not known, an SMT sibling
+    shared with another thread would be one): the siblings are now kept free too, and the JSON names them. The run
+    script keeps the CUTLASS build off the first 4 CPUs and lets it finish before the bench. Returns what it did
+    (for the JSON)."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": False}
     allowed = sorted(os.sched_getaffinity(0))
     world_local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if len(allowed) < 2 * world_local + 2:
+    taken = smt_siblings(allowed[0]) | smt_siblings(allowed[1])  # (CPUs 0-1: interrupts, the run script's work)
+    picked: list[set[int]] = []
+    for cpu in allowed[2:]:  # one logical CPU per rank, on physical cores nothing else is pinned to
+        if len(picked) == world_local:
+            break
+        group = smt_siblings(cpu) & set(allowed)
+        if not group & taken:
+            picked.append(group)
+            taken |= group
+    rest = [c for c in allowed if not any(c in g for g in picked)]
+    if len(picked) < world_local or len(rest) < 2:
         return {"pinned": False, "cores": len(allowed)}
-    reserved = allowed[2:2 + world_local]  # (cores 0-1: interrupts, the run script's other work)
-    core, rest = reserved[local_rank], [c for c in allowed if c not in reserved]
+    core = min(picked[local_rank])
     main = threading.get_native_id()
     for tid in map(int, os.listdir("/proc/self/task")):
         try:
             os.sched_setaffinity(tid, {core} if tid == main else rest)
         except OSError:  # a thread that ended meanwhile
             pass
-    return {"pinned": True, "core": core, "other_threads_on": f"{rest[0]}-{rest[-1]} less the ranks' cores"}
+    return {"pinned": True, "core": core, "kept_free": sorted(picked[local_rank] - {core}),
+            "other_threads_on": f"{len(rest)} CPUs, none on the ranks' physical cores"}
 
 
 def dispatcher(name: str, mode: str, wire: str, tokens: int, rank: int, world: int):
@@ -316,7 +372,7 @@ def run_case(mode: str, wire: str, tokens: int, rank: int, world: int, pairs: in
                         "pairs": pairs,
                         "moe_core_host_us": round(median_over_ranks(mc_host), 2),
                         "deepep_direct_host_us": round(median_over_ranks(dir_host), 2),
-                        # until DeepEP's first Buffer method: moe-core's own work before the launch
+                        # until DeepEP's C++ runtime: the host work before the launch (the direct call's Python wrapper included)
                         "moe_core_pre_us": round(median_over_ranks(mc_pre), 2),
                         "deepep_direct_pre_us": round(median_over_ranks(dir_pre), 2),
                         "pre_us_by_rank": {"moe_core": per_rank(statistics.median(mc_pre)),

@@ -28,6 +28,7 @@ import socket
 import statistics
 import sys
 import time
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,6 +41,7 @@ sys.path.insert(0, str(ROOT / "plugins/cuda/tests/emulation"))
 
 import deep_ep_emulation  # noqa: E402
 from bench_deepep import E, H, K, direct_normal_dispatch, dispatcher  # noqa: E402  (the same case as the GPU bench)
+from moe_plugin_cuda.deepep import wraps_runtime_dispatch  # noqa: E402
 
 from moe_core.contracts import EPMaskedCombine, EPNormalCombine, TopK  # noqa: E402
 
@@ -59,9 +61,17 @@ class Replay:
 
     def __init__(self, buffer: Any) -> None:
         self._buffer, self._cache = buffer, {}
+        self._wrapper = wraps_runtime_dispatch(type(buffer))  # (so its wrapper runs, around the replayed runtime)
 
     def __getattr__(self, name: str) -> Any:
         real = getattr(self._buffer, name)
+        if name == "runtime":  # DeepEP's C++ object, which moe-core's low-latency hot path calls (entry 69)
+            if name not in self._cache:
+                self._cache[name] = Replay(real)
+            return self._cache[name]
+        if name == "low_latency_dispatch" and self._wrapper:
+            # DeepEP's Python wrapper runs (a direct call pays it) around its replayed C++ call
+            return types.MethodType(type(self._buffer).low_latency_dispatch, self)
         if not callable(real):
             return real
 

@@ -23,7 +23,10 @@ output is cast back. The DeepEP handle travels in the dispatch output's ``handle
 ``combine_async`` return a ``Pending`` whose ``wait()`` performs the receive (the low-latency
 receive hook, or a stream wait on the normal kernels' event) and returns the result. At most two
 low-latency calls may be in flight per buffer (a third, async or not, raises before it is issued).
-The slab and its scales are fresh tensors each call (v1.2.1 allocates them per call).
+The slab and its scales are fresh tensors each call (v1.2.1 allocates them per call). The synchronous
+low-latency dispatch calls DeepEP's C++ runtime (``Buffer.runtime``) itself where ``Buffer.low_latency_dispatch``
+is v1.2.1's wrapper of it, statement for statement (checked when the buffer is built; docs/decisions.md entry 69),
+and builds the same handle; with any other wrapper every low-latency call takes the checked path.
 
 Low-latency FP8 is DeepEP's own cast, not ``moe_core.quant``'s: ``scale = amax * fl(1/448)`` and
 ``q = x * (448/amax)`` round differently from ``amax/448`` and ``x/scale`` (most scales differ in the
@@ -36,6 +39,9 @@ for the largest need declared when the layers were built (see ``BufferRegistry``
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, NamedTuple, Optional, TypeVar
 
@@ -70,6 +76,41 @@ _new_tuple = tuple.__new__
 # received would overwrite data still being read (DeepEP #166, #513). Enforced on the async API.
 MAX_LOW_LATENCY_IN_FLIGHT = 2
 T = TypeVar("T")
+
+# DeepEP v1.2.1's ``Buffer.low_latency_dispatch`` after its docstring (``deep_ep/buffer.py``): its C++ runtime's call
+# with the arguments unchanged, then the results regrouped into a handle and an ``EventOverlap``. Where the installed
+# wrapper is exactly this, the synchronous hot path calls the runtime itself and builds the same handle
+# (docs/decisions.md, entry 69); any other wrapper is called as it is.
+_V121_LL_DISPATCH_BODY = """
+packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range, event, hook = \
+    self.runtime.low_latency_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                      num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0,
+                                      async_finish, return_recv_hook)
+handle = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+tensors_to_record = (x, topk_idx, packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info,
+                     packed_recv_layout_range, cumulative_local_expert_recv_stats)
+return (packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x, packed_recv_count, handle, \
+    EventOverlap(event, tensors_to_record if async_finish else None), hook
+"""
+
+
+def _statements(body: list) -> list[str]:
+    """A function body's statements as ``ast.unparse`` writes them (layout and comments aside), docstring dropped."""
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [ast.unparse(node) for node in body]
+
+
+def wraps_runtime_dispatch(buffer_cls: type) -> bool:
+    """Whether ``buffer_cls.low_latency_dispatch`` is DeepEP v1.2.1's wrapper of ``runtime.low_latency_dispatch``
+    (the same statements; a wrapper without Python source is not)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(buffer_cls, "low_latency_dispatch", None))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    fn = tree.body[0]
+    return (isinstance(fn, ast.FunctionDef)
+            and _statements(fn.body) == _statements(ast.parse(_V121_LL_DISPATCH_BODY).body))
 
 
 # --------------------------------------------------------------------------- buffers
@@ -107,8 +148,10 @@ class _GroupBuffer:
     used_normal: bool = False  # normal kernels ran since the last low-latency clean
     low_latency_in_flight: int = 0  # async low-latency calls issued and not yet received (wait())
     # the buffer while a low-latency call may go straight to it (built for the need, clean, nothing in
-    # flight), else None: the one read of the low-latency hot path; whatever changes that state resets it
+    # flight, its dispatch wrapper v1.2.1's), else None: the one read of the low-latency hot path; whatever
+    # changes that state resets it
     low_latency_ready: Any = None
+    wraps_runtime: bool = False  # the buffer's low_latency_dispatch is v1.2.1's wrapper of its runtime's
 
 
 class BufferRegistry:
@@ -144,6 +187,7 @@ class BufferRegistry:
             entry.built_for = need
             entry.used_normal = False
             entry.low_latency_ready = None
+            entry.wraps_runtime = wraps_runtime_dispatch(type(entry.buffer))
         else:  # a later need the buffer already covers: size it as built, so the hot path applies again
             entry.need = entry.built_for
         return entry.buffer
@@ -263,10 +307,11 @@ class DeepEPDispatcher(Dispatcher):
         # one lookup (docs/decisions.md, entry 61)
         tokens = range(self.max_tokens + 1) if self.low_latency else ()
         self._ll_x_shapes = frozenset((t, self.hidden) for t in tokens)
-        # low_latency_dispatch's arguments after (x, topk_idx, num_max, num_experts), positionally in v1.2.1's
-        # order: no stats tensors, use_fp8, round_scale, use_ue8m0, async_finish / return_recv_hook at DeepEP's
-        # defaults (False): a call with keywords costs ~2x (a ** call 3x)
-        self._ll_dispatch_args = (self.num_max, self.num_experts, None, None, self.fp8, self.ue8m0, self.ue8m0)
+        # the C++ low_latency_dispatch's arguments after (x, topk_idx), positionally in v1.2.1's order: no stats
+        # tensors, num_max, num_experts, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook (a call
+        # with keywords costs ~2x, a ** call 3x)
+        self._ll_runtime_args = (None, None, self.num_max, self.num_experts, self.fp8, self.ue8m0, self.ue8m0,
+                                 False, False)
         self._registry = BUFFERS
         self._entry = BUFFERS.declare(self.group, self._need(world, cfg.options("deepep")))
 
@@ -300,7 +345,9 @@ class DeepEPDispatcher(Dispatcher):
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
                     and x.shape in self._ll_x_shapes):
                 try:  # DeepEP checks x's layout and the ids against x (2-D, as many rows) before it launches
-                    recv_x, recv_count, handle, _, _ = buf.low_latency_dispatch(x, idx, *self._ll_dispatch_args)
+                    # (its C++ call, as v1.2.1's Python wrapper makes it: checked when the buffer was built)
+                    data, scale, count, src_info, layout_range, _, _ = buf.runtime.low_latency_dispatch(
+                        x, idx, *self._ll_runtime_args)
                 except Exception:
                     if x.is_contiguous():
                         self._validate(x, topk)  # raises the contract's error if the input is at fault
@@ -309,7 +356,12 @@ class DeepEPDispatcher(Dispatcher):
                 else:
                     if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
                         self._validate(x, topk)
-                    return self._masked_dispatch(recv_x, recv_count, handle, topk, idx, _BF16)
+                    # the wrapper's handle, (src_info, layout_range, num_max, x.size(1), num_experts)
+                    handle = _new_tuple(_LowLatencyHandle, (
+                        (src_info, layout_range, self.num_max, self.hidden, self.num_experts), idx, _BF16))
+                    if self.ue8m0:
+                        scale = unpack_ue8m0(scale, self.hidden // 128)
+                    return masked_dispatch_unchecked(data, self.wire, scale, self.ue8m0, count, topk, handle)
             launched, _ = self._launch_low_latency_dispatch(x, topk, None, False)
             return self._masked_dispatch(*launched)
         return self._dispatch_normal(hidden_states, topk, None, False).wait()
@@ -462,7 +514,7 @@ class DeepEPDispatcher(Dispatcher):
         if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
             buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
             entry.used_normal = False
-        if not entry.low_latency_in_flight:
+        if not entry.low_latency_in_flight and entry.wraps_runtime:
             entry.low_latency_ready = buf  # the next low-latency call may go straight to it
         return buf
 

@@ -114,6 +114,34 @@ def test_buffer_registry_grows_to_the_largest_need(deep_ep_emu):
         reg.declare(g, BufferNeed(0, 1 << 22, True, 8))
 
 
+def test_runtime_called_only_behind_v121s_dispatch_wrapper(deep_ep_emu):
+    # the low-latency hot path calls Buffer.runtime itself only where Buffer.low_latency_dispatch is v1.2.1's
+    # wrapper of it (docs/decisions.md, entry 69); the emulation's is (deepep_fidelity.py checks the real one)
+    from moe_plugin_cuda.deepep import BufferNeed, BufferRegistry, wraps_runtime_dispatch
+
+    assert wraps_runtime_dispatch(deep_ep_emu.Buffer)
+
+    class Counted(deep_ep_emu.Buffer):  # one statement more than v1.2.1's: the runtime is not for us to call
+        def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                 cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                                 use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                                 return_recv_hook=False):
+            self.calls["wrapped"] += 1
+            return super().low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                                                use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    assert not wraps_runtime_dispatch(Counted)
+    assert not wraps_runtime_dispatch(type("Buffer", (), {"low_latency_dispatch": print}))  # no Python source
+    reg, need = BufferRegistry(), BufferNeed(0, 1 << 22, True, 4)
+    entry = reg.declare(SoloGroup(), need)
+    reg.get(entry, deep_ep_emu)
+    assert entry.wraps_runtime
+    entry = reg.declare(SoloGroup(), need)
+    reg.get(entry, type("deep_ep", (), {"Buffer": Counted}))
+    assert not entry.wraps_runtime  # so the buffer never becomes low_latency_ready: every call is checked
+
+
 def test_pending_waits_once():
     from moe_plugin_cuda.deepep import Pending
 

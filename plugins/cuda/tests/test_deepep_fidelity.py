@@ -19,7 +19,7 @@ from moe_core.testing.world import run_gloo_world
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-CHECKED = ["bf16", "fp8", "fp8-round", "fp8-round-ue8m0", "fresh-results", "normal-fp8-passthrough"]
+CHECKED = ["bf16", "fp8", "fp8-round", "fp8-round-ue8m0", "fresh-results", "runtime-wrapper", "normal-fp8-passthrough"]
 
 
 @pytest.mark.multiproc

@@ -11,6 +11,8 @@ emulation (gloo, CPU) and on the real library (NCCL, 2 GPUs): ``test_deepep_fide
   and scales equal to ``deep_ep_emulation.buffer.quantize_fp8_ll`` (DeepEP's in-kernel recipe) bit for
   bit; UE8M0 bytes = the exponent byte of the fp32 scale, 4 per int, low byte first;
 - result tensors are fresh per call (a held result survives later calls);
+- ``Buffer.low_latency_dispatch`` is v1.2.1's wrapper of ``Buffer.runtime``'s, which the plugin's hot path calls
+  (the FP8 cases without ``round_scale`` and the UE8M0 case call the runtime, as the plugin does);
 - normal dispatch: FP8 payload and scales pass through unchanged, rows grouped by source rank.
 
 Receive order is free: the returned ``order_sorted`` says whether every block arrived in source
@@ -30,6 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from deep_ep_emulation.buffer import pack_ue8m0, quantize_fp8_ll  # noqa: E402
+from moe_plugin_cuda.deepep import wraps_runtime_dispatch  # noqa: E402
 
 E, K, H, NUM_MAX = 16, 4, 7168, 16
 
@@ -63,8 +66,13 @@ def run_fidelity(rank: int, world: int, device: torch.device) -> dict:
     for use_fp8, round_scale, ue8m0, hook in ((False, False, False, False), (True, False, False, False),
                                               (True, True, False, True), (True, True, True, False)):
         name = "bf16" if not use_fp8 else "fp8" + ("-round" if round_scale else "") + ("-ue8m0" if ue8m0 else "")
-        recv, count, handle, _, recv_hook = buf.low_latency_dispatch(
-            x, idx, NUM_MAX, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
+        if use_fp8 and not round_scale or ue8m0:  # the C++ runtime's call, as moe-core's hot path makes it
+            data, scales, count, src_info, layout, _, recv_hook = buf.runtime.low_latency_dispatch(
+                x, idx, None, None, NUM_MAX, E, use_fp8, round_scale, ue8m0, False, False)
+            recv, handle = (data, scales) if use_fp8 else data, (src_info, layout)
+        else:  # the public wrapper
+            recv, count, handle, _, recv_hook = buf.low_latency_dispatch(
+                x, idx, NUM_MAX, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=hook)
         if hook:
             recv_hook()
         if device.type == "cuda":
@@ -115,6 +123,9 @@ def run_fidelity(rank: int, world: int, device: torch.device) -> dict:
         checked.append(name)
     assert len({d.data_ptr() for d in held}) == len(held), "result tensors must be fresh per call"
     checked.append("fresh-results")
+    # the plugin calls the runtime itself only where Buffer.low_latency_dispatch is v1.2.1's wrapper of it
+    assert wraps_runtime_dispatch(deep_ep.Buffer), "Buffer.low_latency_dispatch is not v1.2.1's wrapper"
+    checked.append("runtime-wrapper")
 
     # normal mode: the FP8 payload and its scales pass through; rows grouped by source rank, ascending
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)

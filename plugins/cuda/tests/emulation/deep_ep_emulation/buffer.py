@@ -17,6 +17,9 @@ and 8; the constraints DeepEP asserts are asserted here too, so a plugin bug fai
   ``[.., H/512]``, 4 exponent bytes per int, low byte first); result tensors are fresh allocations
   each call, as in v1.2.1's ``deep_ep.cpp``; with ``return_recv_hook`` the slab and counts hold
   garbage until the hook is called.
+- ``Buffer.runtime`` (DeepEP's C++ ``deep_ep_cpp.Buffer``) has the low-latency dispatch with v1.2.1's C++
+  arguments and 7 results, and ``Buffer.low_latency_dispatch`` is v1.2.1's Python wrapper of it, statement for
+  statement (the plugin's hot path calls the runtime where the wrapper is that one).
 - ``low_latency_combine``: ``sum_k [id != -1] w * y`` with the sender's own ids and weights, as bf16.
 - Low-latency kernels after normal kernels without ``clean_low_latency_buffer`` raise (on the
   hardware they would read a dirty buffer).
@@ -188,6 +191,14 @@ def pack_ue8m0(scale_inv: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- buffer
 
 
+class Runtime:
+    """``Buffer.runtime``: DeepEP's C++ ``deep_ep_cpp.Buffer`` as far as the plugin calls it (the low-latency
+    dispatch, with v1.2.1's C++ signature and results); ``Buffer``'s wrapper calls it as DeepEP's does."""
+
+    def __init__(self, buffer: "Buffer") -> None:
+        self.low_latency_dispatch = buffer._low_latency_dispatch
+
+
 class Buffer:
     num_sms: int = 20
 
@@ -219,6 +230,7 @@ class Buffer:
             every = [tuple(g.tolist()) for g in gathered]
             if any(e != tuple(mine.tolist()) for e in every):
                 raise RuntimeError(f"ranks created DeepEP buffers with different settings: {every}")
+        self.runtime = Runtime(self)  # (DeepEP's deep_ep_cpp.Buffer)
         self.calls: Counter = Counter()  # test introspection
         self._dirty = False  # normal kernels ran since the last clean_low_latency_buffer
         self._rng = torch.Generator().manual_seed(7919 * (self.rank + 1))  # arrival order, per rank
@@ -409,6 +421,28 @@ class Buffer:
                              num_experts: int, cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False, return_recv_hook: bool = False):
+        """DeepEP v1.2.1's Python wrapper (``deep_ep/buffer.py``), statement for statement: the C++ call, its
+        results regrouped (the plugin compares this body with v1.2.1's before it calls ``runtime`` itself)."""
+        packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range, event, hook = \
+            self.runtime.low_latency_dispatch(x, topk_idx,
+                                              cumulative_local_expert_recv_stats,
+                                              dispatch_wait_recv_cost_stats,
+                                              num_max_dispatch_tokens_per_rank, num_experts,
+                                              use_fp8, round_scale, use_ue8m0,
+                                              async_finish, return_recv_hook)
+        handle = (packed_recv_src_info, packed_recv_layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        tensors_to_record = (x, topk_idx,
+                             packed_recv_x, packed_recv_x_scales, packed_recv_count,
+                             packed_recv_src_info, packed_recv_layout_range,
+                             cumulative_local_expert_recv_stats)
+        return (packed_recv_x, packed_recv_x_scales) if use_fp8 else packed_recv_x, packed_recv_count, handle, \
+            EventOverlap(event, tensors_to_record if async_finish else None), hook
+
+    def _low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, cumulative_local_expert_recv_stats: Any,
+                              dispatch_wait_recv_cost_stats: Any, num_max_dispatch_tokens_per_rank: int,
+                              num_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_finish: bool,
+                              return_recv_hook: bool):
+        """``deep_ep_cpp.Buffer.low_latency_dispatch`` (``Runtime``): v1.2.1's C++ arguments and 7 results."""
         self.calls["low_latency_dispatch"] += 1
         num_max, R = num_max_dispatch_tokens_per_rank, self.group_size
         self._check_ll(x, num_max, num_experts)
@@ -471,9 +505,8 @@ class Buffer:
 
         if not return_recv_hook:
             receive()
-        handle = (src_info, layout_range, num_max, h, num_experts)
-        recv_x = (data, scales_cm.transpose(1, 2)) if use_fp8 else data  # scales: column-major views
-        return recv_x, recv_count, handle, EventOverlap(), receive if return_recv_hook else None
+        scales = scales_cm.transpose(1, 2) if use_fp8 else None  # column-major views
+        return data, scales, recv_count, src_info, layout_range, None, receive if return_recv_hook else None
 
     def _fill_garbage(self, data: torch.Tensor, scales: Optional[torch.Tensor]) -> None:
         if data.dtype == torch.bfloat16:
