@@ -26,7 +26,7 @@ low-latency calls may be in flight per buffer (a third, async or not, raises bef
 The slab and its scales are fresh tensors each call (v1.2.1 allocates them per call). The synchronous
 low-latency dispatch calls DeepEP's C++ runtime (``Buffer.runtime``) itself where ``Buffer.low_latency_dispatch``
 is v1.2.1's wrapper of it, statement for statement (checked when the buffer is built; docs/decisions.md entry 69),
-and builds the same handle; with any other wrapper every low-latency call takes the checked path.
+and builds the same handle; any other wrapper is called by its keywords on the same hot path.
 
 Low-latency FP8 is DeepEP's own cast, not ``moe_core.quant``'s: ``scale = amax * fl(1/448)`` and
 ``q = x * (448/amax)`` round differently from ``amax/448`` and ``x/scale`` (most scales differ in the
@@ -80,7 +80,7 @@ T = TypeVar("T")
 # DeepEP v1.2.1's ``Buffer.low_latency_dispatch`` after its docstring (``deep_ep/buffer.py``): its C++ runtime's call
 # with the arguments unchanged, then the results regrouped into a handle and an ``EventOverlap``. Where the installed
 # wrapper is exactly this, the synchronous hot path calls the runtime itself and builds the same handle
-# (docs/decisions.md, entry 69); any other wrapper is called as it is.
+# (docs/decisions.md, entry 69); any other wrapper is called by its keywords.
 _V121_LL_DISPATCH_BODY = """
 packed_recv_x, packed_recv_x_scales, packed_recv_count, packed_recv_src_info, packed_recv_layout_range, event, hook = \
     self.runtime.low_latency_dispatch(x, topk_idx, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
@@ -148,8 +148,7 @@ class _GroupBuffer:
     used_normal: bool = False  # normal kernels ran since the last low-latency clean
     low_latency_in_flight: int = 0  # async low-latency calls issued and not yet received (wait())
     # the buffer while a low-latency call may go straight to it (built for the need, clean, nothing in
-    # flight, its dispatch wrapper v1.2.1's), else None: the one read of the low-latency hot path; whatever
-    # changes that state resets it
+    # flight), else None: the one read of the low-latency hot path; whatever changes that state resets it
     low_latency_ready: Any = None
     wraps_runtime: bool = False  # the buffer's low_latency_dispatch is v1.2.1's wrapper of its runtime's
 
@@ -345,9 +344,16 @@ class DeepEPDispatcher(Dispatcher):
             if (buf is not None and idx is not None and x.__class__ is _Tensor and x.dtype is _BF16
                     and x.shape in self._ll_x_shapes):
                 try:  # DeepEP checks x's layout and the ids against x (2-D, as many rows) before it launches
-                    # (its C++ call, as v1.2.1's Python wrapper makes it: checked when the buffer was built)
-                    data, scale, count, src_info, layout_range, _, _ = buf.runtime.low_latency_dispatch(
-                        x, idx, *self._ll_runtime_args)
+                    if self._entry.wraps_runtime:  # its C++ call, as v1.2.1's Python wrapper makes it (entry 69)
+                        data, scale, count, src_info, layout_range, _, _ = buf.runtime.low_latency_dispatch(
+                            x, idx, *self._ll_runtime_args)
+                        # the wrapper's handle, (src_info, layout_range, num_max, x.size(1), num_experts)
+                        deepep_handle = (src_info, layout_range, self.num_max, self.hidden, self.num_experts)
+                    else:  # another DeepEP's wrapper (e.g. 2.x's legacy Buffer), called by its keywords
+                        recv_x, count, deepep_handle, _, _ = buf.low_latency_dispatch(
+                            x, idx, self.num_max, self.num_experts, use_fp8=self.fp8, round_scale=self.ue8m0,
+                            use_ue8m0=self.ue8m0)
+                        data, scale = recv_x if self.fp8 else (recv_x, None)
                 except Exception:
                     if x.is_contiguous():
                         self._validate(x, topk)  # raises the contract's error if the input is at fault
@@ -356,9 +362,7 @@ class DeepEPDispatcher(Dispatcher):
                 else:
                     if idx.shape[1] != self.top_k:  # harmless to DeepEP (any top-k); the contract's refusal
                         self._validate(x, topk)
-                    # the wrapper's handle, (src_info, layout_range, num_max, x.size(1), num_experts)
-                    handle = _new_tuple(_LowLatencyHandle, (
-                        (src_info, layout_range, self.num_max, self.hidden, self.num_experts), idx, _BF16))
+                    handle = _new_tuple(_LowLatencyHandle, (deepep_handle, idx, _BF16))
                     if self.ue8m0:
                         scale = unpack_ue8m0(scale, self.hidden // 128)
                     return masked_dispatch_unchecked(data, self.wire, scale, self.ue8m0, count, topk, handle)
@@ -514,7 +518,7 @@ class DeepEPDispatcher(Dispatcher):
         if entry.used_normal:  # the low-latency kernels need their part of the buffer zeroed
             buf.clean_low_latency_buffer(self.num_max, self.hidden, self.num_experts)
             entry.used_normal = False
-        if not entry.low_latency_in_flight and entry.wraps_runtime:
+        if not entry.low_latency_in_flight:
             entry.low_latency_ready = buf  # the next low-latency call may go straight to it
         return buf
 

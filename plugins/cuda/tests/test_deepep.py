@@ -116,7 +116,7 @@ def test_buffer_registry_grows_to_the_largest_need(deep_ep_emu):
 
 def test_runtime_called_only_behind_v121s_dispatch_wrapper(deep_ep_emu):
     # the low-latency hot path calls Buffer.runtime itself only where Buffer.low_latency_dispatch is v1.2.1's
-    # wrapper of it (docs/decisions.md, entry 69); the emulation's is (deepep_fidelity.py checks the real one)
+    # wrapper of it, any other wrapper by its keywords (docs/decisions.md, entry 69); the emulation's is (deepep_fidelity.py checks the real one)
     from moe_plugin_cuda.deepep import BufferNeed, BufferRegistry, wraps_runtime_dispatch
 
     assert wraps_runtime_dispatch(deep_ep_emu.Buffer)
@@ -139,7 +139,7 @@ def test_runtime_called_only_behind_v121s_dispatch_wrapper(deep_ep_emu):
     assert entry.wraps_runtime
     entry = reg.declare(SoloGroup(), need)
     reg.get(entry, type("deep_ep", (), {"Buffer": Counted}))
-    assert not entry.wraps_runtime  # so the buffer never becomes low_latency_ready: every call is checked
+    assert not entry.wraps_runtime  # so the hot path calls the wrapper (deep_ep_worker.part_hot_path)
 
 
 def test_pending_waits_once():

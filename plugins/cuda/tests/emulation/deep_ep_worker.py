@@ -378,6 +378,14 @@ def part_hot_path(rank: int, world: int, seed: int) -> dict:
     # a strided slab: DeepEP refuses it before launching anything, the checked path copies it
     strided = type(ci)(ci.hidden.transpose(0, 1).contiguous().transpose(0, 1), ci.topk, ci.handle)
     same["strided_slab"] = bool(torch.allclose(d.combine(strided).float(), y_after, rtol=0, atol=0))
+    # a DeepEP whose wrapper is not v1.2.1's (docs/decisions.md, entry 69): the hot path calls that wrapper by its
+    # keywords (the checked path is made unusable here to show it), with the same results
+    buf, launch = d.buffer, d._launch_low_latency_dispatch
+    d._entry.wraps_runtime, d._launch_low_latency_dispatch, wrapped = False, None, buf.calls["low_latency_dispatch"]
+    m, y = run(x.to(torch.bfloat16), hot)
+    same["other_wrapper"] = bool(torch.equal(m, ref_m) and torch.allclose(y, ref_y, rtol=1e-2, atol=1e-2)
+                                 and buf.calls["low_latency_dispatch"] == wrapped + 1)
+    d._entry.wraps_runtime, d._launch_low_latency_dispatch = True, launch
     return {"same": same, "errors": errors, "after_refusal": bool(torch.allclose(y_after, ref_y, rtol=1e-2, atol=1e-2)),
             "hot_path_ready": d._entry.low_latency_ready is not None}
 
