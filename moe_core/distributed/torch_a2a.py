@@ -289,11 +289,13 @@ FUSED_WORST_CASE_MAX_CAPACITY = 128
 # all_to_all_single (decisions 66, 68). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
 # exact normal dispatch 598 / 536 direct against 1002 / 787 at 4096 tokens a rank, 503 / 451 against 996 / 496 at
 # 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
-# at 128; worst-case normal (CUDA graphs) 93 / 93 against 161 / 97 at 128, but at 4096 its fused exchange took 946
-# / 796 against the torch exchange's 798 / 711 (the run before), so it stays there. Exact mode needs
-# max_tokens_per_rank (its receive chunks). The direct exchange's NCCL test passes (decision 68: its one failure
-# was the masked combine's rounding against the torch path's compiled FMAs, not the exchange).
-DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": (1, None), "worst_case": (1, 128),
+# at 128; worst-case normal (CUDA graphs) dispatch 61.5 / 58.6 against 103.5 / 63.9 at 128, but at 4096 its fused
+# exchange took 642 / 414 against the torch exchange's 472 / 385 (run D); in between (2026-11-26 13:47 UTC, 2x H100,
+# one run, decision 68) 129 / 81 against 162 / 177 at 512, 173 / 172 against 215 / 224 at 1024, 316 / 211 against
+# 276 / 247 at 2048: direct up to 1024, the torch exchange from 2048. Exact mode needs max_tokens_per_rank (its
+# receive chunks). The direct exchange's NCCL test passes (decision 68: its one failure was the masked combine's
+# rounding against the torch path's compiled FMAs, not the exchange).
+DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": (1, None), "worst_case": (1, 1024),
                                                                      "masked": (1, None)}
 
 
