@@ -282,7 +282,8 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # torch one above: on 2x H200 (2026-11-26 06:29 UTC, bench_torch_a2a.py, CUDA graphs) the fused dispatch took
 # 73 / 76 us (bf16 / fp8) against 98 / 111 us at 128 tokens a rank, but 623 / 443 us against 443 / 390 us at 4096
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
-# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
+# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63). This is
+# the collective exchange's limit; where the direct one serves (DIRECT_CAPACITIES), it takes its own.
 FUSED_WORST_CASE_MAX_CAPACITY = 128
 # exchange="auto": the max_tokens_per_rank (lowest, highest or None: no limit) over which each mode moves its rows
 # (and exact mode its counts messages) by the plugin's direct writes over symmetric memory instead of
