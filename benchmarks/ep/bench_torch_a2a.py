@@ -220,6 +220,9 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
                                 device_id=torch.device("cuda", rank))
     get_plugin_manager()  # the installed plugins load, as under a layer (the cuda plugin's kernels: decision 63)
+    # one process measures many shapes, where a layer has one: dynamo's limit of 8 graphs per function would turn
+    # the torch path's compiled helpers eager after a few sizes
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     rows = []
     modes = [m for m in args.modes if not (args.cpu and MODES[m][2])]
     device = f"{world}x {torch.cuda.get_device_name(0)}" if DEVICE == "cuda" else f"{world}x cpu (gloo)"

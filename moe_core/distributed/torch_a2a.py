@@ -282,20 +282,22 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 # torch one above: on 2x H200 (2026-11-26 06:29 UTC, bench_torch_a2a.py, CUDA graphs) the fused dispatch took
 # 73 / 76 us (bf16 / fp8) against 98 / 111 us at 128 tokens a rank, but 623 / 443 us against 443 / 390 us at 4096
 # (its per-slot pack and the contiguous copy of the received rows move the rows twice). Masked mode always
-# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63).
+# takes it (4096: 626 / 468 us against 1403 / 834 us). Sizes in between are not measured (decision 63). This is
+# the collective exchange's limit; where the direct one serves (DIRECT_CAPACITIES), it takes its own.
 FUSED_WORST_CASE_MAX_CAPACITY = 128
 # exchange="auto": the max_tokens_per_rank (lowest, highest or None: no limit) over which each mode moves its rows
 # (and exact mode its counts messages) by the plugin's direct writes over symmetric memory instead of
-# all_to_all_single (decision 66). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
+# all_to_all_single (decisions 66, 68). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
 # exact normal dispatch 598 / 536 direct against 1002 / 787 at 4096 tokens a rank, 503 / 451 against 996 / 496 at
 # 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
-# at 128; worst-case normal (CUDA graphs) 93 / 93 against 161 / 97 at 128, but at 4096 its fused exchange took 946
-# / 796 against the torch exchange's 798 / 711 (the run before), so it stays there. Sizes in between: not measured.
-# Those measured ranges were (1, None) for exact and masked, (1, 128) for worst-case. None: "auto" never takes the
-# direct writes, because the byte-for-byte NCCL test of the direct exchange (test_fused_direct_exchange_nccl)
-# FAILED on 2x H200 (2026-11-26 11:27 UTC), cause not yet found; exchange="direct" still asks for them.
-DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": None, "worst_case": None,
-                                                                     "masked": None}
+# at 128; worst-case normal (CUDA graphs) dispatch 61.5 / 58.6 against 103.5 / 63.9 at 128, but at 4096 its fused
+# exchange took 642 / 414 against the torch exchange's 472 / 385 (run D); in between (2026-11-26 13:47 UTC, 2x H100,
+# one run, decision 70) 129 / 81 against 162 / 177 at 512, 173 / 172 against 215 / 224 at 1024, 316 / 211 against
+# 276 / 247 at 2048: direct up to 1024, the torch exchange from 2048. Exact mode needs max_tokens_per_rank (its
+# receive chunks). The direct exchange's NCCL test passes (decision 70: its one failure was the masked combine's
+# rounding against the torch path's compiled FMAs, not the exchange).
+DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": (1, None), "worst_case": (1, 1024),
+                                                                     "masked": (1, None)}
 
 
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
@@ -677,6 +679,22 @@ def _masked_pairs(slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.
     return torch.where(valid, slab_index, first).clamp(max=last_row), torch.where(valid, weights, 0.0)
 
 
+def _to_host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Start copying ``t`` to the host now, in stream order; the returned call waits for that copy only (not for
+    work queued after it) and gives the host tensor. On the CPU: ``t`` itself."""
+    if t.device.type == "cpu":
+        return lambda: t
+    host = t.to("cpu", non_blocking=True)  # (pinned: an asynchronous copy)
+    copied = torch.Event(device=t.device)
+    copied.record()
+
+    def wait() -> torch.Tensor:
+        copied.synchronize()
+        return host
+
+    return wait
+
+
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
     """fp32 scale words per row on the wire."""
     if dtype is WireDtype.FP8:
@@ -807,8 +825,10 @@ class TorchA2ADispatcher(Dispatcher):
             ranks = [r for r, b in enumerate(bad_by_rank) if b]
             raise ValueError(f"topk.ids out of range [-1, {self.num_experts}) on EP rank(s) {ranks} "
                              f"({bad_by_rank[self.rank]} on this rank {self.rank})")
-        counts_host = tuple(sum(m[3 + j] for m in recv_msg) for j in range(self.num_local))
-        overflowed = any(len(m) > 3 + self.num_local and m[3 + self.num_local] for m in recv_msg)
+        el = self.num_local
+        # (on the critical path: a sum per expert by generator took ~4x as long, 256 experts over 2 ranks)
+        counts_host = tuple(map(sum, zip(*[m[3:3 + el] for m in recv_msg], strict=True)))
+        overflowed = any(m[3 + el] for m in recv_msg if len(m) > 3 + el)
         return [m[2] for m in sent_msg], [m[2] for m in recv_msg], counts_host, overflowed
 
     def _dispatch_normal(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
@@ -849,24 +869,35 @@ class TorchA2ADispatcher(Dispatcher):
         # the rows depend only on the local layout: packed (direct: moved) before the count exchange, on the device
         # while the host issues that exchange and waits for the counts (decision 66)
         chunk = self.capacity if direct and kernels.exchange_normal is not None and self.capacity else 0
+        early = None
         if chunk:  # the rows and the counts messages (decision 66)
             recv = kernels.exchange_normal(x, topk.ids, topk.weights, row, msg, self.wire, self.group, chunk)
+            host = _to_host(msg)
+            if 2 * x.shape[0] >= chunk:  # unpacked at the chunks' size while the host reads (decision 70)
+                early = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden, self.top_k, self.rank,
+                                       self.num_local, rows=self.world * chunk, chunk=chunk)
+            msg_host = host()
         else:
             send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
             if direct and kernels.exchange_counts is not None:
                 kernels.exchange_counts(msg, self.group)
             else:
                 dist.all_to_all_single(msg[1], msg[0], group=self.group)
-        send_counts, recv_counts, counts_host, overflowed = self._read_counts(msg)
+            msg_host = msg
+        send_counts, recv_counts, counts_host, overflowed = self._read_counts(msg_host)
+        n_recv = sum(recv_counts)
         if overflowed:  # some rank sent one rank more rows than a chunk holds: every rank moves them again, below
-            chunk = 0
+            chunk, early = 0, None
             send = kernels.pack(x, topk.ids, topk.weights, row, self.wire)
         if not chunk:
-            recv = torch.empty(sum(recv_counts), send.shape[1], dtype=torch.uint8, device=x.device)
+            recv = torch.empty(n_recv, send.shape[1], dtype=torch.uint8, device=x.device)
             dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
-        data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
-                                                            self.top_k, self.rank, self.num_local,
-                                                            rows=sum(recv_counts), chunk=chunk)
+        if early is not None:
+            data, scale, lids, weights, counts = (t if t is None or t.dim() == 1 else t[:n_recv] for t in early)
+        else:
+            data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
+                                                                self.top_k, self.rank, self.num_local, rows=n_recv,
+                                                                chunk=chunk)
         hidden = QuantizedActivations(data, self.wire, scale)
         handle = _NormalHandle(row, send_counts, recv_counts, x.shape[0], x.dtype)
         return EPNormalDispatch(hidden, TopK(weights, lids), counts, counts_host, handle)
@@ -954,6 +985,8 @@ class TorchA2ADispatcher(Dispatcher):
         if self.exchange == "collective":
             return False
         if self.exchange == "auto":
+            if self.world == 1:  # (nothing to gain over all_to_all_single's local copy)
+                return False
             limits = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
             if limits is None:
                 return False

@@ -70,6 +70,7 @@ def test_fused_normal_matches_torch(world):
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
         assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
             f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+        assert case.get("ref_err", 0.0) <= TOL["bf16"], f"{where}: masked combine vs float64: {case['ref_err']:.3g}"
     assert n == world * (3 if world == 2 else 1) * 3 * 5  # every rank, mode, wire and routing
 
 
@@ -85,6 +86,7 @@ def test_fused_direct_exchange_matches_torch():
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
         assert case["combine_same"] is not False and case["combine_err"] <= 1e-2, \
             f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+        assert case.get("ref_err", 0.0) <= TOL["bf16"], f"{where}: masked combine vs float64: {case['ref_err']:.3g}"
     assert n == 2 * 3 * 2 * 5  # every rank, mode, wire (bf16, fp8) and routing
 
 
@@ -242,8 +244,9 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     shipped = dict(ta.DIRECT_CAPACITIES)
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", {"exact": (256, None), "worst_case": (1, 128), "masked": (64, 512)})
 
-    def direct(exchange, masked=False, worst_case=False, capacity=None, reachable=True):
-        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity, group=None)
+    def direct(exchange, masked=False, worst_case=False, capacity=None, reachable=True, world=2):
+        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity, group=None,
+                                  world=world)
         kernels = types.SimpleNamespace(direct_ok=lambda group, device: reachable)
         return ta.TorchA2ADispatcher._direct_exchange(d, kernels, "cuda")
 
@@ -253,7 +256,10 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     assert direct("auto", masked=True, capacity=512) and not direct("auto", masked=True, capacity=513)
     assert direct("auto", worst_case=True, capacity=128) and not direct("auto", worst_case=True, capacity=4096)
     assert direct("auto", capacity=4096) and not direct("auto", capacity=128) and not direct("auto")
-    # the shipped table: "auto" keeps the collective until the direct exchange passes its NCCL test (decision 66)
+    assert not direct("auto", masked=True, capacity=64, world=1) and direct("direct", world=1)
+    # the shipped table (decisions 66, 68): exact mode wherever max_tokens_per_rank is set, masked at every size,
+    # worst-case normal up to 1024
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", shipped)
-    assert not any(direct("auto", masked=m, worst_case=w, capacity=c)
-                   for m, w in ((True, False), (False, True), (False, False)) for c in (1, 128, 4096))
+    assert all(direct("auto", capacity=c) and direct("auto", masked=True, capacity=c) for c in (1, 128, 4096))
+    assert not direct("auto") and direct("auto", worst_case=True, capacity=1024)
+    assert not direct("auto", worst_case=True, capacity=2048)

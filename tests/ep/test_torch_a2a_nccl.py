@@ -40,21 +40,36 @@ def test_dispatch_layout_nccl(world):
         assert case["data_err"] <= 1e-6 and case["err"] <= 1e-2, f"{where}: {case}"
 
 
-def test_fused_normal_nccl():
-    """The cuda plugin's fused exact-normal kernels (decision 63), compiled, against the torch path: same bytes."""
-    for where, _name, case in _cases(run_ranks("comm_fused", 2, TIMEOUT, backend="nccl")):
-        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+# Masked combine against the torch path: its weighted fp32 sums round each product in the kernel and may be
+# contracted into FMAs in the torch path's compiled code, so a few bf16 outputs differ by an ulp (rel err ~1e-5 on
+# 2x H100, 2026-11-26; a misplaced row or weight is ~1e-1); both are checked against the float64 oracle too
+# (decision 70). Everything else is bytes, compared exactly.
+MASKED_COMBINE_TOL = 1e-3
+
+
+def _check_fused(where: str, case: dict) -> None:
+    assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
+    if case["combine_same"] is None:  # masked
+        if case["combine_err"]:  # (the evidence for decision 70, with pytest -rP)
+            print(f"masked combine not bit-equal to the torch path: {where}: rel err {case['combine_err']:.3g}, "
+                  f"vs float64 {case['ref_err']:.3g}")
+        assert case["combine_err"] <= MASKED_COMBINE_TOL and case["ref_err"] <= TOL["bf16"], f"{where}: {case}"
+    else:
         assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
 
 
-@pytest.mark.xfail(reason="failed on 2x H200, 2026-11-26 11:27 UTC (message not captured); the direct exchange is "
-                          "off under exchange='auto' until it passes (decision 66)", strict=False)
+def test_fused_normal_nccl():
+    """The cuda plugin's fused kernels (decisions 63, 66), compiled, with the collective exchange against the torch
+    path: same bytes (masked combine: to ``MASKED_COMBINE_TOL``, and against float64)."""
+    for where, _name, case in _cases(run_ranks("comm_fused", 2, TIMEOUT, backend="nccl")):
+        _check_fused(f"collective {where}", case)
+
+
 def test_fused_direct_exchange_nccl():
     """Every mode with the cuda plugin's direct-write exchanges over symmetric memory (decision 66) against the torch
-    path: same bytes, nothing returned living in the reused receive rows."""
+    path: same bytes (masked combine as above), nothing returned living in the reused receive rows."""
     for where, _name, case in _cases(run_ranks("comm_fused_direct", 2, TIMEOUT, backend="nccl")):
-        assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
-        assert case["combine_same"], f"{where}: combine differs (rel err {case['combine_err']:.3g})"
+        _check_fused(f"direct {where}", case)
 
 
 def test_fused_direct_overflow_nccl():

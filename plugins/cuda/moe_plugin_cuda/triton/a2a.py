@@ -344,7 +344,8 @@ def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, count
                    W: tl.constexpr, WP: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BD: tl.constexpr,
                    CHUNKED: tl.constexpr):
     """One program per received row (``CHUNKED``: the rows of source s are rows ``s * C ...`` of ``recv``, as the
-    direct exchange leaves them; else one after the other)."""
+    direct exchange leaves them, and a program past the received rows, or past its source's chunk, writes nothing:
+    the core may unpack at the chunks' size before it reads the counts; else one after the other)."""
     pid = tl.program_id(0)
     ranks = tl.arange(0, WP)
     if pid == 0:  # received (token, expert) pairs per local expert, from the counts message
@@ -357,9 +358,20 @@ def _unpack_kernel(recv_ptr, msg_ptr, data_ptr, scale_ptr, lid_ptr, w_ptr, count
         if CHUNKED:
             rows = tl.load(msg_ptr + ranks * (4 + EL) + 2, mask=ranks < W, other=0)  # from each source
             source = tl.sum((tl.cumsum(rows, axis=0) <= r).to(tl.int64), axis=0)
-            src = recv_ptr + (source * C + r - tl.sum(tl.where(ranks < source, rows, 0), axis=0)) * B
+            within = r - tl.sum(tl.where(ranks < source, rows, 0), axis=0)
+            src = recv_ptr + (source * C + within) * B
+            live = (source < W) & (within < C)
         else:
             src = recv_ptr + r * B
+            live = r >= 0
+        _unpack_row(src, r, data_ptr, scale_ptr, lid_ptr, w_ptr, DP, WORDS, first, live, NS, NSP, K, KP, EL, BD)
+
+
+@triton.jit
+def _unpack_row(src, r, data_ptr, scale_ptr, lid_ptr, w_ptr, DP, WORDS, first, live, NS: tl.constexpr,
+                NSP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EL: tl.constexpr, BD: tl.constexpr):
+    """Received row ``r`` (at ``src``): its data words, scales, local ids and weights, where ``live``."""
+    if live:
         for start in range(0, WORDS, BD):
             offs = start + tl.arange(0, BD)
             v = tl.load(src.to(data_ptr.dtype) + offs, mask=offs < WORDS)  # data words (data_ptr's type)
