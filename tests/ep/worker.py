@@ -674,3 +674,8 @@ def run_rank(rank: int, world: int, scenario: str, seed: int, backend: str) -> d
     except Exception:
         result["error"] = traceback.format_exc()
     return result
+
+
+def run_rank_scenarios(rank: int, world: int, scenarios: tuple[str, ...], seed: int, backend: str) -> dict:
+    """``run_rank`` of each of ``scenarios`` in turn, in this one process group: ``{scenario: its result}``."""
+    return {scenario: run_rank(rank, world, scenario, seed, backend) for scenario in scenarios}
