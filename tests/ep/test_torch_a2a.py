@@ -34,8 +34,12 @@ TIMEOUT = 150
 SHARED = {2: ("layer", "comm", "ops", "input_rule", "errors", "layer_bad_ids", "mismatch", "overflow"),
           4: ("layer", "comm", "ops", "layer_bad_ids", "overflow")}
 _SHARED_RESULTS: dict[int, dict] = {}
-# the limit of a test reading them: the first one to run pays for its whole world
-shared_world = pytest.mark.timeout(TIMEOUT * len(SHARED[2]))
+
+
+def shared_world(test):
+    """A test reading ``shared_ranks``: under pytest-xdist on the worker that runs its world (``--dist loadgroup``), and
+    with the time limit of the first one to run, which pays for the whole world."""
+    return pytest.mark.xdist_group("torch_a2a_shared_worlds")(pytest.mark.timeout(TIMEOUT * len(SHARED[2]))(test))
 
 
 def shared_ranks(scenario: str, world: int) -> list[dict]:
