@@ -15,7 +15,7 @@ import pytest
 from moe_core import MoEConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import run_ranks  # noqa: E402
+from harness import run_ranks, run_scenarios  # noqa: E402
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,16 +29,43 @@ SEED = int(os.environ.get("MOE_EP_TEST_SEED", "0")) or None
 TIMEOUT = 150
 
 
+# The scenarios without Triton run in one spawned world per world size, each test reading its own scenario's results:
+# a rank's spawn, torch import and gloo init cost seconds of CPU, most of what these scenarios took one world each
+SHARED = {2: ("layer", "comm", "ops", "input_rule", "errors", "layer_bad_ids", "mismatch", "overflow"),
+          4: ("layer", "comm", "ops", "layer_bad_ids", "overflow")}
+_SHARED_RESULTS: dict[int, dict] = {}
+
+
+def shared_world(test):
+    """A test reading ``shared_ranks``: under pytest-xdist on the worker that runs its world (``--dist loadgroup``), and
+    with the time limit of the first one to run, which pays for the whole world."""
+    return pytest.mark.xdist_group("torch_a2a_shared_worlds")(pytest.mark.timeout(TIMEOUT * len(SHARED[2]))(test))
+
+
+def shared_ranks(scenario: str, world: int) -> list[dict]:
+    """``run_ranks(scenario, world, ...)``'s results, from the one world that runs ``SHARED[world]``."""
+    if world not in _SHARED_RESULTS:
+        # (what every later test reads if this run never returns, e.g. cut by the test's timeout: no second try)
+        _SHARED_RESULTS[world] = dict.fromkeys(SHARED[world], f"the world of {world} ranks running {SHARED[world]} "
+                                                              "did not finish (see the first test that ran it)")
+        _SHARED_RESULTS[world] = run_scenarios(SHARED[world], world, TIMEOUT * len(SHARED[world]), seed=SEED)
+    results = _SHARED_RESULTS[world][scenario]
+    if isinstance(results, str):
+        raise AssertionError(results)
+    return results
+
+
 def _cases(results):
     for res in results:
         for name, case in res["cases"].items():
             yield f"rank {res['rank']} {name} (seed {res['seed']})", name, case
 
 
+@shared_world
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_matches_single_process(world):
     """MoELayer + torch_a2a (normal and masked, bf16/fp8/int8 wire) == single-process reference."""
-    results = run_ranks("layer", world, TIMEOUT, seed=SEED)
+    results = shared_ranks("layer", world)
     seen = set()
     for where, name, case in _cases(results):
         mode, wire, routing = name.split("/")
@@ -98,6 +125,7 @@ def test_direct_exchange_overflow_falls_back_on_every_rank():
         assert all(case["checks"].values()), f"{where}: differs in {[k for k, v in case['checks'].items() if not v]}"
 
 
+@shared_world
 @pytest.mark.parametrize("world", [2, 4])
 def test_dispatch_layout(world):
     """Dispatched layouts are exactly DeepEP's, and combine inverts them (stand-in float64 experts).
@@ -107,7 +135,7 @@ def test_dispatch_layout(world):
     valid rows = the wire-dequantized tokens in (source, token) order; rows past masked_m are NaN
     in the experts' output and must not leak; combine with a re-created TopK gives the same result.
     """
-    results = run_ranks("comm", world, TIMEOUT, seed=SEED)
+    results = shared_ranks("comm", world)
     n = 0
     for where, _name, case in _cases(results):
         n += 1
@@ -118,9 +146,10 @@ def test_dispatch_layout(world):
     assert n == world * 3 * 3 * 5
 
 
+@shared_world
 @pytest.mark.parametrize("world", [2])
 def test_errors(world):
-    results = run_ranks("errors", world, TIMEOUT, seed=SEED)
+    results = shared_ranks("errors", world)
     for res in results:
         c = res["cases"]
         assert c["overflow"]["raised"] and "max_tokens_per_rank=40" in c["overflow"]["message"], c["overflow"]
@@ -133,11 +162,12 @@ def test_errors(world):
         assert c["bad_shape"]["raised"] and "[T, 256]" in c["bad_shape"]["message"]
 
 
+@shared_world
 @pytest.mark.parametrize("world", [2, 4])
 def test_overflow_on_one_rank_raises_everywhere(world):
     """Masked capacity overflow on rank 0 only: every rank raises an error naming the limit, at
     once (well within the harness timeout, far below the process-group timeout of 30 min)."""
-    for res in run_ranks("overflow", world, TIMEOUT, seed=SEED):
+    for res in shared_ranks("overflow", world):
         c = res["cases"]["overflow_rank0"]
         assert c["raised"] and c["type"] == "ValueError", (res["rank"], c)
         assert "max_tokens_per_rank=40" in c["message"], c
@@ -145,13 +175,14 @@ def test_overflow_on_one_rank_raises_everywhere(world):
         assert c["seconds"] < 20, c
 
 
+@shared_world
 def test_host_syncs_and_kernel_counts():
     """Normal dispatch with exact buffers reads the host exactly once; with worst-case buffers
     (graph-safe, decision 56) never, masked mode never, combine never; the kernel and collective
     counts do not grow with the world size (no loops over ranks or experts)."""
     counts = {}
     for world in (2, 4):
-        for res in run_ranks("ops", world, TIMEOUT, seed=SEED):
+        for res in shared_ranks("ops", world):
             for name, case in res["cases"].items():
                 for stage, s in case.items():
                     where = f"world {world} rank {res['rank']} {name} {stage}"
@@ -168,10 +199,11 @@ def test_host_syncs_and_kernel_counts():
         assert kernels <= most[0] and collectives <= most[1], f"{key}: {kernels} kernels, {collectives} collectives"
 
 
+@shared_world
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_bad_id_on_one_rank_raises_on_every_rank(world):
     """Default check_ids on CPU: rank 0's bad id reaches every rank, in every dispatcher and mode."""
-    for res in run_ranks("layer_bad_ids", world, TIMEOUT, seed=SEED):
+    for res in shared_ranks("layer_bad_ids", world):
         for name, c in res["cases"].items():
             if name.endswith("/after"):
                 assert not c["raised"], (res["rank"], name, c)
@@ -182,8 +214,9 @@ def test_layer_bad_id_on_one_rank_raises_on_every_rank(world):
             assert c["seconds"] < 20, (res["rank"], name, c)
 
 
+@shared_world
 def test_ranks_with_different_layers_all_raise_at_build():
-    results = run_ranks("mismatch", 2, TIMEOUT, seed=SEED)
+    results = shared_ranks("mismatch", 2)
     for res in results:
         c = res["cases"]
         assert not c["same"]["raised"], c["same"]
@@ -196,10 +229,11 @@ def test_ranks_with_different_layers_all_raise_at_build():
         assert failed["raised"] and ("no_such_backend" in failed["message"]), (res["rank"], failed)
 
 
+@shared_world
 def test_every_dispatcher_takes_each_ranks_own_tokens():
     """The EP input rule does not depend on the plan (decision 43): standard and torch_a2a both give
     the single-process result on each rank's own tokens (different counts per rank, one rank empty)."""
-    for res in run_ranks("input_rule", 2, TIMEOUT, seed=SEED):
+    for res in shared_ranks("input_rule", 2):
         for name, c in res["cases"].items():
             assert c["shape_ok"] and c["err"] < TOL["bf16"], (res["rank"], name, c)
 

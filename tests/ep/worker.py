@@ -48,9 +48,12 @@ MODES = (Format.EP_NORMAL, Format.EP_MASKED)
 # name -> (format, normal-mode buffers): exact counts (host read) or worst-case (graph-safe, decision 56)
 VARIANTS = {"ep_normal": (Format.EP_NORMAL, "exact"), "ep_normal_worst_case": (Format.EP_NORMAL, "worst_case"),
             "ep_masked": (Format.EP_MASKED, None)}
+# max_tokens_per_rank of the fused kernels' runs in Triton's interpreter (CPU), which costs per token: odd, and
+# world 2's 34 received slots still span two of expand_masked's blocks (a2a.MASKED_BLOCK = 32), the last partial
+INTERPRETER_CAPACITY = 17
 
 
-def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Tensor, TopK]]:
+def routing_cases(world: int, rank: int, seed: int, capacity: int = CAPACITY) -> dict[str, tuple[torch.Tensor, TopK]]:
     """name -> (hidden [T, H] bf16, topk) of this rank's tokens. Different seeds per rank."""
     el = E // world
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -59,25 +62,25 @@ def routing_cases(world: int, rank: int, seed: int) -> dict[str, tuple[torch.Ten
         return make_hidden(t, H, torch.bfloat16, gen), make_topk(t, K, E, gen, **kw)
 
     return {
-        # -1 ids sprinkled, one token with no expert at all, odd size differing per rank
-        "uniform": make(23 + 4 * rank, neg_fraction=0.25, empty_token=True),
+        # -1 ids sprinkled, one token with no expert at all, odd size differing per rank (23 + 4 * rank at 40)
+        "uniform": make(capacity // 2 + 3 + capacity // 10 * rank, neg_fraction=0.25, empty_token=True),
         # every token of every rank goes to rank 0's experts
-        "skewed": make(CAPACITY - rank, experts_subset=range(0, el)),
+        "skewed": make(capacity - rank, experts_subset=range(0, el)),
         # rank 1 has no tokens, rank 0 has one
-        "zero_ranks": make({0: 1, 1: 0}.get(rank, 17)),
+        "zero_ranks": make({0: 1, 1: 0}.get(rank, capacity // 2 - 3)),
         # nobody has tokens
         "idle": make(0),
         # exactly at the masked capacity
-        "full": make(CAPACITY),
+        "full": make(capacity),
     }
 
 
 def ep_config(world: int, rank: int, wire: str, backend_dtype=torch.bfloat16, buffers=None, kernels=None,
-              exchange=None) -> MoEConfig:
+              exchange=None, capacity: int = CAPACITY) -> MoEConfig:
     options = {k: v for k, v in (("normal_buffers", buffers), ("kernels", kernels), ("exchange", exchange)) if v}
     return MoEConfig(backend_options={"torch_a2a": options} if options else {},
                      num_experts=E, top_k=K, hidden_size=H, intermediate_size=I, params_dtype=backend_dtype,
-                     ep_size=world, ep_rank=rank, max_tokens_per_rank=CAPACITY, dispatcher="torch_a2a",
+                     ep_size=world, ep_rank=rank, max_tokens_per_rank=capacity, dispatcher="torch_a2a",
                      experts="reference", dispatch_dtype=wire, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -128,8 +131,8 @@ def scenario_layer(world: int, rank: int, device: torch.device, seed: int) -> di
 
 
 def _make_dispatcher(world: int, rank: int, fmt: Format, wire: str, buffers=None, kernels=None,
-                     exchange=None) -> TorchA2ADispatcher:
-    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels, exchange=exchange)
+                     exchange=None, capacity: int = CAPACITY) -> TorchA2ADispatcher:
+    cfg = ep_config(world, rank, wire, buffers=buffers, kernels=kernels, exchange=exchange, capacity=capacity)
     spec = BackendSpec(name="torch_a2a", role=Role.DISPATCHER, impl="moe_core.distributed:TorchA2ADispatcher",
                        formats=MODES, devices=frozenset({"cpu", "cuda"}))
     return TorchA2ADispatcher(BackendContext(cfg, spec, fmt, WireDtype(wire)))
@@ -305,6 +308,7 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
             exchange_masked_back=_emulated_exchange_masked_back, direct_ok=None,
             exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
+    capacity = CAPACITY if device.type == "cuda" else INTERPRETER_CAPACITY
     results = {}
 
     def same(a, b) -> bool:
@@ -315,9 +319,9 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
     for mode in modes:
         fmt, buffers = VARIANTS[mode]
         for wire in wires:
-            fused = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange)
-            plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch")
-            for name, (x, topk) in routing_cases(world, rank, seed).items():
+            fused = _make_dispatcher(world, rank, fmt, wire, buffers, exchange=exchange, capacity=capacity)
+            plain = _make_dispatcher(world, rank, fmt, wire, buffers, kernels="torch", capacity=capacity)
+            for name, (x, topk) in routing_cases(world, rank, seed, capacity).items():
                 x, topk = x.to(device), TopK(topk.weights.to(device), topk.ids.to(device))
                 a, b = fused.dispatch(x, topk), plain.dispatch(x, topk)
                 if exchange == "direct":  # other rows through the same receive rows before `a` is read
@@ -685,3 +689,8 @@ def run_rank(rank: int, world: int, scenario: str, seed: int, backend: str) -> d
     except Exception:
         result["error"] = traceback.format_exc()
     return result
+
+
+def run_rank_scenarios(rank: int, world: int, scenarios: tuple[str, ...], seed: int, backend: str) -> dict:
+    """``run_rank`` of each of ``scenarios`` in turn, in this one process group: ``{scenario: its result}``."""
+    return {scenario: run_rank(rank, world, scenario, seed, backend) for scenario in scenarios}
