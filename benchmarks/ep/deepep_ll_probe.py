@@ -131,7 +131,7 @@ def setup(wire: str, rank: int, world: int) -> dict:
 def variants(c: dict) -> dict[str, Callable[[], Any]]:
     x, ids64, topk, d, buf, fp8 = c["x"], c["ids64"], c["topk"], c["d"], c["buf"], c["fp8"]
     num_max, bf16 = d.num_max, torch.bfloat16
-    args = (num_max, bench.E, None, None, fp8, d.ue8m0, d.ue8m0)  # (positionally, as moe-core called it before 68)
+    args = (num_max, bench.E, None, None, fp8, d.ue8m0, d.ue8m0)  # (positionally, as moe-core called it before decision 69)
 
     def direct():
         return buf.low_latency_dispatch(x, ids64, num_max, bench.E, use_fp8=fp8)

@@ -287,7 +287,7 @@ _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
 FUSED_WORST_CASE_MAX_CAPACITY = 128
 # exchange="auto": the max_tokens_per_rank (lowest, highest or None: no limit) over which each mode moves its rows
 # (and exact mode its counts messages) by the plugin's direct writes over symmetric memory instead of
-# all_to_all_single (decisions 66, 68). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
+# all_to_all_single (decisions 66, 70). Measured on 2x H100 (2026-11-26, bench_torch_a2a.py, us, bf16 / fp8, same run):
 # exact normal dispatch 598 / 536 direct against 1002 / 787 at 4096 tokens a rank, 503 / 451 against 996 / 496 at
 # 128; masked (CUDA graphs) dispatch + combine 1002 / 813 against 1213 / 1011 at 4096, 100 / 83 against 112 / 106
 # at 128; worst-case normal (CUDA graphs) dispatch 61.5 / 58.6 against 103.5 / 63.9 at 128, but at 4096 its fused

@@ -291,7 +291,7 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     assert direct("auto", worst_case=True, capacity=128) and not direct("auto", worst_case=True, capacity=4096)
     assert direct("auto", capacity=4096) and not direct("auto", capacity=128) and not direct("auto")
     assert not direct("auto", masked=True, capacity=64, world=1) and direct("direct", world=1)
-    # the shipped table (decisions 66, 68): exact mode wherever max_tokens_per_rank is set, masked at every size,
+    # the shipped table (decisions 66, 70): exact mode wherever max_tokens_per_rank is set, masked at every size,
     # worst-case normal up to 1024
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", shipped)
     assert all(direct("auto", capacity=c) and direct("auto", masked=True, capacity=c) for c in (1, 128, 4096))
