@@ -300,6 +300,19 @@ DIRECT_CAPACITIES: dict[str, Optional[tuple[int, Optional[int]]]] = {"exact": (1
                                                                      "masked": (1, None)}
 
 
+def direct_wanted(exchange: str, mode: str, capacity: Optional[int], world: int) -> bool:
+    """Whether a dispatcher asks for the direct writes: ``exchange="direct"``, or ``"auto"`` with its ``mode``'s
+    (``"exact"``, ``"worst_case"``, ``"masked"``) ``DIRECT_CAPACITIES`` range holding ``capacity`` (the
+    ``max_tokens_per_rank``) on more than one rank (decisions 66, 70)."""
+    if exchange != "auto":
+        return exchange == "direct"
+    limits = DIRECT_CAPACITIES[mode]
+    if world == 1 or limits is None or capacity is None:  # (one rank: nothing to gain over a local copy)
+        return False
+    low, high = limits
+    return low <= capacity and (high is None or capacity <= high)
+
+
 def register_torch_a2a_kernels(device_type: str, kernels: "TorchA2AKernels | str") -> None:
     """Use ``kernels`` (a ``TorchA2AKernels``, or ``"module:attr"`` naming one, imported at the first
     dispatch on ``device_type``) for ``torch_a2a``'s exact normal mode on devices of ``device_type``.
@@ -776,6 +789,8 @@ class TorchA2ADispatcher(Dispatcher):
         self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
         self.fused = kernels_option(cfg, ctx.spec.name) == "auto"  # a plugin's kernels where registered (decision 63)
         self.exchange = exchange_option(cfg, ctx.spec.name)  # the fixed-capacity modes' transport (decision 66)
+        mode = "masked" if self.masked else "worst_case" if self.worst_case else "exact"
+        self._direct_wanted = direct_wanted(self.exchange, mode, self.capacity, self.world)
 
     # ----------------------------------------------------------------- common
 
@@ -979,21 +994,10 @@ class TorchA2ADispatcher(Dispatcher):
         return recv_data, recv_meta, slot, src, t, False
 
     def _direct_exchange(self, kernels: TorchA2AKernels, device: torch.device) -> bool:
-        """Whether this dispatcher moves its rows by the plugin's direct writes: asked for (the ``exchange``
-        option, or with ``"auto"`` its mode's ``DIRECT_CAPACITIES``) and possible for this group (the plugin's
-        ``direct_ok``: every rank a GPU this one reaches; decision 66)."""
-        if self.exchange == "collective":
-            return False
-        if self.exchange == "auto":
-            if self.world == 1:  # (nothing to gain over all_to_all_single's local copy)
-                return False
-            limits = DIRECT_CAPACITIES["masked" if self.masked else "worst_case" if self.worst_case else "exact"]
-            if limits is None:
-                return False
-            low, high = limits
-            if self.capacity is None or self.capacity < low or (high is not None and self.capacity > high):
-                return False
-        return kernels.direct_ok is None or kernels.direct_ok(self.group, device)
+        """Whether this dispatcher moves its rows by the plugin's direct writes: asked for (``direct_wanted``, at
+        construction) and possible for this group (the plugin's ``direct_ok``: every rank a GPU this one reaches;
+        decision 66)."""
+        return self._direct_wanted and (kernels.direct_ok is None or kernels.direct_ok(self.group, device))
 
     def _dispatch_worst_case(self, x: torch.Tensor, topk: TopK) -> EPNormalDispatch:
         """Normal mode with worst-case buffers (DeepEP's ``num_worst_tokens``): ``[W*C, H]`` rows,

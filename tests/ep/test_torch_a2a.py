@@ -279,8 +279,8 @@ def test_exchange_option_and_the_per_size_choice(monkeypatch):
     monkeypatch.setattr(ta, "DIRECT_CAPACITIES", {"exact": (256, None), "worst_case": (1, 128), "masked": (64, 512)})
 
     def direct(exchange, masked=False, worst_case=False, capacity=None, reachable=True, world=2):
-        d = types.SimpleNamespace(exchange=exchange, masked=masked, worst_case=worst_case, capacity=capacity, group=None,
-                                  world=world)
+        mode = "masked" if masked else "worst_case" if worst_case else "exact"
+        d = types.SimpleNamespace(_direct_wanted=ta.direct_wanted(exchange, mode, capacity, world), group=None)
         kernels = types.SimpleNamespace(direct_ok=lambda group, device: reachable)
         return ta.TorchA2ADispatcher._direct_exchange(d, kernels, "cuda")
 
