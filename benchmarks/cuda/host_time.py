@@ -32,6 +32,7 @@ import argparse
 import collections
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -253,7 +254,28 @@ def instrument(layer: MoELayer, sections: Sections) -> None:
 # ------------------------------------------------------------------ main
 
 
-def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_sections: bool) -> dict[str, Any]:
+def trace(fn: Callable[[], Any], device: torch.device, path: str, calls: int = 5) -> None:
+    """A chrome trace (``path``, gzipped) of ``calls`` calls, each from an idle device, with Python frames
+    (``with_stack``): where the host time of one call goes, function by function, next to its kernels."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for _ in range(calls):
+            sync(device)
+            fn()
+        sync(device)
+    prof.export_chrome_trace(path)
+    with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(path)
+
+
+def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_sections: bool,
+                 trace_path: Optional[str] = None) -> dict[str, Any]:
     dev = layer.device
 
     def call():
@@ -271,6 +293,8 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
                                **{f"{k}_launches": (launch_stats[k] - before[k]) / iters for k in before}}
         row.update(profile(call, dev, max(5, iters // 5)))
         row["syncs"] = count_syncs(call, dev)
+        if trace_path:
+            trace(call, dev, trace_path)
         if with_sections:
             sections = Sections()
             saved = {k: getattr(layer, k) for k in ("_dispatch", "_apply", "_combine", "_fused_forward")
@@ -309,6 +333,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="no forward's launches recorded and replayed (each one through the direct launcher: the "
                         "replay's baseline)")
     p.add_argument("--json", default=None)
+    p.add_argument("--traces", default=None, metavar="DIR",
+                   help="also a chrome trace with Python frames per cell (DIR/host-<preset>-<quant>-<backend>-<T>.json.gz)")
     p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -323,6 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         from moe_plugin_cuda.triton import replay
 
         replay.enabled = False
+    if args.traces:
+        os.makedirs(args.traces, exist_ok=True)
     rows = []
     print("| preset | quant | backend | T | host_us | prof_cpu_us | launches | gpu_us | syncs | direct |\n"
           "|---|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -338,9 +366,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 for T in args.tokens:
                     x, topk, _ = make_inputs(cfg, layer, T)
                     sections = args.sections is not None and (not args.sections or T in args.sections)
+                    trace_path = (os.path.join(args.traces, f"host-{name}-{q}-{backend}-{T}.json")
+                                  if args.traces else None)
                     try:
                         r = {"preset": name, "quant": q, "backend": backend, "T": T,
-                             **measure_cell(layer, x, topk, args.iters, sections)}
+                             **measure_cell(layer, x, topk, args.iters, sections, trace_path)}
                     except Exception as exc:  # report the cell, keep the others
                         print(f"<!-- {name} {q} {backend} T={T} FAILED: {type(exc).__name__}: {exc} -->", flush=True)
                         continue

@@ -6,7 +6,8 @@ the call returned), and ``torch.profiler``'s top CPU ops and CUDA kernels over a
         [--modes normal normal-worst-case masked]
 
 World 2 on NCCL (one GPU per rank, 127.0.0.1); rank 0 writes ``DIR/profile.md`` (tables) and one
-chrome trace per case (``DIR/trace-<mode>-<wire>-<tokens>.json.gz``, ``--traces``).
+chrome trace per case and rank (``DIR/trace-<mode>-<wire>-<tokens>-rank<r>.json.gz``, ``--traces``; ``--stack``: with
+Python frames).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
                     fn()
                 torch.cuda.synchronize()
                 dev_us, host_us = times(fn, args.iters)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.stack) as prof:
                     for _ in range(3):
                         dist.barrier()
                         torch.cuda.synchronize()
@@ -95,12 +96,12 @@ def worker(rank: int, world: int, port: int, args) -> None:
                               "```", prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22),
                               prof.key_averages().table(sort_by="self_device_time_total", row_limit=14), "```", ""]
                     print(f"{name}: device {dev_us:.1f} us host {host_us:.1f} us", flush=True)
-                    if args.traces:
-                        raw = os.path.join(args.out, f"trace-{name}.json")
-                        prof.export_chrome_trace(raw)
-                        with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
-                            shutil.copyfileobj(f, g)
-                        os.remove(raw)
+                if args.traces:  # both ranks': a call waits for the later rank
+                    raw = os.path.join(args.out, f"trace-{name}-rank{rank}.json")
+                    prof.export_chrome_trace(raw)
+                    with open(raw, "rb") as f, gzip.open(raw + ".gz", "wb") as g:
+                        shutil.copyfileobj(f, g)
+                    os.remove(raw)
                 del d, x, topk, fn
                 torch.cuda.empty_cache()
     if rank == 0:
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["normal", "normal-worst-case", "masked"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--traces", action="store_true")
+    ap.add_argument("--stack", action="store_true", help="the traces with Python frames (where the host time goes)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:
