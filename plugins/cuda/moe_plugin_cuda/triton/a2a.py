@@ -302,15 +302,20 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_
 
 @triton.jit
 def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, peers_ptr, T, T_IN, H, HL, B, DP,
-                       inv_qmax, C, RANK, K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr,
+                       inv_qmax, C, W, RANK, K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr,
                        GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
                        FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr, DIRECT: tl.constexpr):
     """The fixed-capacity modes: one program per send slot ``s`` (``src[s]``: its token, T for padding). A padding
     slot holds the last token's data (zeros without tokens), scales 0, ids -1, weights 0, as ``_wire_rows`` +
     ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count).
     ``DIRECT``: slot ``s`` = ``r * C + j`` goes straight to rank r's receive rows (base address ``peers[r]``) as
-    row ``RANK * C + j``, where an all-to-all of the send rows would put it; else to ``send`` row ``s``."""
-    s = tl.program_id(0).to(tl.int64)
+    row ``RANK * C + j``, where an all-to-all of the send rows would put it; else to ``send`` row ``s``.
+    Program p takes slot ``(p % W) * C + p // W``: the ranks' slots interleaved, so that the programs running at any
+    time write to every rank at once (in slot order they wrote one rank's rows after the other: this rank's over
+    HBM, then the peers' over NVLink, one after the other; 265 us against exact normal's 177 us for the same rows
+    at 4096 tokens, 2x H100, decision 71)."""
+    p = tl.program_id(0).to(tl.int64)
+    s = (p % W) * C + p // W
     one = tl.arange(0, 1)
     t_src = tl.load(src_ptr + s + one)
     valid = t_src < T
@@ -663,7 +668,8 @@ def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, ra
     if src.shape[0]:
         launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src,
                bad_ids, peers if direct else send, peers if direct else send, t, num_tokens, h, h if t else 0, b, dp,
-               _INV_QMAX[wire], capacity, rank, K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
+               _INV_QMAX[wire], capacity, src.shape[0] // capacity, rank, K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire],
+               NS=_scale_words(wire, h),
                GROUP=quant.FP8_GROUP, GB=max(1, min(8, _pow2(h) // quant.FP8_GROUP)), BH=min(2048, _pow2(h)),
                QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, num_warps=4)
 
