@@ -259,6 +259,10 @@ class TorchA2AKernels:
       ``all_to_all_single`` of ``pack_fixed``'s rows receives, moved without a collective (the cuda plugin: a
       direct write into the peers' rows in symmetric memory, decision 66); the rows may be reused by the next
       call (the core copies what it keeps). Graph-capturable after a first call outside the capture.
+    - ``exchange_masked(x, ids, weights, src, num_tokens, bad_ids, wire, group, num_local, data_dtype) -> (received
+      side blocks int32 [W*C, M], then what expand_masked returns)``: masked mode's ``exchange_fixed`` +
+      ``expand_masked`` in one, where each rank writes its own slots straight into its slab (they never move; the
+      cuda plugin, decision 71); the side blocks may be reused by the next call.
     """
 
     layout: Callable
@@ -275,6 +279,7 @@ class TorchA2AKernels:
     exchange_counts: Optional[Callable] = None
     exchange_normal: Optional[Callable] = None
     direct_ok: Optional[Callable] = None
+    exchange_masked: Optional[Callable] = None
 
 
 _KERNELS: dict[str, "TorchA2AKernels | str | None"] = {}
@@ -959,9 +964,7 @@ class TorchA2ADispatcher(Dispatcher):
         the caller copies what it keeps)."""
         dev, w, el, c = x.device, self.world, self.num_local, self.capacity
         t_in, cw, ids_in = x.shape[0], c * w, topk.ids
-        overflow = t_in > c
-        if overflow:  # take part in the exchange with no tokens (the count travels in-band), raise after it
-            x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
+        x, topk, overflow = self._sent(x, topk)
         t = x.shape[0]
         # (worst-case normal: the fused exchange up to a measured capacity, or wherever the direct one is asked for)
         kernels = _kernels_for(dev.type) if self.fused else None
@@ -993,6 +996,14 @@ class TorchA2ADispatcher(Dispatcher):
             raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
         return recv_data, recv_meta, slot, src, t, False
 
+    def _sent(self, x: torch.Tensor, topk: TopK) -> tuple[torch.Tensor, TopK, bool]:
+        """(tokens sent, their TopK, whether this rank overflows the capacity): an overflowing rank takes part in the
+        exchange with no tokens (its count travels in-band) and raises after it."""
+        overflow = x.shape[0] > self.capacity
+        if overflow:
+            x, topk = x[:0], TopK(topk.weights[:0], topk.ids[:0])
+        return x, topk, overflow
+
     def _direct_exchange(self, kernels: TorchA2AKernels, device: torch.device) -> bool:
         """Whether this dispatcher moves its rows by the plugin's direct writes: asked for (``direct_wanted``, at
         construction) and possible for this group (the plugin's ``direct_ok``: every rank a GPU this one reaches;
@@ -1018,8 +1029,11 @@ class TorchA2ADispatcher(Dispatcher):
     def _dispatch_masked(self, x: torch.Tensor, topk: TopK) -> EPMaskedDispatch:
         dev, w, el, c, k = x.device, self.world, self.num_local, self.capacity, self.top_k
         cw = c * w
-        recv_data, recv_meta, slot, src, t, shared = self._exchange_fixed(x, topk)
         kernels = _kernels_for(dev.type) if self.fused else None
+        if (kernels is not None and kernels.exchange_masked is not None and kernels.layout_fixed is not None
+                and self._direct_exchange(kernels, dev)):
+            return self._dispatch_masked_direct(x, topk, kernels)
+        recv_data, recv_meta, slot, src, t, shared = self._exchange_fixed(x, topk)
         if kernels is not None and kernels.expand_masked is not None:  # three kernels (decision 66)
             data_slab, slab_scale, masked_m, slab_index, mine, rweights = kernels.expand_masked(
                 recv_data, recv_meta, self.n_scale, k, self.rank, el, self._wire_torch_dtype(x))
@@ -1045,6 +1059,22 @@ class TorchA2ADispatcher(Dispatcher):
         data_slab = slab[:el * cw].view(el, cw, db).view(self._wire_torch_dtype(x))
         hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
         handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, t, x.dtype)
+        return EPMaskedDispatch(hidden, masked_m, topk, handle)
+
+    def _dispatch_masked_direct(self, x: torch.Tensor, topk: TopK, kernels: TorchA2AKernels) -> EPMaskedDispatch:
+        """Masked dispatch by the plugin's direct writes, each rank's own slots straight into its slab (decision 71)."""
+        t_in, ids_in, dtype = x.shape[0], topk.ids, x.dtype
+        x, sent, overflow = self._sent(x, topk)
+        slot, src, bad = kernels.layout_fixed(ids_in, self.world, self.num_local, self.capacity, overflow)
+        recv_meta, data_slab, slab_scale, masked_m, slab_index, mine, rweights = kernels.exchange_masked(
+            x, sent.ids, sent.weights, src, t_in, bad, self.wire, self.group, self.num_local,
+            self._wire_torch_dtype(x))
+        if overflow:
+            raise ValueError(self._overflow_message(f"{t_in} tokens on EP rank {self.rank} exceed"))
+        rbad, rtokens = _in_band_counts(recv_meta)
+        self._check_senders(rtokens, rbad)
+        hidden = QuantizedActivations(data_slab, self.wire, slab_scale)
+        handle = _MaskedHandle(slot, src, slab_index, mine, rweights, topk.weights, x.shape[0], dtype)
         return EPMaskedDispatch(hidden, masked_m, topk, handle)
 
     def _overflow_message(self, what: str) -> str:

@@ -289,6 +289,38 @@ def _emulated_exchange_masked_back(y, slab_index, valid, weights, group):
     return recv
 
 
+def _emulated_exchange_masked(x, ids, weights, src, num_tokens, bad_ids, wire, group, num_local, data_dtype):
+    """The cuda plugin's ``exchange_masked`` on gloo: the counts rows by ``all_to_all_single``; the real pack kernel
+    (own slots straight into the slab) through a table of addresses whose other ranks' entries point into a local
+    staging buffer, moved by ``all_to_all_single`` into one reused receive buffer per shape (this rank's own chunk
+    there: the pack's side blocks); then the expansion of the other ranks' slots only."""
+    from moe_plugin_cuda.triton import a2a
+
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    cw, (h, k) = src.shape[0], (x.shape[1], ids.shape[1])
+    c = cw // world
+    data_bytes, _, b = a2a._row_layout(wire, h, x.element_size(), k, in_band=True)
+    ns = a2a._scale_words(wire, h)
+    index, msg = a2a.self_layout(ids, x.shape[0], world, num_local, c, rank)
+    counts = torch.empty_like(msg)
+    torch.distributed.all_to_all_single(counts, msg, group=group)
+    recv = _REUSED.setdefault(("masked", cw, b), torch.empty(cw, b, dtype=torch.uint8))
+    staging = torch.empty(cw, b, dtype=torch.uint8)  # row r * C + j: this rank's slot j for rank r
+    peers = torch.tensor([recv.data_ptr() if r == rank else staging.data_ptr() + (r - rank) * c * b
+                          for r in range(world)], dtype=torch.int64)
+    slab = torch.empty(num_local * cw, data_bytes, dtype=torch.uint8)
+    slab_scale = torch.empty(num_local * cw, ns, dtype=torch.float32) if ns else None
+    a2a.pack_masked_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, rank, index, counts, slab, slab_scale)
+    moved = torch.empty_like(staging)
+    torch.distributed.all_to_all_single(moved, staging, group=group)
+    own = slice(rank * c, (rank + 1) * c)
+    moved[own] = recv[own]
+    recv.copy_(moved)
+    recv_data, recv_meta = a2a.split_fixed(recv, wire, x.dtype, h, k)
+    return (recv_meta,) + a2a.expand_masked(recv_data, recv_meta, ns, k, rank, num_local, data_dtype, slab,
+                                            slab_scale, done=(rank * c, c))
+
+
 def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, modes=tuple(VARIANTS),
                         exchange=None, wires=WIRES) -> dict:
     """``modes`` (default: every mode) with the cuda plugin's fused kernels (decision 63; on the CPU in Triton's interpreter) against
@@ -305,7 +337,8 @@ def scenario_comm_fused(world: int, rank: int, device: torch.device, seed: int, 
 
         register_torch_a2a_kernels("cpu", dataclasses.replace(
             a2a.KERNELS, exchange_fixed=_emulated_exchange_fixed, exchange_normal=_emulated_exchange_normal,
-            exchange_masked_back=_emulated_exchange_masked_back, direct_ok=None,
+            exchange_masked_back=_emulated_exchange_masked_back, exchange_masked=_emulated_exchange_masked,
+            direct_ok=None,
             exchange_counts=lambda msg, group: torch.distributed.all_to_all_single(msg[1], msg[0], group=group)))
     gen = torch.Generator().manual_seed(seed + rank)
     capacity = CAPACITY if device.type == "cuda" else INTERPRETER_CAPACITY

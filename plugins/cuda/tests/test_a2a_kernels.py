@@ -226,6 +226,62 @@ def test_expand_masked_matches_torch(wire, t, h, k, world, el, cap, rank, dtype)
         assert slab_scale is None
 
 
+@pytest.mark.parametrize("wire", WIRES, ids=str)
+@pytest.mark.parametrize("counts,h,k,el,cap,dtype", [((0, 3), 256, 4, 8, 5, torch.bfloat16),
+                                                     ((1, 0, 2), 129, 3, 4, 3, torch.float32),
+                                                     ((23, 17), 200, 4, 8, 23, torch.bfloat16),
+                                                     ((9, 11, 6), 256, 8, 4, 12, torch.bfloat16)])
+def test_pack_masked_into_then_expand_is_the_all_to_all(wire, counts, h, k, el, cap, dtype):
+    """Masked mode's direct exchange with each rank's own slots written straight into its slab (decision 71), every
+    rank's buffers in this one process: after ``self_layout``, the counts rows, ``pack_masked_into`` and
+    ``expand_masked`` of the other ranks' slots only, each rank's slab (valid rows, scales), masked_m, pair rows,
+    validity and weights are what ``expand_masked`` makes of the all-to-all of ``pack_fixed``'s rows, byte for
+    byte (T = 0 ranks, -1 and out-of-range ids, padding slots, odd sizes, W = 3)."""
+    world = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) * 7 + h + cap + k)
+    wdt = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
+    ns = ta._scale_words(wire, h)
+    data_bytes, _, b = a2a._row_layout(wire, h, dtype.itemsize, k, in_band=True)
+    cw = world * cap
+    recv = [torch.full((cw, b), 0xAB, dtype=torch.uint8, device=DEV) for _ in range(world)]
+    peers = torch.tensor([r.data_ptr() for r in recv], dtype=torch.int64, device=DEV)
+    inputs, sent, msgs = [], [], []
+    for rank, t in enumerate(counts):
+        x = make_hidden(t, h, dtype, gen).to(DEV)
+        ids = _ids(t, k, world * el, gen, bad=t > 2)
+        weights = torch.rand(t, k, generator=gen).to(DEV)
+        _, src, bad = a2a.layout_fixed(ids, world, el, cap, False)
+        index, msg = a2a.self_layout(ids, t, world, el, cap, rank)
+        valid_ids = ids[(ids >= 0) & (ids < world * el)]
+        assert torch.equal(msg.view(-1).cpu(), torch.bincount(valid_ids.cpu(), minlength=world * el))
+        inputs.append((x, ids, weights, src, bad, index))
+        sent.append(a2a.pack_fixed(x, ids, weights, src, t, bad, wire))
+        msgs.append(msg)
+    slabs = []
+    for rank, (x, ids, weights, src, bad, index) in enumerate(inputs):
+        received = torch.stack([msgs[s][rank] for s in range(world)])  # what the counts rows hold
+        slab = torch.full((el * cw, data_bytes), 0xCD, dtype=torch.uint8, device=DEV)
+        slab_scale = torch.full((el * cw, ns), float("nan"), device=DEV) if ns else None
+        a2a.pack_masked_into(x, ids, weights, src, counts[rank], bad, wire, peers, rank, index, received, slab,
+                             slab_scale)
+        slabs.append((slab, slab_scale))
+    for r in range(world):
+        data, meta = a2a.split_fixed(recv[r], wire, dtype, h, k)
+        got = a2a.expand_masked(data, meta, ns, k, r, el, wdt, *slabs[r], done=(r * cap, cap))
+        expected = torch.cat([sent[s][r * cap:(r + 1) * cap] for s in range(world)])
+        ref = a2a.expand_masked(*a2a.split_fixed(expected, wire, dtype, h, k), ns, k, r, el, wdt)
+        slab, slab_scale, masked_m, index, valid, w = got
+        assert torch.equal(masked_m, ref[2]) and torch.equal(index, ref[3]) and torch.equal(valid, ref[4])
+        assert torch.equal(w.view(torch.int32), ref[5].view(torch.int32))
+        here = torch.arange(cw, device=DEV) < masked_m.unsqueeze(1)  # [EL, CW]: the valid slab rows
+        assert slab.shape == (el, cw, h) and slab.dtype == wdt
+        assert torch.equal(slab.view(torch.uint8).view(el, cw, -1)[here], ref[0].view(torch.uint8).view(el, cw, -1)[here])
+        if ns:
+            assert torch.equal(slab_scale[here].view(torch.int32), ref[1][here].view(torch.int32))
+        # the in-band counts and ids of every received row (own slots included) are the all-to-all's
+        assert torch.equal(meta[:, ns:], a2a.split_fixed(expected, wire, dtype, h, k)[1][:, ns:])
+
+
 @pytest.mark.parametrize("t,h,k,world,el,cap,rank,dtype", [(0, 64, 4, 2, 8, 5, 0, torch.bfloat16),
                                                            (1, 100, 4, 2, 8, 3, 1, torch.bfloat16),
                                                            (37, 200, 4, 2, 8, 40, 0, torch.bfloat16),

@@ -262,6 +262,55 @@ def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl
 
 
 @triton.jit
+def _store_token_pairs(x_row, HL, slab_ptr, scale_ptr, rows, here, H, DB, inv_qmax, K: tl.constexpr,
+                       KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr,
+                       BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """One token's wire data (quantized as ``_store_token``) into the slab rows ``rows [KP]`` (``DB`` bytes each,
+    from byte 0 of ``slab_ptr``) of its pairs ``here``, and its scales into the same rows of ``scale_ptr`` (fp32
+    ``[rows, NS]``): each block quantized once and stored once per pair (a [K, block] tile of addresses spills)."""
+    kk = tl.arange(0, KP)
+    if WIRE == 0:
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0)
+            for k in tl.static_range(K):
+                row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+                ok = tl.sum(tl.where(kk == k, here.to(tl.int32), 0), axis=0) + offs * 0 > 0
+                tl.store((slab_ptr + row * DB).to(tl.pointer_type(v.dtype)) + offs, v, mask=ok & (offs < H))
+    elif WIRE == 1:
+        for start in range(0, H, GB * GROUP):
+            g = start // GROUP + tl.arange(0, GB)
+            offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
+            scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
+            q = _e4m3_bits(q)
+            for k in tl.static_range(K):
+                row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+                ok = tl.sum(tl.where(kk == k, here.to(tl.int32), 0), axis=0) + g * 0 > 0
+                tl.store(slab_ptr + row * DB + offs, q, mask=ok[:, None] & (offs < H))
+                tl.store(scale_ptr + row * NS + g, scale, mask=ok & (g < NS))
+    else:
+        amax = tl.zeros([BH], dtype=tl.float32)
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax), FLOOR)
+        scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+        for start in range(0, H, BH):
+            offs = start + tl.arange(0, BH)
+            v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
+            q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+            for k in tl.static_range(K):
+                row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
+                ok = tl.sum(tl.where(kk == k, here.to(tl.int32), 0), axis=0) + offs * 0 > 0
+                tl.store((slab_ptr + row * DB).to(tl.pointer_type(tl.int8)) + offs, q, mask=ok & (offs < H))
+        tl.store(scale_ptr + rows, tl.zeros([KP], dtype=tl.float32) + scale, mask=here)
+
+
+@triton.jit
 def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, peers_ptr, msg_ptr, H, B, DP,
                  inv_qmax, C, RANK, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                  EL: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr,
@@ -302,9 +351,10 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_
 
 @triton.jit
 def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_ptr, peers_ptr, T, T_IN, H, HL, B, DP,
-                       inv_qmax, C, W, RANK, K: tl.constexpr, KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr,
-                       GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
-                       FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr, DIRECT: tl.constexpr):
+                       inv_qmax, C, W, RANK, slab_ptr, scale_ptr, index_ptr, counts_ptr, DB, K: tl.constexpr,
+                       KP: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr,
+                       BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr,
+                       DIRECT: tl.constexpr, SELF: tl.constexpr, EL: tl.constexpr):
     """The fixed-capacity modes: one program per send slot ``s`` (``src[s]``: its token, T for padding). A padding
     slot holds the last token's data (zeros without tokens), scales 0, ids -1, weights 0, as ``_wire_rows`` +
     ``_gather_rows`` make it; every slot ends with the in-band counts (sender's bad ids, its token count).
@@ -313,7 +363,13 @@ def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_p
     Program p takes slot ``(p % W) * C + p // W``: the ranks' slots interleaved, so that the programs running at any
     time write to every rank at once (in slot order they wrote one rank's rows after the other: this rank's over
     HBM, then the peers' over NVLink, one after the other; 265 us against exact normal's 177 us for the same rows
-    at 4096 tokens, 2x H100, decision 71)."""
+    at 4096 tokens, 2x H100, decision 71).
+    ``SELF`` (masked mode's direct exchange, decision 71): this rank's own slots (``RANK * C ...``) skip the transfer
+    and the expansion after it: their data (and scales) go straight into this rank's slab ``slab_ptr`` (rows of
+    ``DB`` bytes; fp32 ``scale_ptr``) at the rows the receive side's ``_masked_index_kernel`` gives their pairs:
+    ``index`` (``self_layout``'s slab row among this rank's own tokens) + the pairs of that expert from the lower
+    ranks (``counts`` int64 ``[W, EL]``: row s, source s's pairs per expert here); only their side blocks go to
+    the receive rows."""
     p = tl.program_id(0).to(tl.int64)
     s = (p % W) * C + p // W
     one = tl.arange(0, 1)
@@ -328,10 +384,22 @@ def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_p
         base = s * B + one * 0
     sent = one == 0
     x_row = x_ptr + tl.sum(t_load) * x_stride
-    _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, 1, WIRE, NS, GROUP, GB,
-                 BH, QMAX, FLOOR, RECIPROCAL)
-    side = send_ptr + base + DP
     kk = tl.arange(0, KP)
+    if SELF and s // C == RANK:
+        pick = (tl.sum(valid.to(tl.int32), axis=0) + kk * 0 > 0) & (kk < K)
+        ids = tl.load(ids_ptr + tl.sum(t_load) * K + kk, mask=pick, other=-1)
+        here = (ids >= RANK * EL) & (ids < (RANK + 1) * EL)
+        le = tl.where(here, ids - RANK * EL, 0)
+        lower = tl.zeros([KP], dtype=tl.int64)
+        for r in range(0, RANK):
+            lower += tl.load(counts_ptr + r * EL + le, mask=here, other=0)
+        rows = tl.load(index_ptr + tl.sum(t_load) * K + kk, mask=here, other=0) + lower
+        _store_token_pairs(x_row, HL, slab_ptr, scale_ptr, rows, here, H, DB, inv_qmax, K, KP, WIRE, NS, GROUP, GB,
+                           BH, QMAX, FLOOR, RECIPROCAL)
+    else:
+        _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, 1, WIRE, NS, GROUP, GB,
+                     BH, QMAX, FLOOR, RECIPROCAL)
+    side = send_ptr + base + DP
     pick = valid[:, None] & (kk < K)[None, :]
     ids = tl.load(ids_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=-1).to(tl.int32)
     wts = tl.load(w_ptr + t_load[:, None] * K + kk[None, :], mask=pick, other=0.0).to(tl.float32)
@@ -411,12 +479,14 @@ def _masked_count_kernel(meta_ptr, meta_stride, part_ptr, CW, FIRST, NS: tl.cons
 
 
 @triton.jit
-def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, w_ptr, m_ptr, CW, NB, FIRST,
+def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, w_ptr, m_ptr, N, CW, NB, FIRST,
                          NS: tl.constexpr, K: tl.constexpr, EL: tl.constexpr, ELP: tl.constexpr, BS: tl.constexpr,
-                         NBB: tl.constexpr):
-    """Step 2 of 3: slab row of each received (slot, k) pair here: expert * CW + the pairs of that expert in the
-    earlier slots (the earlier blocks' from step 1); ``EL * CW`` where not here (as ``_masked_received``); the
-    sender's weights; program 0 writes ``masked_m``."""
+                         NBB: tl.constexpr, SENDER: tl.constexpr, E: tl.constexpr):
+    """Step 2 of 3: slab row of each of the ``N`` received (slot, k) pairs here: expert * CW + the pairs of that
+    expert in the earlier slots (the earlier blocks' from step 1); ``EL * CW`` where not here (as
+    ``_masked_received``); the sender's weights; program 0 writes ``masked_m``. ``SENDER`` (``self_layout``): the
+    "slots" are this rank's own tokens (``meta``: their ids, ``[T, K]``), no validity or weights are written, and
+    every id in ``[0, E)`` is added to its expert's count in ``w_ptr`` (int64 ``[E]``, zeroed before)."""
     b = tl.program_id(0)
     j = tl.arange(0, ELP)
     before = tl.zeros([ELP], dtype=tl.int32)
@@ -430,7 +500,7 @@ def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, 
     if b == 0:
         tl.store(m_ptr + j, totals, mask=j < EL)
     s = b * BS + tl.arange(0, BS)
-    ok = s < CW
+    ok = s < N
     row = meta_ptr + s.to(tl.int64) * meta_stride
     present = tl.zeros([BS, ELP], dtype=tl.int32)  # slot has a pair of expert j
     for k in tl.static_range(K):
@@ -445,17 +515,25 @@ def _masked_index_kernel(meta_ptr, meta_stride, part_ptr, index_ptr, valid_ptr, 
         count = tl.sum(tl.where(le[:, None] == j[None, :], seen, 0), axis=1)  # the pair's, from 1
         out = s.to(tl.int64) * K + k
         tl.store(index_ptr + out, tl.where(mine, le.to(tl.int64) * CW + count - 1, EL * CW), mask=ok)
-        tl.store(valid_ptr + out, mine.to(tl.int8), mask=ok)
-        tl.store(w_ptr + out, tl.load((row + NS + K + k).to(tl.pointer_type(tl.float32)), mask=ok), mask=ok)
+        if SENDER:
+            expert = ok & (ids >= 0) & (ids < E)
+            tl.atomic_add(w_ptr + tl.where(expert, ids, 0), tl.full([BS], 1, tl.int64), mask=expert, sem="relaxed")
+        else:
+            tl.store(valid_ptr + out, mine.to(tl.int8), mask=ok)
+            tl.store(w_ptr + out, tl.load((row + NS + K + k).to(tl.pointer_type(tl.float32)), mask=ok), mask=ok)
 
 
 @triton.jit
 def _masked_expand_kernel(data_ptr, data_stride, meta_ptr, meta_stride, index_ptr, valid_ptr, slab_ptr, scale_ptr,
-                          WORDS, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr, BD: tl.constexpr):
+                          WORDS, SKIP, SKIPPED, NS: tl.constexpr, NSP: tl.constexpr, K: tl.constexpr,
+                          BD: tl.constexpr):
     """Step 3 of 3 (program (slot s, block of ``BD`` words)): the slot's words (row at byte ``s * data_stride``;
     ``WORDS`` words of ``slab_ptr``'s type) and, in block 0, its scales into the slab rows of its pairs here. One
-    row in registers, stored once per pair (a [K, BD] tile of addresses spilled)."""
-    s = tl.program_id(0).to(tl.int64)
+    row in registers, stored once per pair (a [K, BD] tile of addresses spilled). The ``SKIPPED`` slots from
+    ``SKIP`` on are left out (program p takes slot p below ``SKIP``, p + ``SKIPPED`` from there): the sender wrote
+    those straight into the slab (``exchange_masked``)."""
+    p = tl.program_id(0).to(tl.int64)
+    s = p + (p >= SKIP).to(tl.int64) * SKIPPED
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     ok = offs < WORDS
     v = tl.load((data_ptr + s * data_stride).to(slab_ptr.dtype) + offs, mask=ok)
@@ -656,7 +734,9 @@ def pack_fixed_into(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, None, peers, rank, src.shape[0] // world)
 
 
-def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, rank, capacity) -> None:
+def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, rank, capacity, own=None) -> None:
+    """``own``: (slab uint8 [EL * W * C, D], slab scales fp32 or None, ``self_layout``'s index, counts int64 [W, EL]):
+    this rank's own slots go straight into its slab (``_pack_fixed_kernel``'s ``SELF``)."""
     t, h = x.shape
     k = ids.shape[1]
     _, dp, b = _row_layout(wire, h, x.element_size(), k, in_band=True)
@@ -665,13 +745,38 @@ def _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, send, peers, ra
     qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
     floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
     direct = peers is not None
+    out = peers if direct else send
+    slab, slab_scale, index, counts = own if own is not None else (out, None, out, out)
     if src.shape[0]:
         launch(_pack_fixed_kernel, (src.shape[0],), x, x.stride(0), ids.contiguous(), weights.contiguous(), src,
-               bad_ids, peers if direct else send, peers if direct else send, t, num_tokens, h, h if t else 0, b, dp,
-               _INV_QMAX[wire], capacity, src.shape[0] // capacity, rank, K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire],
-               NS=_scale_words(wire, h),
+               bad_ids, out, out, t, num_tokens, h, h if t else 0, b, dp, _INV_QMAX[wire], capacity,
+               src.shape[0] // capacity, rank, slab, slab if slab_scale is None else slab_scale, index, counts,
+               slab.shape[1] if own is not None else 0, K=k, KP=_pow2(k), WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
                GROUP=quant.FP8_GROUP, GB=max(1, min(8, _pow2(h) // quant.FP8_GROUP)), BH=min(2048, _pow2(h)),
-               QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, num_warps=4)
+               QMAX=qmax, FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, SELF=own is not None,
+               EL=1 if own is None else counts.shape[1], num_warps=4)
+
+
+def self_layout(ids: torch.Tensor, num_tokens: int, world: int, num_local: int, capacity: int,
+                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked mode's direct exchange, before the rows move (decision 71): (int64 ``[T, K]``: the slab row of each of
+    this rank's own (token, k) pairs on this rank, as ``_masked_index_kernel`` will give it, less the pairs of that
+    expert from the lower ranks; ``EL * W * C`` where the expert is elsewhere; int64 ``[W, EL]``: this rank's pairs
+    per expert, row r for rank r's experts: its counts message). Only the first ``num_tokens`` tokens are sent
+    (0: an overflowing rank)."""
+    k = ids.shape[1]
+    ids = ids[:num_tokens].contiguous()
+    cw = world * capacity
+    index = torch.empty(num_tokens, k, dtype=torch.int64, device=ids.device)
+    msg = torch.zeros(world, num_local, dtype=torch.int64, device=ids.device)
+    nb = max(1, triton.cdiv(num_tokens, MASKED_BLOCK))
+    part = torch.empty(nb, num_local, dtype=torch.int32, device=ids.device)
+    m = torch.empty(num_local, dtype=torch.int32, device=ids.device)
+    consts = dict(NS=0, K=k, EL=num_local, ELP=_pow2(num_local), BS=MASKED_BLOCK, num_warps=4)
+    launch(_masked_count_kernel, (nb,), ids, k, part, num_tokens, rank * num_local, **consts)
+    launch(_masked_index_kernel, (nb,), ids, k, part, index, index, msg, m, num_tokens, cw, nb, rank * num_local,
+           NBB=min(256, _pow2(nb)), SENDER=True, E=world * num_local, **consts)
+    return index, msg
 
 
 # --------------------------------------------------------------------------- the direct-write exchange (decision 66)
@@ -797,6 +902,51 @@ def exchange_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, sr
     return buf
 
 
+def pack_masked_into(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+                     bad_ids: torch.Tensor, wire: WireDtype, peers: torch.Tensor, rank: int, index: torch.Tensor,
+                     counts: torch.Tensor, slab: torch.Tensor, slab_scale: torch.Tensor | None) -> None:
+    """``pack_fixed_into``, but this rank's own slots go straight into its ``slab`` (uint8 ``[EL * W * C, D]``) and
+    ``slab_scale`` (fp32 ``[EL * W * C, n_scale]`` or None) at the rows the receive side gives their pairs
+    (``index``: ``self_layout``'s; ``counts``: int64 ``[W, EL]``, row s: rank s's pairs per expert of this rank),
+    only their side blocks into this rank's receive rows (``expand_masked`` with ``done=(rank * C, C)`` then
+    completes the slab). Decision 71."""
+    world = peers.shape[0]
+    if src.shape[0] % world:
+        raise ValueError(f"src has {src.shape[0]} slots, not a multiple of the {world} ranks in peers")
+    _pack_fixed(x, ids, weights, src, num_tokens, bad_ids, wire, None, peers, rank, src.shape[0] // world,
+                own=(slab, slab_scale, index, counts))
+
+
+def exchange_masked(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
+                    bad_ids: torch.Tensor, wire: WireDtype, group, num_local: int, data_dtype: torch.dtype):
+    """Masked mode's dispatch by direct writes (decision 71): ``exchange_fixed`` + ``expand_masked``'s results, but
+    this rank's own slots never move: every rank first writes its pairs per expert (``self_layout``) into the
+    owning rank's counts rows (between two barriers), then its slots for the other ranks into their receive rows
+    and its own ones straight into its slab (``pack_masked_into``), and after a third barrier only the received
+    slots are expanded. Returns (received side blocks ``int32 [W*C, M]`` (reused by the next call), then what
+    ``expand_masked`` returns)."""
+    world, rank, t = dist.get_world_size(group), dist.get_rank(group), x.shape[0]
+    cw = src.shape[0]
+    c = cw // world
+    h, k = x.shape[1], ids.shape[1]
+    data_bytes, _, b = _row_layout(wire, h, x.element_size(), k, in_band=True)
+    ns = _scale_words(wire, h)
+    index, msg = self_layout(ids, t, world, num_local, c, rank)
+    buf, handle, peers = _symmetric_rows(group, cw, b, x.device)
+    counts, _, counts_peers = _symmetric_rows(group, world, num_local * 8, x.device, use="masked_counts")
+    slab = torch.empty(num_local * cw, data_bytes, dtype=torch.uint8, device=x.device)
+    slab_scale = torch.empty(num_local * cw, ns, dtype=torch.float32, device=x.device) if ns else None
+    handle.barrier(channel=0)  # (every rank done reading the rows and counts of its last exchange)
+    launch(_put_counts_kernel, (world,), msg, counts_peers, num_local, rank, MP=_pow2(num_local), num_warps=1)
+    handle.barrier(channel=0)
+    pack_masked_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, rank, index, counts.view(torch.int64),
+                     slab, slab_scale)
+    handle.barrier(channel=0)
+    recv_data, recv_meta = split_fixed(buf, wire, x.dtype, h, k)
+    return (recv_meta,) + expand_masked(recv_data, recv_meta, ns, k, rank, num_local, data_dtype, slab, slab_scale,
+                                        done=(rank * c, c))
+
+
 def split_fixed(recv: torch.Tensor, wire: WireDtype, dtype: torch.dtype, hidden: int,
                 top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     data_bytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k, in_band=True)
@@ -828,13 +978,18 @@ def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.
 
 
 def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
-                  num_local: int, data_dtype: torch.dtype):
+                  num_local: int, data_dtype: torch.dtype, slab: torch.Tensor | None = None,
+                  slab_scale: torch.Tensor | None = None, done: tuple[int, int] = (0, 0)):
+    """``slab`` / ``slab_scale`` (uint8 ``[EL * W * C, D]`` / fp32 ``[EL * W * C, n_scale]``): the slab to fill
+    (None: a new one); ``done`` (first slot, count): received slots whose pairs are in it already (the sender wrote
+    them there, ``exchange_masked``), left out of the expansion."""
     cw, db = recv_data.shape
     dev = recv_data.device
     el, k = num_local, top_k
     first = rank * el
-    slab = torch.empty(el * cw, db, dtype=torch.uint8, device=dev)
-    scale = torch.empty(el * cw, n_scale, dtype=torch.float32, device=dev) if n_scale else None
+    slab = torch.empty(el * cw, db, dtype=torch.uint8, device=dev) if slab is None else slab
+    scale = slab_scale if slab_scale is not None or not n_scale else torch.empty(el * cw, n_scale,
+                                                                                 dtype=torch.float32, device=dev)
     index = torch.empty(cw, k, dtype=torch.int64, device=dev)
     valid = torch.empty(cw, k, dtype=torch.bool, device=dev)
     weights = torch.empty(cw, k, dtype=torch.float32, device=dev)
@@ -846,14 +1001,15 @@ def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int
     consts = dict(NS=n_scale, K=k, EL=el, ELP=_pow2(el), BS=MASKED_BLOCK, num_warps=4)
     launch(_masked_count_kernel, (nb,), recv_meta, recv_meta.stride(0), part, cw, first, **consts)
     launch(_masked_index_kernel, (nb,), recv_meta, recv_meta.stride(0), part, index, valid.view(torch.int8), weights,
-           masked_m, cw, nb, first, NBB=min(256, _pow2(nb)), **consts)
-    if cw:
+           masked_m, cw, cw, nb, first, NBB=min(256, _pow2(nb)), SENDER=False, E=0, **consts)
+    if cw > done[1]:
         word = next(w for w in (4, 2, 1) if db % w == 0 and recv_data.stride(0) % w == 0
                     and (recv_data.data_ptr() % w == 0))
         wdt = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
-        launch(_masked_expand_kernel, (cw, triton.cdiv(db // word, 1024)), recv_data, recv_data.stride(0), recv_meta,
-               recv_meta.stride(0), index, valid.view(torch.int8), slab.view(wdt), scale if n_scale else weights,
-               db // word, NS=n_scale, NSP=_pow2(n_scale), K=k, BD=1024, num_warps=4)
+        launch(_masked_expand_kernel, (cw - done[1], triton.cdiv(db // word, 1024)), recv_data, recv_data.stride(0),
+               recv_meta, recv_meta.stride(0), index, valid.view(torch.int8), slab.view(wdt),
+               scale if n_scale else weights, db // word, done[0], done[1], NS=n_scale, NSP=_pow2(n_scale), K=k,
+               BD=1024, num_warps=4)
     data = slab.view(el, cw, db).view(data_dtype)
     return data, None if scale is None else scale.view(el, cw, n_scale), masked_m, index, valid, weights
 
@@ -908,4 +1064,5 @@ KERNELS = TorchA2AKernels(layout=layout, pack=pack, unpack=unpack, reduce=reduce
                           pack_fixed=pack_fixed, split_fixed=split_fixed, exchange_fixed=exchange_fixed,
                           expand_masked=expand_masked, reduce_masked=reduce_masked,
                           exchange_masked_back=exchange_masked_back, exchange_counts=exchange_counts,
+                          exchange_masked=exchange_masked,
                           exchange_normal=exchange_normal, direct_ok=direct_ok)
