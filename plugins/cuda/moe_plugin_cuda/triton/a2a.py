@@ -311,6 +311,17 @@ def _store_token_pairs(x_row, HL, slab_ptr, scale_ptr, rows, here, H, DB, inv_qm
 
 
 @triton.jit
+def _aligned(anchor, address, dtype: tl.constexpr):
+    """``address`` (an int64 loaded from memory: a peer's rows) as a ``dtype`` pointer the compiler knows 16-byte
+    aligned (``_symmetric_rows`` checks that they are): an offset from ``anchor`` (a pointer argument, which Triton
+    specializes as aligned), hinted a multiple of 16. A loaded address cast straight to a pointer has no known
+    alignment: the stores through it took 1 or 2 bytes each (the SASS for sm_90; decision 71)."""
+    base = anchor.to(tl.pointer_type(tl.uint8))
+    offset = tl.multiple_of(address - base.to(tl.int64), 16)
+    return (base + offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
 def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_ptr, peers_ptr, msg_ptr, H, B, DP,
                  inv_qmax, C, RANK, K: tl.constexpr, KP: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                  EL: tl.constexpr, WIRE: tl.constexpr, NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr,
@@ -334,8 +345,8 @@ def _pack_kernel(x_ptr, x_stride, ids_ptr, w_ptr, row_ptr, row_s0, row_s1, send_
             tl.store(msg_ptr + ranks * (4 + EL) + 3 + EL, over + tl.zeros([WP], dtype=tl.int64), mask=ranks < W)
         # every rank's rows as byte offsets from rank 0's (one flat address space: CUDA's, the interpreter's)
         first = tl.load(peers_ptr)
-        base = tl.load(peers_ptr + ranks, mask=ranks < W, other=0) - first + (RANK * C + j) * B
-        send_ptr = first.to(tl.pointer_type(tl.uint8))
+        base = tl.multiple_of(tl.load(peers_ptr + ranks, mask=ranks < W, other=0) - first + (RANK * C + j) * B, 16)
+        send_ptr = _aligned(send_ptr, first, tl.uint8)
     else:
         base = (dst - 1) * B  # byte offset of each send row
     _store_token(x_ptr + t * x_stride, H, send_ptr, base, sent, sent, H, DP, inv_qmax, WP, WIRE, NS, GROUP, GB, BH,
@@ -378,7 +389,7 @@ def _pack_fixed_kernel(x_ptr, x_stride, ids_ptr, w_ptr, src_ptr, bad_ptr, send_p
     t_load = tl.minimum(t_src, T - 1)
     t_load = tl.maximum(t_load, 0)
     if DIRECT:
-        send_ptr = tl.load(peers_ptr + s // C).to(tl.pointer_type(tl.uint8))
+        send_ptr = _aligned(send_ptr, tl.load(peers_ptr + s // C), tl.uint8)
         base = (RANK * C + s % C) * B + one * 0
     else:
         base = s * B + one * 0
@@ -576,7 +587,7 @@ def _masked_reduce_kernel(y_ptr, index_ptr, valid_ptr, w_ptr, out_ptr, peers_ptr
             acc = term if k == 0 else acc + term
         res = _round_to(acc, y_ptr.dtype.element_ty)
         if DIRECT:
-            dst = tl.load(peers_ptr + s // C).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            dst = _aligned(out_ptr, tl.load(peers_ptr + s // C), y_ptr.dtype.element_ty)
             tl.store(dst + (RANK * C + s % C) * H + offs, res, mask=ok)
         else:
             tl.store(out_ptr + s * H + offs, res, mask=ok)
@@ -822,7 +833,10 @@ def _symmetric_rows(group, rows: int, row_bytes: int, device: torch.device, use:
                 symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(rows, row_bytes, dtype=torch.uint8, device=device)
         handle = symm_mem.rendezvous(buf, group)
-        _SYMMETRIC[key] = (buf, handle, torch.tensor(peer_addresses(buf, handle), dtype=torch.int64, device=device))
+        addresses = peer_addresses(buf, handle)
+        if any(a % 16 for a in addresses):  # (the kernels write through them as 16-byte aligned: _aligned)
+            raise RuntimeError(f"symmetric memory: rows at {[hex(a) for a in addresses]}, not all 16-byte aligned")
+        _SYMMETRIC[key] = (buf, handle, torch.tensor(addresses, dtype=torch.int64, device=device))
     return _SYMMETRIC[key]
 
 
