@@ -26,7 +26,9 @@ of each received pair, then the rows into the slab) and combine's weighted sums 
 
 The direct-write exchanges (``exchange_fixed``, ``exchange_masked_back``, ``exchange_normal``, ``exchange_counts``,
 decision 66): receive rows in torch symmetric memory, which the same pack / reduce kernels write straight into
-through a table of every rank's address of them, between two barriers; graph-capturable once allocated.
+through a table of every rank's address of them (``_aligned``), between two barriers; graph-capturable once
+allocated. ``exchange_masked`` (decision 71): masked dispatch whose own slots go straight into the slab (no
+transfer, no expansion after it), a counts exchange (``self_layout``) ahead of the pack.
 
 Launched through ``launch.launch`` (the compiled launcher, without ``JITFunction.run``'s per-call binding): the
 arguments that change per call are few (the token count), so its value-keyed cache hits.
