@@ -562,14 +562,16 @@ def _masked_expand_kernel(data_ptr, data_stride, meta_ptr, meta_stride, index_pt
 
 
 @triton.jit
-def _masked_reduce_kernel(y_ptr, index_ptr, valid_ptr, w_ptr, out_ptr, peers_ptr, H, C, RANK, K: tl.constexpr,
+def _masked_reduce_kernel(y_ptr, index_ptr, valid_ptr, w_ptr, out_ptr, peers_ptr, H, C, W, RANK, K: tl.constexpr,
                           KP: tl.constexpr, BH: tl.constexpr, DIRECT: tl.constexpr):
     """Masked combine on the experts' rank (program (s, h-block)): received slot ``s``'s weighted sum of its K slab
     rows of ``y`` in fp32, in the order of k, rounded to ``y``'s dtype, as ``_masked_pairs`` + ``_reduce_pairs_loop``
     compute it (a pair not here adds its slot's first pair here times 0, which is what that adds: +-0 or NaN). A slot
     with no pair here (padding: its sender never reads it back) is skipped. ``DIRECT``: the row goes straight to
-    the slot's sender (``peers[s // C]``, row ``RANK * C + s % C``); else to ``out`` row ``s``."""
-    s = tl.program_id(0).to(tl.int64)
+    the slot's sender (``peers[s // C]``, row ``RANK * C + s % C``); else to ``out`` row ``s``. Program p takes slot
+    ``(p % W) * C + p // W``: the ranks' chunks interleaved, as ``_pack_fixed_kernel`` (decision 71)."""
+    p = tl.program_id(0).to(tl.int64)
+    s = (p % W) * C + p // W
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = offs < H
     kk = tl.arange(0, KP)
@@ -1047,7 +1049,8 @@ def _reduce_masked(y, slab_index, valid, weights, out, peers, rank: int, capacit
         direct = peers is not None
         launch(_masked_reduce_kernel, (cw, triton.cdiv(h, bh)), y, slab_index.contiguous(),
                valid.contiguous().view(torch.int8), weights.contiguous(), peers if direct else out,
-               peers if direct else out, h, capacity, rank, K=k, KP=_pow2(k), BH=bh, DIRECT=direct, num_warps=4)
+               peers if direct else out, h, capacity, cw // capacity, rank, K=k, KP=_pow2(k), BH=bh, DIRECT=direct,
+               num_warps=4)
 
 
 def exchange_masked_back(y: torch.Tensor, slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
