@@ -939,9 +939,9 @@ def exchange_masked(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
                     bad_ids: torch.Tensor, wire: WireDtype, group, num_local: int, data_dtype: torch.dtype):
     """Masked mode's dispatch by direct writes (decision 71): ``exchange_fixed`` + ``expand_masked``'s results, but
     this rank's own slots never move: every rank first writes its pairs per expert (``self_layout``) into the
-    owning rank's counts rows (between two barriers), then its slots for the other ranks into their receive rows
-    and its own ones straight into its slab (``pack_masked_into``), and after a third barrier only the received
-    slots are expanded. Returns (received side blocks ``int32 [W*C, M]`` (reused by the next call), then what
+    owning rank's counts rows, then, after a barrier, its slots for the other ranks into their receive rows and its
+    own ones straight into its slab (``pack_masked_into``), and after a second barrier only the received slots are
+    expanded. Returns (received side blocks ``int32 [W*C, M]`` (reused by the next call), then what
     ``expand_masked`` returns)."""
     world, rank, t = dist.get_world_size(group), dist.get_rank(group), x.shape[0]
     cw = src.shape[0]
@@ -954,7 +954,9 @@ def exchange_masked(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, s
     counts, _, counts_peers = _symmetric_rows(group, world, num_local * 8, x.device, use="masked_counts")
     slab = torch.empty(num_local * cw, data_bytes, dtype=torch.uint8, device=x.device)
     slab_scale = torch.empty(num_local * cw, ns, dtype=torch.float32, device=x.device) if ns else None
-    handle.barrier(channel=0)  # (every rank done reading the rows and counts of its last exchange)
+    # Two barriers, not three: the counts rows are read only by the pack, before the last exchange's second barrier,
+    # which every rank passed before this put; the rows are written after this call's first barrier, which every
+    # rank reaches after its reads of the last exchange's (whichever exchange used them).
     launch(_put_counts_kernel, (world,), msg, counts_peers, num_local, rank, MP=_pow2(num_local), num_warps=1)
     handle.barrier(channel=0)
     pack_masked_into(x, ids, weights, src, num_tokens, bad_ids, wire, peers, rank, index, counts.view(torch.int64),
