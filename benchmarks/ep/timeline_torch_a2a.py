@@ -147,7 +147,7 @@ def worker(rank: int, world: int, port: int, args) -> None:
                 all_starts: list = [None] * world
                 dist.all_gather_object(all_starts, starts)
                 if rank == 0:
-                    skew = statistics.median((b - a) * 1e6 for a, b in zip(all_starts[0], all_starts[1]))
+                    skew = statistics.median((b - a) * 1e6 for a, b in zip(all_starts[0], all_starts[1], strict=True))
                     lines += [f"rank 1 started its calls {skew:.1f} us after rank 0 (median)", ""]
                     print(lines[-2], flush=True)
                     for t in gathered:
