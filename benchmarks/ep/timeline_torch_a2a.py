@@ -97,6 +97,60 @@ def restore(undo) -> None:
             setattr(owner, attr, fn)
 
 
+def host_us(fn, n: int) -> float:
+    """Mean host time of ``fn()`` over ``n`` calls in a row (launches are asynchronous: what issuing costs)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def pieces(rank: int, tokens: int, wire: str) -> list[str]:
+    """Host cost of each piece of an exact normal dispatch called on its own (both ranks call the collective
+    ones in the same order)."""
+    import triton
+    from moe_plugin_cuda.triton import a2a
+    from moe_plugin_cuda.triton.launch import pow2
+
+    d, x, topk = make(rank, 2, tokens, "normal", wire)
+    for _ in range(3):
+        d.dispatch(x, topk)
+    kern = torch_a2a._kernels_for("cuda")
+    ids, w = topk.ids, topk.weights
+    row, msg = kern.layout(ids, d.world, d.num_local)
+    wire_dt = d.wire
+    group = d.group
+    out = {}
+    out["triton.next_power_of_2"] = host_us(lambda: triton.next_power_of_2(40), 2000)
+    out["launch.pow2 (pure Python)"] = host_us(lambda: pow2(40), 2000)
+    out["torch.empty [2, 4096] int64"] = host_us(lambda: torch.empty(2, 4096, dtype=torch.int64, device="cuda"), 500)
+    out["layout"] = host_us(lambda: kern.layout(ids, d.world, d.num_local), 200)
+    out["direct_ok"] = host_us(lambda: d._direct_exchange(kern, x.device), 500)
+    out["_symmetric_rows (lookup)"] = host_us(
+        lambda: a2a._symmetric_rows(group, d.world, msg.shape[2] * 8, x.device, use="counts"), 500)
+    _, handle, _ = a2a._symmetric_rows(group, d.world, msg.shape[2] * 8, x.device, use="counts")
+    dist.barrier()
+    out["handle.barrier"] = host_us(lambda: handle.barrier(channel=0), 200)
+    dist.barrier()
+    out["exchange_normal"] = host_us(
+        lambda: kern.exchange_normal(x, ids, w, row, msg, wire_dt, group, d.capacity), 50)
+    recv = kern.exchange_normal(x, ids, w, row, msg, wire_dt, group, d.capacity)
+    out["_to_host + wait"] = host_us(lambda: torch_a2a._to_host(msg)(), 200)
+    out["unpack (chunks)"] = host_us(lambda: kern.unpack(recv, msg[1], wire_dt, x.dtype, d.hidden, d.top_k, d.rank,
+                                                          d.num_local, rows=d.world * d.capacity,
+                                                          chunk=d.capacity), 100)
+    msg_host = msg.cpu()
+    out["_read_counts"] = host_us(lambda: d._read_counts(msg_host), 500)
+    dist.barrier()
+    out["dispatch (whole, back to back)"] = host_us(lambda: d.dispatch(x, topk), 30)
+    lines = [f"## host cost of the pieces, normal {wire} {tokens} tokens, rank {rank}", "", "| piece | host us a call |",
+             "|---|---|"]
+    return lines + [f"| {k} | {v:.1f} |" for k, v in out.items()] + [""]
+
+
 def worker(rank: int, world: int, port: int, args) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
@@ -155,6 +209,16 @@ def worker(rank: int, world: int, port: int, args) -> None:
                         print("\n".join(t), flush=True)
                 del d, x, topk
                 torch.cuda.empty_cache()
+    if args.pieces:
+        for tokens in args.tokens:
+            for wire in args.wires:
+                table = pieces(rank, tokens, wire)
+                gathered = [None] * world
+                dist.all_gather_object(gathered, table)
+                if rank == 0:
+                    for t in gathered:
+                        lines += t
+                        print("\n".join(t), flush=True)
     if rank == 0:
         with open(os.path.join(args.out, "timeline.md"), "w") as f:
             f.write("\n".join(lines))
@@ -170,6 +234,7 @@ def main() -> None:
     ap.add_argument("--modes", nargs="+", default=["normal"])
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pieces", action="store_true", help="also each piece's host cost, called on its own")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:
