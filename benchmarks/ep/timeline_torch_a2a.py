@@ -35,7 +35,7 @@ from moe_core.plugins import get_plugin_manager  # noqa: E402
 # timed through the registry (``torch_a2a._KERNELS``), where the core finds them
 PIECES = (("moe_plugin_cuda.triton.a2a", "_symmetric_rows"), ("moe_plugin_cuda.triton.a2a", "pack_into"),
           ("moe_plugin_cuda.triton.a2a", "_put_counts"), ("moe_plugin_cuda.triton.a2a", "pack_fixed_into"),
-          ("moe_core.distributed.torch_a2a", "_to_host"), ("moe_core.distributed.torch_a2a", "_masked_received"))
+          ("moe_core.distributed.torch_a2a", "_masked_received"))
 
 
 class Recorder:
@@ -80,6 +80,8 @@ def instrument(rec: Recorder) -> list[tuple[object, str, object]]:
             undo.append((mod, attr, wrap(rec, mod, attr, attr)))
     for attr in ("_read_counts", "_dispatch_normal_fused", "_exchange_fixed"):
         undo.append((torch_a2a.TorchA2ADispatcher, attr, wrap(rec, torch_a2a.TorchA2ADispatcher, attr, attr)))
+    for attr in ("start", "wait"):
+        undo.append((torch_a2a._HostCopy, attr, wrap(rec, torch_a2a._HostCopy, attr, f"host copy {attr}")))
     kernels = torch_a2a._kernels_for("cuda")
     if kernels is not None:
         fns = {f.name: getattr(kernels, f.name) for f in dataclasses.fields(kernels) if f.name != "direct_ok"}
@@ -138,7 +140,8 @@ def pieces(rank: int, tokens: int, wire: str) -> list[str]:
     out["exchange_normal"] = host_us(
         lambda: kern.exchange_normal(x, ids, w, row, msg, wire_dt, group, d.capacity), 50)
     recv = kern.exchange_normal(x, ids, w, row, msg, wire_dt, group, d.capacity)
-    out["_to_host + wait"] = host_us(lambda: torch_a2a._to_host(msg)(), 200)
+    copy = torch_a2a._HostCopy()
+    out["host copy start + wait"] = host_us(lambda: copy.start(msg)(), 200)
     out["unpack (chunks)"] = host_us(lambda: kern.unpack(recv, msg[1], wire_dt, x.dtype, d.hidden, d.top_k, d.rank,
                                                           d.num_local, rows=d.world * d.capacity,
                                                           chunk=d.capacity), 100)

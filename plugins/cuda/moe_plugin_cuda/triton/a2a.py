@@ -550,17 +550,40 @@ def _scale_words(wire: WireDtype, hidden: int) -> int:
     return 1 if wire is WireDtype.INT8 else 0
 
 
+# per-shape launch constants of the exact normal path, worked out once (its dispatch is bound by host time: every
+# piece of Python on it counts, 2026-11-26); emptied when full
+_SHAPES: dict[tuple, tuple] = {}
+_SHAPES_MAX = 1024
+
+
+def _shape_constants(key: tuple, make) -> tuple:
+    c = _SHAPES.get(key)
+    if c is None:
+        if len(_SHAPES) >= _SHAPES_MAX:
+            _SHAPES.clear()
+        c = _SHAPES[key] = make()
+    return c
+
+
+def _layout_constants(t: int, k: int, world: int, num_local: int) -> tuple:
+    nb = max(1, cdiv(t, LAYOUT_BLOCK))
+    consts = dict(K=k, KP=pow2(k), W=world, WP=pow2(world), EL=num_local, BT=LAYOUT_BLOCK, num_warps=4)
+    return nb, dict(consts, ELP=pow2(num_local + 1)), dict(consts, NBB=min(1024, pow2(nb)))
+
+
 def layout(ids: torch.Tensor, world: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
     t, k = ids.shape
-    ids = ids.contiguous()
-    row = torch.empty(world, t, dtype=torch.int64, device=ids.device)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    dev = ids.device
+    nb, count_consts, rows_consts = _shape_constants(("layout", t, k, world, num_local),
+                                                     lambda: _layout_constants(t, k, world, num_local))
+    row = torch.empty(world, t, dtype=torch.int64, device=dev)
     # the counts message of _normal_layout, plus a last word per row: 1 where the direct exchange overflowed
-    msg = torch.empty(2, world, 4 + num_local, dtype=torch.int64, device=ids.device)
-    nb = max(1, cdiv(t, LAYOUT_BLOCK))
-    part = torch.empty(nb, world + 2, dtype=torch.int32, device=ids.device)
-    consts = dict(K=k, KP=pow2(k), W=world, WP=pow2(world), EL=num_local, BT=LAYOUT_BLOCK, num_warps=4)
-    launch(_layout_count_kernel, (nb,), ids, part, msg, t, ELP=pow2(num_local + 1), **consts)
-    launch(_layout_rows_kernel, (nb,), ids, part, row, msg, t, nb, NBB=min(1024, pow2(nb)), **consts)
+    msg = torch.empty(2, world, 4 + num_local, dtype=torch.int64, device=dev)
+    part = torch.empty(nb, world + 2, dtype=torch.int32, device=dev)
+    launch(_layout_count_kernel, (nb,), ids, part, msg, t, **count_consts)
+    launch(_layout_rows_kernel, (nb,), ids, part, row, msg, t, nb, **rows_consts)
     return row.T, msg
 
 
@@ -608,24 +631,36 @@ def pack_into(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, row: to
     _pack(x, ids, weights, row, wire, None, peers, msg[0], rank, capacity)
 
 
+def _pack_constants(wire: WireDtype, h: int, element_size: int, k: int, world: int, el: int, direct: bool,
+                    device: torch.device) -> tuple:
+    _, dp, b = _row_layout(wire, h, element_size, k)
+    fp8 = wire is WireDtype.FP8
+    return b, dp, dict(K=k, KP=pow2(k), W=world, WP=pow2(world), EL=el, WIRE=_WIRE_CODE[wire],
+                       NS=_scale_words(wire, h), GROUP=quant.FP8_GROUP, GB=max(1, min(8, pow2(h) // quant.FP8_GROUP)),
+                       BH=min(2048, pow2(h)), QMAX=quant.FP8_MAX if fp8 else 127.0,
+                       FLOOR=quant.FP8_AMAX_FLOOR if fp8 else quant.INT_AMAX_FLOOR, RECIPROCAL=_reciprocal(device),
+                       DIRECT=direct, num_warps=4)
+
+
 def _pack(x, ids, weights, row, wire, send, peers, msg, rank: int, capacity: int) -> None:
     t, h = x.shape
-    k = ids.shape[1]
-    world = row.shape[1]
-    _, dp, b = _row_layout(wire, h, x.element_size(), k)
     if t == 0:  # (nothing sent: the layout's zero overflow flags stand)
         return
+    k = ids.shape[1]
+    world = row.shape[1]
+    direct = peers is not None
+    el = msg.shape[1] - 4 if direct else 0
+    b, dp, consts = _shape_constants(("pack", wire, h, x.dtype, k, world, el, direct, x.device),
+                                     lambda: _pack_constants(wire, h, x.element_size(), k, world, el, direct, x.device))
     if x.stride(1) != 1:
         x = x.contiguous()
-    direct = peers is not None
-    qmax = quant.FP8_MAX if wire is WireDtype.FP8 else 127.0
-    floor = quant.FP8_AMAX_FLOOR if wire is WireDtype.FP8 else quant.INT_AMAX_FLOOR
-    launch(_pack_kernel, (t,), x, x.stride(0), ids.contiguous(), weights.contiguous(), row, row.stride(0),
-           row.stride(1), peers if direct else send, peers if direct else send, msg if direct else send, h, b, dp,
-           _INV_QMAX[wire], capacity, rank, K=k, KP=pow2(k), W=world, WP=pow2(world),
-           EL=msg.shape[1] - 4 if direct else 0, WIRE=_WIRE_CODE[wire], NS=_scale_words(wire, h),
-           GROUP=quant.FP8_GROUP, GB=max(1, min(8, pow2(h) // quant.FP8_GROUP)), BH=min(2048, pow2(h)), QMAX=qmax,
-           FLOOR=floor, RECIPROCAL=_reciprocal(x.device), DIRECT=direct, num_warps=4)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    out = peers if direct else send
+    launch(_pack_kernel, (t,), x, x.stride(0), ids, weights, row, row.stride(0), row.stride(1), out, out,
+           msg if direct else send, h, b, dp, _INV_QMAX[wire], capacity, rank, **consts)
 
 
 def pack_fixed(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, src: torch.Tensor, num_tokens: int,
@@ -798,23 +833,33 @@ def unpack(recv: torch.Tensor, msg: torch.Tensor, wire: WireDtype, dtype: torch.
            rank: int, num_local: int, rows: int | None = None, chunk: int = 0):
     r = recv.shape[0] if rows is None else rows
     dev = recv.device
-    data_dtype = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
-    nbytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k)
+    world = msg.shape[0]
+    data_dtype, word_dtype, nbytes, word, dp, b, ns, consts = _shape_constants(
+        ("unpack", wire, dtype, hidden, top_k, world, num_local, r > 0, chunk > 0),
+        lambda: _unpack_constants(wire, dtype, hidden, top_k, world, num_local, r > 0, chunk > 0))
     if recv.shape[1] != b:
         raise ValueError(f"received rows of {recv.shape[1]} bytes, expected {b} (a send row of this layer)")
-    ns = _scale_words(wire, hidden)
     data = torch.empty(r, hidden, dtype=data_dtype, device=dev)
     scale = torch.empty(r, ns, dtype=torch.float32, device=dev) if ns else None
     lids = torch.empty(r, top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(r, top_k, dtype=torch.float32, device=dev)
     counts = torch.empty(num_local, dtype=torch.int32, device=dev)
-    word = next(w for w in (4, 2, 1) if nbytes % w == 0)
-    world = msg.shape[0]
-    words = data.view(torch.uint8).view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[word])
+    words = data.view(word_dtype)
     launch(_unpack_kernel, (max(r, 1),), recv, msg, words, scale if ns else weights, lids, weights, counts,
-           b, dp, nbytes // word, rank * num_local, chunk, ROWS=r > 0, NS=ns, NSP=pow2(ns), K=top_k, KP=pow2(top_k),
-           W=world, WP=pow2(world), EL=num_local, ELP=pow2(num_local), BD=1024, CHUNKED=chunk > 0, num_warps=4)
+           b, dp, nbytes // word, rank * num_local, chunk, **consts)
     return data, scale, lids, weights, counts
+
+
+def _unpack_constants(wire: WireDtype, dtype: torch.dtype, hidden: int, top_k: int, world: int, num_local: int,
+                      rows: bool, chunked: bool) -> tuple:
+    data_dtype = dtype if wire is WireDtype.BF16 else (torch.float8_e4m3fn if wire is WireDtype.FP8 else torch.int8)
+    nbytes, dp, b = _row_layout(wire, hidden, dtype.itemsize, top_k)
+    ns = _scale_words(wire, hidden)
+    word = next(w for w in (4, 2, 1) if nbytes % w == 0)
+    word_dtype = {4: torch.int32, 2: torch.int16, 1: torch.uint8}[word]
+    consts = dict(ROWS=rows, NS=ns, NSP=pow2(ns), K=top_k, KP=pow2(top_k), W=world, WP=pow2(world), EL=num_local,
+                  ELP=pow2(num_local), BD=1024, CHUNKED=chunked, num_warps=4)
+    return data_dtype, word_dtype, nbytes, word, dp, b, ns, consts
 
 
 def expand_masked(recv_data: torch.Tensor, recv_meta: torch.Tensor, n_scale: int, top_k: int, rank: int,
