@@ -23,6 +23,7 @@ bandwidth = raw time / stage time. Times are medians over iterations of the slow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -40,7 +41,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from moe_core import MoEConfig, TopK  # noqa: E402
 from moe_core.backends import BackendSpec, Role  # noqa: E402
 from moe_core.contracts import EPMaskedCombine, EPNormalCombine, Format, WireDtype  # noqa: E402
-from moe_core.distributed import TorchA2ADispatcher  # noqa: E402
+from moe_core.distributed import TorchA2ADispatcher, torch_a2a  # noqa: E402
 from moe_core.plugins import get_plugin_manager  # noqa: E402
 from moe_core.runtime import BackendContext  # noqa: E402
 
@@ -82,6 +83,17 @@ def _raw(send_rows: list[int], recv_rows: list[int], row_bytes: int, iters: int,
 
 
 def bench_case(rank: int, world: int, tokens: int, mode: str, wire: str, args) -> dict:
+    kernels = torch_a2a._kernels_for(DEVICE)
+    if mode not in EXPAND_ALL or kernels is None:
+        return _bench_case(rank, world, tokens, mode, wire, args)
+    torch_a2a.register_torch_a2a_kernels(DEVICE, dataclasses.replace(kernels, exchange_masked=None))
+    try:
+        return _bench_case(rank, world, tokens, mode, wire, args)
+    finally:
+        torch_a2a.register_torch_a2a_kernels(DEVICE, kernels)
+
+
+def _bench_case(rank: int, world: int, tokens: int, mode: str, wire: str, args) -> dict:
     fmt, buffers, graph, extra = MODES[mode]
     e, k, h = args.experts, args.top_k, args.hidden
     el = e // world
@@ -268,7 +280,11 @@ MODES = {  # name -> (format, normal-mode buffers, captured in CUDA graphs, othe
     "normal-graph-direct": (Format.EP_NORMAL, "worst_case", True, {"exchange": "direct"}),
     "normal-graph-collective": (Format.EP_NORMAL, "worst_case", True, {"exchange": "collective"}),
     "masked-graph-direct": (Format.EP_MASKED, None, True, {"exchange": "direct"}),
-    "masked-graph-collective": (Format.EP_MASKED, None, True, {"exchange": "collective"})}
+    "masked-graph-collective": (Format.EP_MASKED, None, True, {"exchange": "collective"}),
+    # the direct exchange with every received slot expanded after it (the plugin's exchange_masked left out): the
+    # path before decision 71, to measure its own-slots-into-the-slab against in the same run
+    "masked-graph-direct-expand": (Format.EP_MASKED, None, True, {"exchange": "direct"})}
+EXPAND_ALL = {"masked-graph-direct-expand"}
 
 
 def torch_a2a_options(buffers, extra: dict) -> dict:
