@@ -249,6 +249,8 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
                 except Exception:  # record it and go on (every rank runs the same cases)
                     r = dict(case, error=traceback.format_exc()[-2000:])
                     failed = 1
+                    # now, on every rank: a CUDA error is sticky, and the next call below may end the process
+                    print(f"rank {rank} {mode} {wire}: {r['error']}", file=sys.stderr, flush=True)
                 _empty_cache()
                 # ranks agree on the outcome, so one rank's failure does not desynchronize the rest
                 flag = torch.tensor([failed], device=DEVICE)
