@@ -35,7 +35,8 @@ def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, s
     slot, partials reduced by the last; ``slots``: gate/up slots a program)."""
     if form == 2:
         return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, num_warps=4, num_stages=2),
-                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
+                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2),
+                **({"L2PF": 1.0, "L2PF_KEEP": 1} if split else {})}  # (a prefetch: no-op in the interpreter)
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
 
@@ -431,17 +432,21 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("form,flat,pdl", [(f, flat, 1) for f, flat in FORMS] + [(2, 0, 2), (2, 1, 2)])
-def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
+@pytest.mark.parametrize("form,flat,pdl,l2pf", [(f, flat, 1, None) for f, flat in FORMS]
+                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1)), (2, 0, 1, (0.3, 0))])
+def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, l2pf):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
     released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
     (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
-    over its loops (3 stages, through shared memory): eager, replayed, in a CUDA graph, against float64; the same
-    bytes every call (deterministic, the split's last-program reduction included)."""
+    over its loops (3 stages, through shared memory), form 2 with the down weights prefetched into L2 (``l2pf``:
+    fraction, evict_last policy): eager, replayed, in a CUDA graph, against float64; the same bytes every call
+    (deterministic, the split's last-program reduction included)."""
     if form == 2:
         stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
         cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=stages),
                "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=stages), "PDL": pdl}
+        if l2pf:
+            cfg.update(L2PF=l2pf[0], L2PF_KEEP=l2pf[1])
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
@@ -462,6 +467,41 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
     g.replay()
     torch.cuda.synchronize()
     assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("E,H,inter,n_programs,fraction", [(4, 256, 384, 96, 1.0), (3, 130, 70, 7, 0.37),
+                                                           (2, 128, 128, 1000, 0.5)])
+def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter, n_programs, fraction):
+    """``prefetch_args``: the I-blocks' chunks (16-byte multiples) cover exactly the first ``fraction`` of an expert's
+    down weights (rounded down to 16 bytes), the block scales up to 16-byte rounding; off (None) for fraction 0, in
+    the interpreter, before sm_90 and where an expert's bytes are not 16-byte aligned; a fraction past 1 refused."""
+    from moe_plugin_cuda.triton import decode
+
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    w2 = torch.zeros(E, H, inter, dtype=torch.uint8)
+    scale = torch.zeros(E, -(-H // 128), -(-inter // 128))
+    args = decode.prefetch_args(w2, scale, fraction, True, n_programs)
+    if (H * inter) % 16:
+        assert args is None
+        return
+    _, s, stride_e, chunk, limit, s_stride, s_bytes, level = args
+    assert stride_e == H * inter and level == 2 and chunk % 16 == 0 and limit % 16 == 0
+    assert limit == int(H * inter * fraction) // 16 * 16
+    covered = sorted({b for j in range(n_programs) for b in range(j * chunk, min((j + 1) * chunk, limit), 16)})
+    assert covered == list(range(0, limit, 16))
+    if scale.stride(0) * 4 % 16:
+        assert s_bytes == 0
+    else:
+        assert s is scale and s_stride == scale.stride(0) * 4 and 0 <= scale[0].numel() * 4 - s_bytes < 16
+    assert decode.prefetch_args(w2, scale, 0.0, True, n_programs) is None
+    with pytest.raises(ValueError, match="L2PF"):
+        decode.prefetch_args(w2, scale, 1.5, False, n_programs)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: False)
+    assert decode.prefetch_args(w2, scale, fraction, True, n_programs) is None
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    monkeypatch.setattr(decode, "_interpreting", lambda: True)
+    assert decode.prefetch_args(w2, scale, fraction, True, n_programs) is None
 
 
 def test_shipped_decode_tables_are_launchable():
