@@ -93,7 +93,8 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
     stages swept (``candidates``; ``forms`` () sweeps the current config alone); ``current``: a decode config (the
     shape's table entry) whose parts are candidates too; ``l2pf``: fractions of the down weights the best pair's
-    gate/up programs prefetch into L2, tried as ``sweep_l2pf`` says (form-2 gate/up). A split down kernel alone reuses counters zeroed once (its last program
+    gate/up programs prefetch into L2, tried as ``sweep_l2pf`` says (form-2 gate/up). A split down kernel alone
+    reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
 

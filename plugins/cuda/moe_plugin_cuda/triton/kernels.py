@@ -807,7 +807,8 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
             e_pf = tl.load(ids_ptr + t * stride_it + (k0 + s) * stride_ik).to(tl.int64)
             if (e_pf >= 0) & (e_pf < E):
                 if n_pf > 0:
-                    _prefetch_l2(pf_ptr.to(tl.int64, bitcast=True) + e_pf * pf_stride_e + start, n_pf.to(tl.int32), L2PF == 2)
+                    _prefetch_l2(pf_ptr.to(tl.int64, bitcast=True) + e_pf * pf_stride_e + start, n_pf.to(tl.int32),
+                                 L2PF == 2)
                 if (pfs_bytes > 0) & (tl.program_id(1) == 0):
                     _prefetch_l2(pfs_ptr.to(tl.int64, bitcast=True) + e_pf * pfs_stride_e, pfs_bytes, L2PF == 2)
     if ZERO_CNT:
