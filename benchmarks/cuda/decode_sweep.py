@@ -93,7 +93,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
     stages swept (``candidates``; ``forms`` () sweeps the current config alone); ``current``: a decode config (the
     shape's table entry) whose parts are candidates too; ``l2pf``: fractions of the down weights the best pair's
-    gate/up programs prefetch into L2, tried as ``sweep_l2pf`` says (form-2 gate/up). A split down kernel alone
+    gate/up programs prefetch into L2, tried with the other prefetches as ``sweep_prefetch`` says (form-2 gate/up). A split down kernel alone
     reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
@@ -199,36 +199,50 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
             if t1 < best_t:
                 best_t, best = t1, with_pdl
     if l2pf and best["decode"].get("FORM", 1) == 2:
-        best, best_t = sweep_l2pf(tag, pair, rotated, best, best_t, l2pf, dev, reps, res)
+        best, best_t = sweep_prefetch(tag, pair, rotated, best, best_t, l2pf, dev, reps, res)
     res["pairs"] = [[round(t, 2), c] for t, c in pairs]
     res["best"] = best
     print(f"  {tag} pairs {[round(t, 1) for t, _ in pairs]} -> {best_t:.2f} us {best}", file=sys.stderr, flush=True)
     return res
 
 
-def sweep_l2pf(tag: str, pair, rotated, best: dict, best_t: float, fractions: tuple[float, ...], dev, reps: int,
-               res: dict[str, Any]) -> tuple[dict, float]:
-    """The best pair with the gate/up programs prefetching each fraction of the down weights into L2 (``"L2PF"``),
-    with and without an evict_last policy (``"L2PF_KEEP"``), against the pair without: each timed on the same
-    routing every call (as ``decode.py`` replays a forward) and rotating the routing every call (``rotated``: the
-    weights from HBM, as consecutive layers'). A prefetch config wins only where it is faster both ways (a
-    prefetch could otherwise win by leaving the next replay's weights in L2). Returns the (config, same-routing
-    time) to keep; ``res["l2pf"]``: [[same, rotated us], config] per variant, the pair without first."""
+def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
+    """The best pair (any prefetch taken out) first, then with its programs prefetching into L2: each kernel its own
+    rows (``"PF_SELF"`` of a part) and both; the gate/up programs each fraction of the down weights (``"L2PF"``),
+    with and without an evict_last policy (``"L2PF_KEEP"``), and that (kept) with the gate/up programs' own rows."""
     base = {k: v for k, v in best.items() if k not in ("L2PF", "L2PF_KEEP")}
+    base["decode"] = {k: v for k, v in base["decode"].items() if k != "PF_SELF"}
+    base["down"] = {k: v for k, v in base["down"].items() if k != "PF_SELF"}
+    up_self, down_self = {**base["decode"], "PF_SELF": 1}, {**base["down"], "PF_SELF": 1}
+    out = [base, {**base, "down": down_self}, {**base, "decode": up_self},
+           {**base, "decode": up_self, "down": down_self}]
+    out += [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]
+    out += [{**base, "decode": up_self, "L2PF": f, "L2PF_KEEP": 1} for f in fractions]
+    return out
+
+
+def sweep_prefetch(tag: str, pair, rotated, best: dict, best_t: float, fractions: tuple[float, ...], dev,
+                   reps: int, res: dict[str, Any]) -> tuple[dict, float]:
+    """``prefetch_variants`` of the best pair, each timed on the same routing every call (as ``decode.py`` replays
+    a forward) and rotating the routing every call (``rotated``: the weights from HBM, as consecutive layers'). A
+    prefetch variant wins only where it is faster both ways (a prefetch could otherwise win by leaving the next
+    replay's weights in L2); the fastest rotated winner is kept. Returns the (config, same-routing time) to keep;
+    ``res["prefetch"]``: [[same, rotated us], config] per variant, the pair without first."""
     timed = []
-    for cfg in [base] + [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]:
+    variants = prefetch_variants(best, fractions)
+    for cfg in variants:
         try:
             pair(cfg)()
             torch.cuda.synchronize(dev)
             same, rot = graph_time(pair(cfg), dev, reps) * 1e6, graph_time(rotated(cfg), dev, reps) * 1e6
         except Exception as exc:
-            print(f"  {tag} L2PF {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            print(f"  {tag} prefetch {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
             continue
         timed.append(((same, rot), cfg))
-    res["l2pf"] = [[[round(a, 2), round(b, 2)], c] for (a, b), c in timed]
-    print(f"  {tag} L2PF " + " ".join(f"{c.get('L2PF', 0)}/{c.get('L2PF_KEEP', 0)}: {a:.2f}/{b:.2f}"
-                                      for (a, b), c in timed), file=sys.stderr, flush=True)
-    if not timed or timed[0][1] is not base:
+    res["prefetch"] = [[[round(a, 2), round(b, 2)], c] for (a, b), c in timed]
+    print(f"  {tag} prefetch (same/rotated us): " + "  ".join(
+        f"{_pf_label(c)} {a:.2f}/{b:.2f}" for (a, b), c in timed), file=sys.stderr, flush=True)
+    if not timed or timed[0][1] is not variants[0]:
         return best, best_t
     (same0, rot0), _ = timed[0]
     wins = [(rot, same, c) for (same, rot), c in timed[1:] if rot < rot0 and same < min(same0, best_t)]
@@ -236,6 +250,12 @@ def sweep_l2pf(tag: str, pair, rotated, best: dict, best_t: float, fractions: tu
         return best, best_t
     rot, same, cfg = min(wins, key=lambda r: r[0])
     return cfg, same
+
+
+def _pf_label(cfg: dict) -> str:
+    parts = [f"L2PF {cfg['L2PF']}{'k' if cfg.get('L2PF_KEEP') else ''}"] if cfg.get("L2PF") else []
+    parts += [f"{p} self" for p in ("decode", "down") if cfg[p].get("PF_SELF")]
+    return "+".join(parts) or "none"
 
 
 def candidate_default() -> dict:
@@ -284,7 +304,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--current-only", action="store_true", help="the shape's table config as the only candidate "
                    "(its PDL levels and L2 prefetch still tried)")
     p.add_argument("--l2pf", nargs="*", type=float, default=[0.25, 0.5, 1.0], help="fractions of the down weights "
-                   "the best pair's gate/up programs prefetch into L2 (form-2 gate/up; none: not tried)")
+                   "the best pair's gate/up programs prefetch into L2, tried with the kernels prefetching their own "
+                   "rows (sweep_prefetch; form-2 gate/up; none: no prefetch tried)")
     args = p.parse_args(argv)
     p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages),
                   l2pf=tuple(args.l2pf))

@@ -432,25 +432,38 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("form,flat,pdl,l2pf", [(f, flat, 1, None) for f, flat in FORMS]
-                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1)), (2, 0, 1, (0.3, 0))])
-def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, l2pf):
+@pytest.mark.parametrize("form,flat,pdl,pf", [(f, flat, 1, None) for f, flat in FORMS]
+                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1, 0)), (2, 0, 1, (0.3, 0, 0, 1)),
+                            (1, 0, 1, (0, 0, 0, 1))])
+def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
     released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
     (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
-    over its loops (3 stages, through shared memory), form 2 with the down weights prefetched into L2 (``l2pf``:
-    fraction, evict_last policy): eager, replayed, in a CUDA graph, against float64; the same bytes every call
+    over its loops (3 stages, through shared memory), with L2 prefetches (``pf``: the fraction of the down weights
+    the form-2 gate/up programs prefetch, its evict_last policy, the gate/up and the down programs prefetching their
+    own rows): eager, replayed, in a CUDA graph, against float64; the same bytes every call
     (deterministic, the split's last-program reduction included)."""
     if form == 2:
         stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
         cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=stages),
                "down": dict(BLOCK_H=8, GROUPS=2, FORM=2, SPLIT=flat, num_warps=1, num_stages=stages), "PDL": pdl}
-        if l2pf:
-            cfg.update(L2PF=l2pf[0], L2PF_KEEP=l2pf[1])
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
-    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **SIZES["triton"])
+    sizes = SIZES["triton"]
+    if pf:
+        cfg.update(L2PF=pf[0], L2PF_KEEP=pf[1])
+        cfg["decode"]["PF_SELF"], cfg["down"]["PF_SELF"] = pf[2], pf[3]
+        # (sizes where the bulk prefetches' 16-byte rule holds for FP8 rows too, with a partial last I-block (gate/up
+        # rows prefetched) or a partial last H-block (down rows prefetched))
+        sizes = {**sizes, **(dict(H=336, inter=202) if pf[2] else dict(H=340, inter=208))}
+        if form == 2 and quant == "fp8_block":  # (the prefetches run: off only where the alignment does not hold)
+            from moe_plugin_cuda.triton import decode
+
+            w2 = torch.empty(sizes["E"], sizes["H"], sizes["inter"], dtype=torch.float8_e4m3fn, device="cuda")
+            assert decode.prefetch_args(w2, None, 0.5, False, 4) is not None
+            assert decode.own_rows_prefetchable(w2) == bool(pf[3])
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **sizes)
     first = layer(x, topk)
     assert relative_error(first, expected(x, topk)) < TOL[quant]
     for _ in range(3):  # records, then replays

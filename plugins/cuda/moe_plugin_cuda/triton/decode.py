@@ -120,6 +120,15 @@ def prefetch_args(w2: torch.Tensor, w2_scale: Optional[torch.Tensor], fraction: 
     return (w2, w2_scale if s_bytes else w2, stride_e, chunk, limit, s_stride, s_bytes, 2 if keep else 1)
 
 
+def own_rows_prefetchable(w: torch.Tensor) -> bool:
+    """A config part's ``"PF_SELF"``: each program first prefetches its own weight rows into L2 (one bulk prefetch
+    a slot, two for gate/up rows not interleaved), where the bulk prefetch's 16-byte alignment holds (base, expert and row strides) on sm_90 and later,
+    never in Triton's interpreter."""
+    elt = w.element_size()
+    return (not _interpreting() and w.data_ptr() % 16 == 0 and (w.stride(0) * elt) % 16 == 0
+            and (w.stride(1) * elt) % 16 == 0 and _has_bulk_prefetch(w.device))
+
+
 def _has_bulk_prefetch(device: torch.device) -> bool:
     dev = device.index if device.index is not None else torch.cuda.current_device()
     if dev not in _bulk_prefetch:
@@ -162,7 +171,8 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                s13.stride(1), s13.stride(2), h.stride(0), *pf[:7], TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
-               STAGES=cfg["num_stages"], L2PF=pf[7], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               STAGES=cfg["num_stages"], L2PF=pf[7], PF_SELF=int(bool(cfg.get("PF_SELF", 0))
+                                                                and own_rows_prefetchable(w13)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     if l2pf is not None:
         raise ValueError("decode gate/up: the down weights' L2 prefetch (L2PF) needs the form-2 kernel (cfg FORM 2)")
@@ -189,6 +199,7 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
     s2 = w2_scale if fp8_block else w2
+    pf_self = int(bool(cfg.get("PF_SELF", 0)) and own_rows_prefetchable(w2))
     if fp8_block and 128 % cfg["BLOCK_H"]:
         raise ValueError(f"FP8 decode: down.BLOCK_H must divide 128 (one weight scale row a program), got "
                          f"{cfg['BLOCK_H']}")
@@ -203,12 +214,12 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               STAGES=cfg["num_stages"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+               STAGES=cfg["num_stages"], PF_SELF=pf_self, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
            s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"],
-           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, PF_SELF=pf_self, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
            **({"launch_pdl": True} if pdl else {}))
