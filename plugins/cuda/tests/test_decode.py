@@ -487,7 +487,8 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
 def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter, n_programs, fraction):
     """``prefetch_args``: the I-blocks' chunks (16-byte multiples) cover exactly the first ``fraction`` of an expert's
     down weights (rounded down to 16 bytes), the block scales up to 16-byte rounding; off (None) for fraction 0, in
-    the interpreter, before sm_90 and where an expert's bytes are not 16-byte aligned; a fraction past 1 refused."""
+    the interpreter, before sm_90, where an expert's bytes are not 16-byte aligned or its rows padded; a fraction
+    past 1 refused. ``own_rows_prefetchable`` (``PF_SELF``): rows of 16-byte multiples, unpadded."""
     from moe_plugin_cuda.triton import decode
 
     monkeypatch.setattr(decode, "_interpreting", lambda: False)
@@ -508,6 +509,9 @@ def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter
     else:
         assert s is scale and s_stride == scale.stride(0) * 4 and 0 <= scale[0].numel() * 4 - s_bytes < 16
     assert decode.prefetch_args(w2, scale, 0.0, True, n_programs) is None
+    padded = torch.zeros(E, H, inter + 16, dtype=torch.uint8)[:, :, :inter]  # (whole rows would read past the end)
+    assert decode.prefetch_args(padded, scale, fraction, True, n_programs) is None
+    assert not decode.own_rows_prefetchable(padded) and decode.own_rows_prefetchable(w2) == (inter % 16 == 0)
     with pytest.raises(ValueError, match="L2PF"):
         decode.prefetch_args(w2, scale, 1.5, False, n_programs)
     monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: False)

@@ -108,15 +108,16 @@ def prefetch_args(w2: torch.Tensor, w2_scale: Optional[torch.Tensor], fraction: 
         return None
     elt = w2.element_size()
     stride_e = w2.stride(0) * elt
-    if not _has_bulk_prefetch(w2.device) or w2.data_ptr() % 16 or stride_e % 16:
+    if not _dense_rows(w2) or w2.data_ptr() % 16 or stride_e % 16 or not _has_bulk_prefetch(w2.device):
         return None
-    span = w2.shape[1] * w2.stride(1) * elt  # (an expert's rows, contiguous)
+    span = w2.shape[1] * w2.shape[2] * elt  # (an expert's rows, contiguous)
     limit = int(span * fraction) // 16 * 16
     chunk = _cdiv(_cdiv(limit, n_programs), 16) * 16
     s_stride = s_bytes = 0
-    if w2_scale is not None and w2_scale.data_ptr() % 16 == 0 and (w2_scale.stride(0) * 4) % 16 == 0:
+    if (w2_scale is not None and _dense_rows(w2_scale) and w2_scale.data_ptr() % 16 == 0
+            and (w2_scale.stride(0) * 4) % 16 == 0):
         s_stride = w2_scale.stride(0) * 4
-        s_bytes = w2_scale.shape[1] * w2_scale.stride(1) * 4 // 16 * 16
+        s_bytes = w2_scale.shape[1] * w2_scale.shape[2] * 4 // 16 * 16
     return (w2, w2_scale if s_bytes else w2, stride_e, chunk, limit, s_stride, s_bytes, 2 if keep else 1)
 
 
@@ -125,8 +126,14 @@ def own_rows_prefetchable(w: torch.Tensor) -> bool:
     a slot, two for gate/up rows not interleaved), where the bulk prefetch's 16-byte alignment holds (base, expert and row strides) on sm_90 and later,
     never in Triton's interpreter."""
     elt = w.element_size()
-    return (not _interpreting() and w.data_ptr() % 16 == 0 and (w.stride(0) * elt) % 16 == 0
+    return (not _interpreting() and _dense_rows(w) and w.data_ptr() % 16 == 0 and (w.stride(0) * elt) % 16 == 0
             and (w.stride(1) * elt) % 16 == 0 and _has_bulk_prefetch(w.device))
+
+
+def _dense_rows(w: torch.Tensor) -> bool:
+    """An expert's rows back to back ([E, rows, cols], cols contiguous, no row padding): a prefetch of whole rows
+    stays inside the tensor."""
+    return w.dim() == 3 and w.stride(2) == 1 and w.stride(1) == w.shape[2]
 
 
 def _has_bulk_prefetch(device: torch.device) -> bool:
