@@ -209,7 +209,8 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
 def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
     """The best pair (any prefetch taken out) first, then with its programs prefetching into L2: each kernel its own
     rows (``"PF_SELF"`` of a part) and both; the gate/up programs each fraction of the down weights (``"L2PF"``),
-    with and without an evict_last policy (``"L2PF_KEEP"``), and that (kept) with the gate/up programs' own rows."""
+    with and without an evict_last policy (``"L2PF_KEEP"``), and that (kept) with the gate/up programs' own rows;
+    the down programs' own rows at the PDL levels the pair does not use (prefetched before the PDL wait)."""
     base = {k: v for k, v in best.items() if k not in ("L2PF", "L2PF_KEEP")}
     base["decode"] = {k: v for k, v in base["decode"].items() if k != "PF_SELF"}
     base["down"] = {k: v for k, v in base["down"].items() if k != "PF_SELF"}
@@ -218,6 +219,8 @@ def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
            {**base, "decode": up_self, "down": down_self}]
     out += [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]
     out += [{**base, "decode": up_self, "L2PF": f, "L2PF_KEEP": 1} for f in fractions]
+    # the down programs released early by PDL prefetch their rows while they wait for the gate/up grid
+    out += [{**base, "down": down_self, "PDL": level} for level in (1, 2) if level != base.get("PDL", 0)]
     return out
 
 
@@ -255,7 +258,7 @@ def sweep_prefetch(tag: str, pair, rotated, best: dict, best_t: float, fractions
 def _pf_label(cfg: dict) -> str:
     parts = [f"L2PF {cfg['L2PF']}{'k' if cfg.get('L2PF_KEEP') else ''}"] if cfg.get("L2PF") else []
     parts += [f"{p} self" for p in ("decode", "down") if cfg[p].get("PF_SELF")]
-    return "+".join(parts) or "none"
+    return "+".join(parts or ["none"]) + f" PDL {cfg.get('PDL', 0)}"
 
 
 def candidate_default() -> dict:
