@@ -433,15 +433,15 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 @pytest.mark.parametrize("form,flat,pdl,pf", [(f, flat, 1, None) for f, flat in FORMS]
-                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1, 0)), (2, 0, 1, (0.3, 0, 0, 1)),
-                            (1, 0, 1, (0, 0, 0, 1))])
+                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1, 0, 1)),
+                            (2, 0, 1, (0.3, 0, 0, 1, 0)), (1, 0, 1, (0, 0, 0, 1, 0))])
 def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
     released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
     (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
     over its loops (3 stages, through shared memory), with L2 prefetches (``pf``: the fraction of the down weights
     the form-2 gate/up programs prefetch, its evict_last policy, the gate/up and the down programs prefetching their
-    own rows): eager, replayed, in a CUDA graph, against float64; the same bytes every call
+    own rows, the form-2 weight loads evict_first): eager, replayed, in a CUDA graph, against float64; the same bytes every call
     (deterministic, the split's last-program reduction included)."""
     if form == 2:
         stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
@@ -454,6 +454,7 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     if pf:
         cfg.update(L2PF=pf[0], L2PF_KEEP=pf[1])
         cfg["decode"]["PF_SELF"], cfg["down"]["PF_SELF"] = pf[2], pf[3]
+        cfg["decode"]["STREAM"] = cfg["down"]["STREAM"] = pf[4]
         # (sizes where the bulk prefetches' 16-byte rule holds for FP8 rows too, with a partial last I-block (gate/up
         # rows prefetched) or a partial last H-block (down rows prefetched))
         sizes = {**sizes, **(dict(H=336, inter=202) if pf[2] else dict(H=340, inter=208))}

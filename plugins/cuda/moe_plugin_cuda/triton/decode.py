@@ -147,6 +147,12 @@ def _interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def _w_evict(part: dict) -> str:
+    """A form-2 config part's ``"STREAM"``: its weight loads with an L2 evict_first policy (read once), so they do
+    not push prefetched lines out of L2; else the default policy."""
+    return "evict_first" if part.get("STREAM") else ""
+
+
 def _vec(t: torch.Tensor) -> int:
     """Elements of ``t`` in one 16-byte load (form 2's innermost tile axis)."""
     return 16 // t.element_size()
@@ -179,7 +185,8 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
                STAGES=cfg["num_stages"], L2PF=pf[7], PF_SELF=int(bool(cfg.get("PF_SELF", 0))
-                                                                and own_rows_prefetchable(w13)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                                                and own_rows_prefetchable(w13)),
+               W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
     if l2pf is not None:
         raise ValueError("decode gate/up: the down weights' L2 prefetch (L2PF) needs the form-2 kernel (cfg FORM 2)")
@@ -221,7 +228,8 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               STAGES=cfg["num_stages"], PF_SELF=pf_self, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+               STAGES=cfg["num_stages"], PF_SELF=pf_self, W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"],
                **({"launch_pdl": True} if pdl else {}))
         return
     launch(kernels._decode_down_kernel, (T, _cdiv(H, cfg["BLOCK_H"])), h, w2, s2, topk_ids, topk_weights, out, H,

@@ -799,7 +799,8 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
                               EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr,
-                              STAGES: tl.constexpr, L2PF: tl.constexpr = 0, PF_SELF: tl.constexpr = 0):
+                              STAGES: tl.constexpr, L2PF: tl.constexpr = 0, PF_SELF: tl.constexpr = 0,
+                              W_EVICT: tl.constexpr = ""):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
     with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
@@ -815,7 +816,9 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     offsets of ``pf_ptr`` + e * pf_stride_e), and the programs of I-block 0 the expert's first ``pfs_bytes`` of down
     block scales, so the down kernel reads them from L2 while these programs still stream gate/up from HBM.
     PF_SELF: first, the program's own gate and up rows of each slot into L2 (one bulk prefetch a slot, two where
-    gate and up are not interleaved), so its loop's steps wait on L2 instead of each on HBM."""
+    gate and up are not interleaved), so its loop's steps wait on L2 instead of each on HBM. W_EVICT: the weight
+    loads' eviction policy ("" or "evict_first": an L2 evict_first policy, so they do not push out prefetched
+    lines)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
@@ -885,8 +888,8 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         else:
             k_mask = offs_k < H - k * GROUPS * 128
         w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
         x = tl.load(x_ptrs, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, LANES, VEC]
         if FP8:
             g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
@@ -919,7 +922,7 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
                            SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-                           PF_SELF: tl.constexpr = 0):
+                           PF_SELF: tl.constexpr = 0, W_EVICT: tl.constexpr = ""):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
@@ -927,7 +930,8 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
     FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
     STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory). PF_SELF:
-    ``_prefetch_own_rows`` first (before the PDL wait)."""
+    ``_prefetch_own_rows`` first (before the PDL wait). W_EVICT: the weight loads' eviction policy ("" or
+    "evict_first")."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -969,7 +973,8 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + cols[None, :, :, :], mask=i_mask[None, :, :, :],
                      other=0.0)
         wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None, None] * stride_wn
-                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0)
+                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0,
+                     eviction_policy=W_EVICT)
         if FP8:
             w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
                           mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
