@@ -93,7 +93,7 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
     the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
     stages swept (``candidates``; ``forms`` () sweeps the current config alone); ``current``: a decode config (the
     shape's table entry) whose parts are candidates too; ``l2pf``: fractions of the down weights the best pair's
-    gate/up programs prefetch into L2, tried with the other prefetches as ``sweep_prefetch`` says (form-2 gate/up). A split down kernel alone
+    gate/up programs prefetch into L2, tried as ``sweep_prefetch`` says (form-2 gate/up). A split down kernel alone
     reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
@@ -207,28 +207,20 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
 
 
 def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
-    """The best pair (any prefetch taken out) first, then with its programs prefetching into L2: each kernel its own
-    rows (``"PF_SELF"`` of a part) and both; the gate/up programs each fraction of the down weights (``"L2PF"``),
-    with and without an evict_last policy (``"L2PF_KEEP"``), and that (kept) with the gate/up programs' own rows;
-    with the weights read with an evict_first policy (``"STREAM"`` of a part: gate/up; gate/up and form-2 down);
-    the down programs' own rows at the PDL levels the pair does not use (prefetched before the PDL wait)."""
+    """The best pair (any prefetch taken out) first, then with the gate/up programs prefetching each fraction of
+    the down weights into L2 (``"L2PF"``), with and without an evict_last policy (``"L2PF_KEEP"``), and with the
+    weights read with an L2 evict_first policy (``"STREAM"`` of a part: gate/up; kept, gate/up and form-2 down)."""
     base = {k: v for k, v in best.items() if k not in ("L2PF", "L2PF_KEEP")}
-    base["decode"] = {k: v for k, v in base["decode"].items() if k not in ("PF_SELF", "STREAM")}
-    base["down"] = {k: v for k, v in base["down"].items() if k not in ("PF_SELF", "STREAM")}
-    up_self, down_self = {**base["decode"], "PF_SELF": 1}, {**base["down"], "PF_SELF": 1}
+    base["decode"] = {k: v for k, v in base["decode"].items() if k != "STREAM"}
+    base["down"] = {k: v for k, v in base["down"].items() if k != "STREAM"}
     up_stream = {**base["decode"], "STREAM": 1}
-    out = [base, {**base, "down": down_self}, {**base, "decode": up_self},
-           {**base, "decode": up_self, "down": down_self}]
-    out += [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]
-    out += [{**base, "decode": up_self, "L2PF": f, "L2PF_KEEP": 1} for f in fractions]
+    out = [base] + [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]
     # the gate/up weights read evict_first (they do not push the prefetched lines out), and with the prefetch kept
     # the form-2 down kernel's reads evict_first too (a line read is not kept past its one use)
     out += [{**base, "decode": up_stream, "L2PF": f, "L2PF_KEEP": 0} for f in fractions]
     if base["down"].get("FORM", 1) == 2:
         out += [{**base, "decode": up_stream, "down": {**base["down"], "STREAM": 1}, "L2PF": f, "L2PF_KEEP": 1}
                 for f in fractions]
-    # the down programs released early by PDL prefetch their rows while they wait for the gate/up grid
-    out += [{**base, "down": down_self, "PDL": level} for level in (1, 2) if level != base.get("PDL", 0)]
     return out
 
 
@@ -265,7 +257,6 @@ def sweep_prefetch(tag: str, pair, rotated, best: dict, best_t: float, fractions
 
 def _pf_label(cfg: dict) -> str:
     parts = [f"L2PF {cfg['L2PF']}{'k' if cfg.get('L2PF_KEEP') else ''}"] if cfg.get("L2PF") else []
-    parts += [f"{p} self" for p in ("decode", "down") if cfg[p].get("PF_SELF")]
     parts += [f"{p} ef" for p in ("decode", "down") if cfg[p].get("STREAM")]
     return "+".join(parts or ["none"]) + f" PDL {cfg.get('PDL', 0)}"
 
@@ -316,8 +307,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--current-only", action="store_true", help="the shape's table config as the only candidate "
                    "(its PDL levels and L2 prefetch still tried)")
     p.add_argument("--l2pf", nargs="*", type=float, default=[0.25, 0.5, 1.0], help="fractions of the down weights "
-                   "the best pair's gate/up programs prefetch into L2, tried with the kernels prefetching their own "
-                   "rows (sweep_prefetch; form-2 gate/up; none: no prefetch tried)")
+                   "the best pair's gate/up programs prefetch into L2 (sweep_prefetch; form-2 gate/up; none: not "
+                   "tried)")
     args = p.parse_args(argv)
     p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages),
                   l2pf=tuple(args.l2pf))

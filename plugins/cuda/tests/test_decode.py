@@ -433,15 +433,14 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
 @pytest.mark.parametrize("form,flat,pdl,pf", [(f, flat, 1, None) for f, flat in FORMS]
-                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1, 0, 1)),
-                            (2, 0, 1, (0.3, 0, 0, 1, 0)), (1, 0, 1, (0, 0, 0, 1, 0))])
+                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1)), (2, 0, 1, (0.3, 0, 0))])
 def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
     released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
     (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
-    over its loops (3 stages, through shared memory), with L2 prefetches (``pf``: the fraction of the down weights
-    the form-2 gate/up programs prefetch, its evict_last policy, the gate/up and the down programs prefetching their
-    own rows, the form-2 weight loads evict_first): eager, replayed, in a CUDA graph, against float64; the same bytes every call
+    over its loops (3 stages, through shared memory), with the L2 prefetch (``pf``: the fraction of the down weights
+    the form-2 gate/up programs prefetch, its evict_last policy, the weight loads evict_first): eager, replayed, in
+    a CUDA graph, against float64; the same bytes every call
     (deterministic, the split's last-program reduction included)."""
     if form == 2:
         stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
@@ -453,17 +452,14 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     sizes = SIZES["triton"]
     if pf:
         cfg.update(L2PF=pf[0], L2PF_KEEP=pf[1])
-        cfg["decode"]["PF_SELF"], cfg["down"]["PF_SELF"] = pf[2], pf[3]
-        cfg["decode"]["STREAM"] = cfg["down"]["STREAM"] = pf[4]
-        # (sizes where the bulk prefetches' 16-byte rule holds for FP8 rows too, with a partial last I-block (gate/up
-        # rows prefetched) or a partial last H-block (down rows prefetched))
-        sizes = {**sizes, **(dict(H=336, inter=202) if pf[2] else dict(H=340, inter=208))}
-        if form == 2 and quant == "fp8_block":  # (the prefetches run: off only where the alignment does not hold)
-            from moe_plugin_cuda.triton import decode
+        cfg["decode"]["STREAM"] = cfg["down"]["STREAM"] = pf[2]
+        # (sizes where the bulk prefetch's 16-byte rule holds: an expert's w2 a multiple of 16 bytes; the prefetch
+        # runs, it is not switched off)
+        sizes = {**sizes, **dict(H=336, inter=202)}
+        from moe_plugin_cuda.triton import decode
 
-            w2 = torch.empty(sizes["E"], sizes["H"], sizes["inter"], dtype=torch.float8_e4m3fn, device="cuda")
-            assert decode.prefetch_args(w2, None, 0.5, False, 4) is not None
-            assert decode.own_rows_prefetchable(w2) == bool(pf[3])
+        w2 = torch.empty(sizes["E"], sizes["H"], sizes["inter"], dtype=torch.float8_e4m3fn, device="cuda")
+        assert decode.prefetch_args(w2, None, pf[0], False, 4) is not None
     layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **sizes)
     first = layer(x, topk)
     assert relative_error(first, expected(x, topk)) < TOL[quant]
@@ -489,7 +485,7 @@ def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter
     """``prefetch_args``: the I-blocks' chunks (16-byte multiples) cover exactly the first ``fraction`` of an expert's
     down weights (rounded down to 16 bytes), the block scales up to 16-byte rounding; off (None) for fraction 0, in
     the interpreter, before sm_90, where an expert's bytes are not 16-byte aligned or its rows padded; a fraction
-    past 1 refused. ``own_rows_prefetchable`` (``PF_SELF``): rows of 16-byte multiples, unpadded."""
+    past 1 refused."""
     from moe_plugin_cuda.triton import decode
 
     monkeypatch.setattr(decode, "_interpreting", lambda: False)
@@ -500,7 +496,8 @@ def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter
     if (H * inter) % 16:
         assert args is None
         return
-    _, s, stride_e, chunk, limit, s_stride, s_bytes, level = args
+    w, stride_e, chunk, limit, s, s_stride, s_bytes, level = args
+    assert w is w2
     assert stride_e == H * inter and level == 2 and chunk % 16 == 0 and limit % 16 == 0
     assert limit == int(H * inter * fraction) // 16 * 16
     covered = sorted({b for j in range(n_programs) for b in range(j * chunk, min((j + 1) * chunk, limit), 16)})
@@ -512,7 +509,6 @@ def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter
     assert decode.prefetch_args(w2, scale, 0.0, True, n_programs) is None
     padded = torch.zeros(E, H, inter + 16, dtype=torch.uint8)[:, :, :inter]  # (whole rows would read past the end)
     assert decode.prefetch_args(padded, scale, fraction, True, n_programs) is None
-    assert not decode.own_rows_prefetchable(padded) and decode.own_rows_prefetchable(w2) == (inter % 16 == 0)
     with pytest.raises(ValueError, match="L2PF"):
         decode.prefetch_args(w2, scale, 1.5, False, n_programs)
     monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: False)
@@ -520,6 +516,39 @@ def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter
     monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
     monkeypatch.setattr(decode, "_interpreting", lambda: True)
     assert decode.prefetch_args(w2, scale, fraction, True, n_programs) is None
+
+
+def test_l2_prefetch_reaches_the_kernel_by_name(monkeypatch):
+    """The gate/up launch's arguments bound to the kernel's parameter names (no GPU: the launches are captured):
+    with ``"L2PF"`` the prefetch parameters get w2, its expert stride in bytes, the chunk and limit, the down block
+    scales and their bytes, and ``L2PF`` 2 for a kept prefetch; without, ``L2PF`` 0."""
+    from moe_plugin_cuda.triton import decode, kernels
+
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    launches = []
+    monkeypatch.setattr(decode, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, args, kw)))
+    E, K, H, inter = 8, 4, 256, 512  # (an expert's scales 32 bytes: prefetched too)
+    w13 = torch.zeros(E, 2 * inter, H, dtype=torch.uint8)
+    w2 = torch.zeros(E, H, inter, dtype=torch.uint8)
+    s13, s2 = torch.ones(E, 2 * inter // 128, H // 128), torch.ones(E, H // 128, inter // 128)
+    x, ids = torch.randn(1, H), torch.stack([torch.randperm(E)[:K]]).int()
+    part = dict(BLOCK_I=4, GROUPS=2, FORM=2, SLOTS=1, num_warps=1, num_stages=1)
+    down = dict(BLOCK_H=16, GROUPS=2, FORM=2, SPLIT=1, num_warps=1, num_stages=1)
+    for pf in (None, (0.5, 1)):
+        launches.clear()
+        cfg = {"decode": part, "down": down, "PDL": 2, **({"L2PF": pf[0], "L2PF_KEEP": pf[1]} if pf else {})}
+        decode.decode_experts(x, None, w13, w2, s13, s2, torch.rand(1, K), ids, fp8_block=True, activation="silu",
+                              routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg, w13_interleaved=True)
+        kernel, args, kw = launches[0]
+        assert kernel is kernels._decode_gate_up_v2_kernel
+        bound = dict(zip(kernel.arg_names, args))
+        assert kw["L2PF"] == (2 if pf else 0)
+        if pf:
+            assert bound["pf_ptr"] is w2 and bound["pfs_ptr"] is s2
+            assert bound["pf_stride_e"] == H * inter and bound["pf_limit"] == H * inter // 2
+            assert bound["pf_chunk"] == -(-(H * inter // 2) // (inter // 4) // 16) * 16
+            assert bound["pfs_stride_e"] == s2[0].numel() * 4 and bound["pfs_bytes"] == s2[0].numel() * 4
 
 
 def test_shipped_decode_tables_are_launchable():

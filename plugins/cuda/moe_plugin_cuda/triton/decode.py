@@ -91,17 +91,18 @@ def decode_experts(hidden: torch.Tensor, a_scale: Optional[torch.Tensor], w13: t
     return out, (base, base + lay.nbytes)
 
 
-_PF_OFF = (0, 0, 0, 0, 0, 0)  # (pf_stride_e, pf_chunk, pf_limit, pfs_stride_e, pfs_bytes, L2PF): no prefetch
 _bulk_prefetch: dict[int, bool] = {}  # per device index: cp.async.bulk.prefetch exists (sm_90 and later)
 
 
 def prefetch_args(w2: torch.Tensor, w2_scale: Optional[torch.Tensor], fraction: float, keep: bool,
                   n_programs: int) -> Optional[tuple]:
     """The form-2 gate/up kernel's L2 prefetch of the down weights (a decode config's ``"L2PF"``: the fraction of
-    each touched expert's w2 bytes, from its start; ``"L2PF_KEEP"``: with an evict_last policy): (w2, w2_scale or
-    w2, then ``_PF_OFF``'s fields), the ``n_programs`` I-blocks of a slot sharing the bytes in 16-byte-multiple
-    chunks; None (no prefetch) for fraction 0, in Triton's interpreter, before sm_90, or where the bulk
-    prefetch's 16-byte alignment does not hold. A prefetch only moves bytes into L2: the numbers are unchanged."""
+    each touched expert's w2 bytes, from its start; ``"L2PF_KEEP"``: with an evict_last policy): the kernel's
+    (pf_ptr, pf_stride_e, pf_chunk, pf_limit, pfs_ptr, pfs_stride_e, pfs_bytes) and its L2PF (1, or 2 kept), the
+    ``n_programs`` I-blocks of a slot sharing the bytes (strides and sizes in bytes) in 16-byte-multiple chunks;
+    None (no prefetch) for fraction 0, in Triton's interpreter, before sm_90, or where the bulk
+    prefetch's 16-byte alignment does not hold or an expert's rows are padded. A prefetch only moves bytes into L2:
+    the numbers are unchanged."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"decode config: L2PF must be a fraction of the down weights in [0, 1], got {fraction}")
     if fraction == 0 or _interpreting():
@@ -118,16 +119,7 @@ def prefetch_args(w2: torch.Tensor, w2_scale: Optional[torch.Tensor], fraction: 
             and (w2_scale.stride(0) * 4) % 16 == 0):
         s_stride = w2_scale.stride(0) * 4
         s_bytes = w2_scale.shape[1] * w2_scale.shape[2] * 4 // 16 * 16
-    return (w2, w2_scale if s_bytes else w2, stride_e, chunk, limit, s_stride, s_bytes, 2 if keep else 1)
-
-
-def own_rows_prefetchable(w: torch.Tensor) -> bool:
-    """A config part's ``"PF_SELF"``: each program first prefetches its own weight rows into L2 (one bulk prefetch
-    a slot, two for gate/up rows not interleaved), where the bulk prefetch's 16-byte alignment holds (base, expert and row strides) on sm_90 and later,
-    never in Triton's interpreter."""
-    elt = w.element_size()
-    return (not _interpreting() and _dense_rows(w) and w.data_ptr() % 16 == 0 and (w.stride(0) * elt) % 16 == 0
-            and (w.stride(1) * elt) % 16 == 0 and _has_bulk_prefetch(w.device))
+    return w2, stride_e, chunk, limit, w2_scale if s_bytes else w2, s_stride, s_bytes, 2 if keep else 1
 
 
 def _dense_rows(w: torch.Tensor) -> bool:
@@ -174,7 +166,7 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
         zero = cnt is not None
         cnt_t = cnt if zero else h  # (unread pointer)
         slots = cfg.get("SLOTS", 1)
-        pf = l2pf or (h, h, *_PF_OFF)  # (unread pointers without a prefetch)
+        pf = l2pf or (h, 0, 0, 0, h, 0, 0, 0)  # (no prefetch: unread pointers, L2PF 0)
         if top_k % slots or (slots * cfg["BLOCK_I"]) & (slots * cfg["BLOCK_I"] - 1):
             raise ValueError(f"decode gate/up: SLOTS must divide top_k {top_k} and SLOTS x BLOCK_I be a power of "
                              f"two, got SLOTS {slots}, BLOCK_I {cfg['BLOCK_I']}")
@@ -184,9 +176,8 @@ def gate_up(hidden, a_scale, w13, w13_scale, topk_ids, h, *, fp8_block: bool, ac
                s13.stride(1), s13.stride(2), h.stride(0), *pf[:7], TOP_K=top_k, ACT=ACT_IDS[activation], FP8=fp8_block,
                QUANT_X=quant_x, INTERLEAVED=w13_interleaved, SLOTS=slots, BLOCK_I=cfg["BLOCK_I"],
                GROUPS=cfg["GROUPS"], VEC=_vec(w13), EVEN_K=H % (128 * cfg["GROUPS"]) == 0, ZERO_CNT=zero, PDL=pdl,
-               STAGES=cfg["num_stages"], L2PF=pf[7], PF_SELF=int(bool(cfg.get("PF_SELF", 0))
-                                                                and own_rows_prefetchable(w13)),
-               W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+               STAGES=cfg["num_stages"], L2PF=pf[7], W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
         return
     if l2pf is not None:
         raise ValueError("decode gate/up: the down weights' L2 prefetch (L2PF) needs the form-2 kernel (cfg FORM 2)")
@@ -213,7 +204,6 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
     E, _, inter = w2.shape
     top_k = topk_ids.shape[1]
     s2 = w2_scale if fp8_block else w2
-    pf_self = int(bool(cfg.get("PF_SELF", 0)) and own_rows_prefetchable(w2))
     if fp8_block and 128 % cfg["BLOCK_H"]:
         raise ValueError(f"FP8 decode: down.BLOCK_H must divide 128 (one weight scale row a program), got "
                          f"{cfg['BLOCK_H']}")
@@ -228,7 +218,7 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
                topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0),
                s2.stride(1), s2.stride(2), out.stride(0), part_t.stride(0), TOP_K=top_k, FP8=fp8_block,
                BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"], VEC=_vec(w2), SPLIT=split, PDL=pdl,
-               STAGES=cfg["num_stages"], PF_SELF=pf_self, W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"],
+               STAGES=cfg["num_stages"], W_EVICT=_w_evict(cfg), num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"],
                **({"launch_pdl": True} if pdl else {}))
         return
@@ -236,5 +226,5 @@ def down(h, w2, w2_scale, topk_ids, topk_weights, out, *, fp8_block: bool, route
            inter, E, float(routed_scaling_factor), h.stride(0), topk_ids.stride(0), topk_ids.stride(1),
            topk_weights.stride(0), topk_weights.stride(1), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1),
            s2.stride(2), out.stride(0), TOP_K=top_k, FP8=fp8_block, BLOCK_H=cfg["BLOCK_H"], GROUPS=cfg["GROUPS"],
-           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, PF_SELF=pf_self, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+           FLAT=bool(cfg.get("FLAT", 1)), PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
            **({"launch_pdl": True} if pdl else {}))

@@ -672,8 +672,7 @@ def _decode_gate_up_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_pt
 def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr, H, inter, E, scale,
                         stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn, stride_wse,
                         stride_wsn, stride_wsk, stride_out, TOP_K: tl.constexpr, FP8: tl.constexpr,
-                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr,
-                        PF_SELF: tl.constexpr = 0):
+                        BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr):
     """Decode GEMM2 and the top-k sum: program (token, H-block) computes out[t, H-block] = scale * sum_k w(t,k) *
     (w2[id(t,k)] @ h[t*TOP_K + k])[H-block] over the slots with an id in [0, E), GROUPS 128-column groups of I a
     step, elementwise in [BLOCK_H, GROUPS, 128] fp32 registers reduced once at the end (deterministic, no atomics,
@@ -682,7 +681,7 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     ``_quant_groups`` does (the scheme's quantization of GEMM1's output), scaled per (row, group) by the weight
     block's scale: BLOCK_H divides 128, so one scale row covers the program's rows and the scales multiply h's group
     values once a step instead of every weight (one FMA per weight). PDL: launched early behind the gate/up kernel,
-    waits for it before reading h. PF_SELF: ``_prefetch_own_rows`` first (before the PDL wait)."""
+    waits for it before reading h."""
     t = tl.program_id(0).to(tl.int64)
     s_row = (tl.program_id(1) * BLOCK_H) // 128  # the weight scale row of this program's rows
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -690,9 +689,6 @@ def _decode_down_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     grp = tl.arange(0, GROUPS)
     offs_i = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [GROUPS, 128]
     acc = tl.zeros((BLOCK_H, GROUPS, 128), dtype=tl.float32)
-    if PF_SELF:
-        for k_pf in tl.static_range(TOP_K):
-            _prefetch_own_rows(w_ptr, ids_ptr, t, k_pf, E, H, stride_it, stride_ik, stride_we, stride_wn, BLOCK_H)
     if PDL:
         tl.extra.cuda.gdc_wait()
     if FLAT:
@@ -777,21 +773,6 @@ def _prefetch_l2(addr, nbytes, KEEP: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_own_rows(w_ptr, ids_ptr, t, k, E, H, stride_it, stride_ik, stride_we, stride_wn,
-                       BLOCK_H: tl.constexpr):
-    """A down program's whole working set of slot k into L2 in one bulk prefetch: its BLOCK_H rows of w2 (contiguous:
-    rows of I, ``stride_wn`` elements apart; the host enables this only where a row's bytes are a multiple of 16),
-    so its loop's steps wait on L2 instead of each on HBM (more bytes in flight per program)."""
-    e = tl.load(ids_ptr + t * stride_it + k * stride_ik).to(tl.int64)
-    if (e >= 0) & (e < E):
-        row0 = tl.program_id(1) * BLOCK_H
-        elt: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        n_bytes = (tl.minimum(BLOCK_H, H - row0) * stride_wn * elt).to(tl.int32)
-        _prefetch_l2(w_ptr.to(tl.int64, bitcast=True) + (e * stride_we + row0.to(tl.int64) * stride_wn) * elt,
-                     n_bytes, False)
-
-
-@triton.jit
 def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, cnt_ptr, H, inter, E, n_cnt,
                               stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn,
                               stride_wse, stride_wsn, stride_wsk, stride_h, pf_ptr, pf_stride_e, pf_chunk, pf_limit,
@@ -799,8 +780,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
                               EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr,
-                              STAGES: tl.constexpr, L2PF: tl.constexpr = 0, PF_SELF: tl.constexpr = 0,
-                              W_EVICT: tl.constexpr = ""):
+                              STAGES: tl.constexpr, L2PF: tl.constexpr = 0, W_EVICT: tl.constexpr = ""):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
     with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
@@ -815,8 +795,7 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     L2 bytes [j * pf_chunk, min((j + 1) * pf_chunk, pf_limit)) of each of its slots' experts' down weights (byte
     offsets of ``pf_ptr`` + e * pf_stride_e), and the programs of I-block 0 the expert's first ``pfs_bytes`` of down
     block scales, so the down kernel reads them from L2 while these programs still stream gate/up from HBM.
-    PF_SELF: first, the program's own gate and up rows of each slot into L2 (one bulk prefetch a slot, two where
-    gate and up are not interleaved), so its loop's steps wait on L2 instead of each on HBM. W_EVICT: the weight
+    W_EVICT: the weight
     loads' eviction policy ("" or "evict_first": an L2 evict_first policy, so they do not push out prefetched
     lines)."""
     if PDL == 2:
@@ -824,20 +803,6 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
     t = tl.program_id(0) // GROUPS_PER_T
     k0 = (tl.program_id(0) % GROUPS_PER_T) * SLOTS
-    if PF_SELF:
-        i0 = tl.program_id(1) * BLOCK_I
-        elt: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        row_bytes = stride_wn.to(tl.int64) * elt
-        n_rows = tl.minimum(BLOCK_I, inter - i0)
-        for s in tl.static_range(SLOTS):
-            e_s = tl.load(ids_ptr + t * stride_it + (k0 + s) * stride_ik).to(tl.int64)
-            if (e_s >= 0) & (e_s < E):
-                base = w_ptr.to(tl.int64, bitcast=True) + e_s * stride_we * elt
-                if INTERLEAVED:
-                    _prefetch_l2(base + 2 * i0 * row_bytes, (2 * n_rows * row_bytes).to(tl.int32), False)
-                else:
-                    _prefetch_l2(base + i0 * row_bytes, (n_rows * row_bytes).to(tl.int32), False)
-                    _prefetch_l2(base + (inter + i0) * row_bytes, (n_rows * row_bytes).to(tl.int32), False)
     if L2PF:
         start = tl.program_id(1).to(tl.int64) * pf_chunk
         n_pf = tl.minimum(pf_chunk, pf_limit - start)
@@ -922,16 +887,15 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
                            SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
-                           PF_SELF: tl.constexpr = 0, W_EVICT: tl.constexpr = ""):
+                           W_EVICT: tl.constexpr = ""):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
     gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
     FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
-    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory). PF_SELF:
-    ``_prefetch_own_rows`` first (before the PDL wait). W_EVICT: the weight loads' eviction policy ("" or
-    "evict_first")."""
+    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory). W_EVICT: the
+    weight loads' eviction policy ("" or "evict_first")."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -950,13 +914,6 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
     offs_i = (grp[:, None, None] * 128 + tl.arange(0, LANES)[None, :, None] * VEC
               + tl.arange(0, VEC)[None, None, :])  # [GROUPS, LANES, VEC]
     acc = tl.zeros((BLOCK_H, GROUPS, LANES), dtype=tl.float32)
-    if PF_SELF:
-        if SPLIT:
-            _prefetch_own_rows(w_ptr, ids_ptr, t, k_first, E, H, stride_it, stride_ik, stride_we, stride_wn, BLOCK_H)
-        else:
-            for k_pf in tl.static_range(TOP_K):
-                _prefetch_own_rows(w_ptr, ids_ptr, t, k_pf, E, H, stride_it, stride_ik, stride_we, stride_wn,
-                                   BLOCK_H)
     if PDL:
         tl.extra.cuda.gdc_wait()
     n_i = tl.cdiv(inter, GROUPS * 128)
