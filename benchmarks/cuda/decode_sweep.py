@@ -209,7 +209,8 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
 def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
     """The best pair (any prefetch taken out) first, then with the gate/up programs prefetching each fraction of
     the down weights into L2 (``"L2PF"``), with and without an evict_last policy (``"L2PF_KEEP"``), and with the
-    weights read with an L2 evict_first policy (``"STREAM"`` of a part: gate/up; kept, gate/up and form-2 down)."""
+    weights read with an L2 evict_first policy (``"STREAM"`` of a part: gate/up; kept, gate/up and form-2 down); the
+    largest fraction, kept, at the other PDL levels."""
     base = {k: v for k, v in best.items() if k not in ("L2PF", "L2PF_KEEP")}
     base["decode"] = {k: v for k, v in base["decode"].items() if k != "STREAM"}
     base["down"] = {k: v for k, v in base["down"].items() if k != "STREAM"}
@@ -221,6 +222,9 @@ def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
     if base["down"].get("FORM", 1) == 2:
         out += [{**base, "decode": up_stream, "down": {**base["down"], "STREAM": 1}, "L2PF": f, "L2PF_KEEP": 1}
                 for f in fractions]
+    # the largest fraction, kept, at the PDL levels the pair does not use (the down kernel's start moves the overlap)
+    out += [{**base, "PDL": level, "L2PF": max(fractions), "L2PF_KEEP": 1} for level in (0, 1, 2)
+            if level != base.get("PDL", 0) and fractions]
     return out
 
 
