@@ -86,13 +86,15 @@ TOP = 3  # the fastest of each kernel tried together
 def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int, warm_only: bool,
                   shard: tuple[int, int] = (0, 1), forms: tuple[int, ...] = (1, 2),
                   current: Optional[dict] = None, warps: Optional[tuple[int, ...]] = None,
-                  stages: tuple[int, ...] = (1,)) -> dict[str, Any]:
+                  stages: tuple[int, ...] = (1,), l2pf: tuple[float, ...] = ()) -> dict[str, Any]:
     """Each kernel per candidate, its GRAPH_CALLS launches each on another random routing (weights streamed from
     HBM, as consecutive layers' are); then the TOP x TOP fastest together on ``topk`` (as ``decode.py`` replays a
     forward), and the best pair with PDL: {"decode"/"down": top [us, cfg], "pairs": [[us, cfg]], "best":
     the fastest full config}. ``forms``, ``warps``, ``stages``: the kernel forms, form 2's warp counts and pipeline
-    stages swept (``candidates``); ``current``: a decode config (the shape's table
-    entry) whose parts are candidates too. A split down kernel alone reuses counters zeroed once (its last program
+    stages swept (``candidates``; ``forms`` () sweeps the current config alone); ``current``: a decode config (the
+    shape's table entry) whose parts are candidates too; ``l2pf``: fractions of the down weights the best pair's
+    gate/up programs prefetch into L2, tried as ``sweep_prefetch`` says (form-2 gate/up). A split down kernel alone
+    reuses counters zeroed once (its last program
     sets them back to zero); the fastest split and non-split down configs both go on to the pairs."""
     from moe_plugin_cuda.triton import decode
 
@@ -160,6 +162,13 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
                                              fp8_block=fp8, activation="silu", routed_scaling_factor=1.0,
                                              out_dtype=x.dtype, cfg=cfg, w13_interleaved=interleaved, out=out)
 
+    def rotated(cfg):  # each captured call on another routing: no call finds the previous one's weights in L2
+        def call():
+            decode.decode_experts(x, None, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, ids(), fp8_block=fp8,
+                                  activation="silu", routed_scaling_factor=1.0, out_dtype=x.dtype, cfg=cfg,
+                                  w13_interleaved=interleaved, out=out)
+        return call
+
     pairs = []
     for cfg in combos:
         try:
@@ -189,10 +198,71 @@ def sweep_kernels(tag: str, x, topk, w, fp8: bool, interleaved: bool, reps: int,
             pairs.append((t1, with_pdl))
             if t1 < best_t:
                 best_t, best = t1, with_pdl
+    if l2pf and best["decode"].get("FORM", 1) == 2:
+        best, best_t = sweep_prefetch(tag, pair, rotated, best, best_t, l2pf, dev, reps, res)
     res["pairs"] = [[round(t, 2), c] for t, c in pairs]
     res["best"] = best
     print(f"  {tag} pairs {[round(t, 1) for t, _ in pairs]} -> {best_t:.2f} us {best}", file=sys.stderr, flush=True)
     return res
+
+
+def prefetch_variants(best: dict, fractions: tuple[float, ...]) -> list[dict]:
+    """The best pair (any prefetch taken out) first, then with the gate/up programs prefetching each fraction of
+    the down weights into L2 (``"L2PF"``), with and without an evict_last policy (``"L2PF_KEEP"``), and with the
+    weights read with an L2 evict_first policy (``"STREAM"`` of a part: gate/up; kept, gate/up and form-2 down); the
+    largest fraction, kept, at the other PDL levels."""
+    base = {k: v for k, v in best.items() if k not in ("L2PF", "L2PF_KEEP")}
+    base["decode"] = {k: v for k, v in base["decode"].items() if k != "STREAM"}
+    base["down"] = {k: v for k, v in base["down"].items() if k != "STREAM"}
+    up_stream = {**base["decode"], "STREAM": 1}
+    out = [base] + [{**base, "L2PF": f, "L2PF_KEEP": keep} for f in fractions for keep in (0, 1)]
+    # the gate/up weights read evict_first (they do not push the prefetched lines out), and with the prefetch kept
+    # the form-2 down kernel's reads evict_first too (a line read is not kept past its one use)
+    out += [{**base, "decode": up_stream, "L2PF": f, "L2PF_KEEP": 0} for f in fractions]
+    if base["down"].get("FORM", 1) == 2:
+        out += [{**base, "decode": up_stream, "down": {**base["down"], "STREAM": 1}, "L2PF": f, "L2PF_KEEP": 1}
+                for f in fractions]
+    # the largest fraction, kept, at the PDL levels the pair does not use (the down kernel's start moves the overlap)
+    out += [{**base, "PDL": level, "L2PF": max(fractions), "L2PF_KEEP": 1} for level in (0, 1, 2)
+            if level != base.get("PDL", 0) and fractions]
+    return out
+
+
+def sweep_prefetch(tag: str, pair, rotated, best: dict, best_t: float, fractions: tuple[float, ...], dev,
+                   reps: int, res: dict[str, Any]) -> tuple[dict, float]:
+    """``prefetch_variants`` of the best pair, each timed on the same routing every call (as ``decode.py`` replays
+    a forward) and rotating the routing every call (``rotated``: the weights from HBM, as consecutive layers'). A
+    prefetch variant wins only where it is faster both ways (a prefetch could otherwise win by leaving the next
+    replay's weights in L2); the fastest rotated winner is kept. Returns the (config, same-routing time) to keep;
+    ``res["prefetch"]``: [[same, rotated us], config] per variant, the pair without first."""
+    timed = []
+    variants = prefetch_variants(best, fractions)
+    for cfg in variants:
+        try:
+            pair(cfg)()
+            torch.cuda.synchronize(dev)
+            same, rot = graph_time(pair(cfg), dev, reps) * 1e6, graph_time(rotated(cfg), dev, reps) * 1e6
+        except Exception as exc:
+            print(f"  {tag} prefetch {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
+            continue
+        timed.append(((same, rot), cfg))
+    res["prefetch"] = [[[round(a, 2), round(b, 2)], c] for (a, b), c in timed]
+    print(f"  {tag} prefetch (same/rotated us): " + "  ".join(
+        f"{_pf_label(c)} {a:.2f}/{b:.2f}" for (a, b), c in timed), file=sys.stderr, flush=True)
+    if not timed or timed[0][1] is not variants[0]:
+        return best, best_t
+    (same0, rot0), _ = timed[0]
+    wins = [(rot, same, c) for (same, rot), c in timed[1:] if rot < rot0 and same < min(same0, best_t)]
+    if not wins:
+        return best, best_t
+    rot, same, cfg = min(wins, key=lambda r: r[0])
+    return cfg, same
+
+
+def _pf_label(cfg: dict) -> str:
+    parts = [f"L2PF {cfg['L2PF']}{'k' if cfg.get('L2PF_KEEP') else ''}"] if cfg.get("L2PF") else []
+    parts += [f"{p} ef" for p in ("decode", "down") if cfg[p].get("STREAM")]
+    return "+".join(parts or ["none"]) + f" PDL {cfg.get('PDL', 0)}"
 
 
 def candidate_default() -> dict:
@@ -238,9 +308,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                    "shape's current table config is a candidate either way")
     p.add_argument("--warps", nargs="+", type=int, default=None, help="form 2's warp counts swept (default 1 2 4)")
     p.add_argument("--stages", nargs="+", type=int, default=[1, 3], help="form 2's pipeline stages swept")
+    p.add_argument("--current-only", action="store_true", help="the shape's table config as the only candidate "
+                   "(its PDL levels and L2 prefetch still tried)")
+    p.add_argument("--l2pf", nargs="*", type=float, default=[0.25, 0.5, 1.0], help="fractions of the down weights "
+                   "the best pair's gate/up programs prefetch into L2 (sweep_prefetch; form-2 gate/up; none: not "
+                   "tried)")
     args = p.parse_args(argv)
-    p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages))
-    forms = tuple(args.forms)
+    p_args = dict(warps=tuple(args.warps) if args.warps else None, stages=tuple(args.stages),
+                  l2pf=tuple(args.l2pf))
+    forms = () if args.current_only else tuple(args.forms)
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for name in args.presets:

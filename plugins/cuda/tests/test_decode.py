@@ -35,7 +35,8 @@ def _cfg(block_i=16, groups=1, block_h=16, groups2=1, flat=1, form=1, split=0, s
     slot, partials reduced by the last; ``slots``: gate/up slots a program)."""
     if form == 2:
         return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, FORM=2, SLOTS=slots, num_warps=4, num_stages=2),
-                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2)}
+                "down": dict(BLOCK_H=block_h, GROUPS=groups2, FORM=2, SPLIT=split, num_warps=4, num_stages=2),
+                **({"L2PF": 1.0, "L2PF_KEEP": 1} if split else {})}  # (a prefetch: no-op in the interpreter)
     return {"decode": dict(BLOCK_I=block_i, GROUPS=groups, num_warps=4, num_stages=2),
             "down": dict(BLOCK_H=block_h, GROUPS=groups2, FLAT=flat, num_warps=4, num_stages=2)}
 
@@ -431,13 +432,16 @@ def test_decode_plan_reads_the_device_table(tmp_path):
 
 @needs_gpu
 @pytest.mark.parametrize("quant", ["unquantized", "fp8_block"])
-@pytest.mark.parametrize("form,flat,pdl", [(f, flat, 1) for f, flat in FORMS] + [(2, 0, 2), (2, 1, 2)])
-def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
+@pytest.mark.parametrize("form,flat,pdl,pf", [(f, flat, 1, None) for f, flat in FORMS]
+                         + [(2, 0, 2, None), (2, 1, 2, None), (2, 1, 2, (1.0, 1, 1)), (2, 0, 1, (0.3, 0, 0))])
+def test_decode_pdl_and_loop_variants(quant, form, flat, pdl, pf):
     """The down kernel launched with programmatic dependent launch (waiting for the gate/up kernel before reading h),
     released past the gate/up loop (``pdl`` 1) or, form 2, as the gate/up programs start (2), either loop form
     (form 1) or split and not (form 2), several groups a step, form 2 with and without Triton's software pipeline
-    over its loops (3 stages, through shared memory): eager, replayed, in a CUDA graph, against float64; the same
-    bytes every call (deterministic, the split's last-program reduction included)."""
+    over its loops (3 stages, through shared memory), with the L2 prefetch (``pf``: the fraction of the down weights
+    the form-2 gate/up programs prefetch, its evict_last policy, the weight loads evict_first): eager, replayed, in
+    a CUDA graph, against float64; the same bytes every call
+    (deterministic, the split's last-program reduction included)."""
     if form == 2:
         stages = 3 if flat == (pdl == 2) else 1  # (pipelined: split with PDL 2, in registers with PDL 1)
         cfg = {"decode": dict(BLOCK_I=4, GROUPS=4, FORM=2, SLOTS=2 if flat else 1, num_warps=2, num_stages=stages),
@@ -445,7 +449,18 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
     else:
         cfg = {"decode": dict(BLOCK_I=8, GROUPS=2, num_warps=4, num_stages=3),
                "down": dict(BLOCK_H=8, GROUPS=2, FLAT=flat, num_warps=4, num_stages=3), "PDL": 1}
-    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **SIZES["triton"])
+    sizes = SIZES["triton"]
+    if pf:
+        cfg.update(L2PF=pf[0], L2PF_KEEP=pf[1])
+        cfg["decode"]["STREAM"] = cfg["down"]["STREAM"] = pf[2]
+        # (sizes where the bulk prefetch's 16-byte rule holds: an expert's w2 a multiple of 16 bytes; the prefetch
+        # runs, it is not switched off)
+        sizes = {**sizes, **dict(H=336, inter=202)}
+        from moe_plugin_cuda.triton import decode
+
+        w2 = torch.empty(sizes["E"], sizes["H"], sizes["inter"], dtype=torch.float8_e4m3fn, device="cuda")
+        assert decode.prefetch_args(w2, None, pf[0], False, 4) is not None
+    layer, expected, x, topk = _gpu_case("triton", quant, 4, 3, decode_config=cfg, cuda_graph=True, **sizes)
     first = layer(x, topk)
     assert relative_error(first, expected(x, topk)) < TOL[quant]
     for _ in range(3):  # records, then replays
@@ -462,6 +477,78 @@ def test_decode_pdl_and_loop_variants(quant, form, flat, pdl):
     g.replay()
     torch.cuda.synchronize()
     assert relative_error(out, expected(x, topk)) < TOL[quant]
+
+
+@pytest.mark.parametrize("E,H,inter,n_programs,fraction", [(4, 256, 384, 96, 1.0), (3, 130, 70, 7, 0.37),
+                                                           (2, 128, 128, 1000, 0.5)])
+def test_l2_prefetch_covers_the_fraction_of_each_expert(monkeypatch, E, H, inter, n_programs, fraction):
+    """``prefetch_args``: the I-blocks' chunks (16-byte multiples) cover exactly the first ``fraction`` of an expert's
+    down weights (rounded down to 16 bytes), the block scales up to 16-byte rounding; off (None) for fraction 0, in
+    the interpreter, before sm_90, where an expert's bytes are not 16-byte aligned or its rows padded; a fraction
+    past 1 refused."""
+    from moe_plugin_cuda.triton import decode
+
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    w2 = torch.zeros(E, H, inter, dtype=torch.uint8)
+    scale = torch.zeros(E, -(-H // 128), -(-inter // 128))
+    args = decode.prefetch_args(w2, scale, fraction, True, n_programs)
+    if (H * inter) % 16:
+        assert args is None
+        return
+    w, stride_e, chunk, limit, s, s_stride, s_bytes, level = args
+    assert w is w2
+    assert stride_e == H * inter and level == 2 and chunk % 16 == 0 and limit % 16 == 0
+    assert limit == int(H * inter * fraction) // 16 * 16
+    covered = sorted({b for j in range(n_programs) for b in range(j * chunk, min((j + 1) * chunk, limit), 16)})
+    assert covered == list(range(0, limit, 16))
+    if scale.stride(0) * 4 % 16:
+        assert s_bytes == 0
+    else:
+        assert s is scale and s_stride == scale.stride(0) * 4 and 0 <= scale[0].numel() * 4 - s_bytes < 16
+    assert decode.prefetch_args(w2, scale, 0.0, True, n_programs) is None
+    padded = torch.zeros(E, H, inter + 16, dtype=torch.uint8)[:, :, :inter]  # (whole rows would read past the end)
+    assert decode.prefetch_args(padded, scale, fraction, True, n_programs) is None
+    with pytest.raises(ValueError, match="L2PF"):
+        decode.prefetch_args(w2, scale, 1.5, False, n_programs)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: False)
+    assert decode.prefetch_args(w2, scale, fraction, True, n_programs) is None
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    monkeypatch.setattr(decode, "_interpreting", lambda: True)
+    assert decode.prefetch_args(w2, scale, fraction, True, n_programs) is None
+
+
+def test_l2_prefetch_reaches_the_kernel_by_name(monkeypatch):
+    """The gate/up launch's arguments bound to the kernel's parameter names (no GPU: the launches are captured):
+    with ``"L2PF"`` the prefetch parameters get w2, its expert stride in bytes, the chunk and limit, the down block
+    scales and their bytes, and ``L2PF`` 2 for a kept prefetch; without, ``L2PF`` 0."""
+    from moe_plugin_cuda.triton import decode, kernels
+
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    monkeypatch.setattr(decode, "_has_bulk_prefetch", lambda device: True)
+    launches = []
+    monkeypatch.setattr(decode, "launch", lambda kernel, grid, *args, **kw: launches.append((kernel, args, kw)))
+    E, K, H, inter = 8, 4, 256, 512  # (an expert's scales 32 bytes: prefetched too)
+    w13 = torch.zeros(E, 2 * inter, H, dtype=torch.uint8)
+    w2 = torch.zeros(E, H, inter, dtype=torch.uint8)
+    s13, s2 = torch.ones(E, 2 * inter // 128, H // 128), torch.ones(E, H // 128, inter // 128)
+    x, ids = torch.randn(1, H), torch.stack([torch.randperm(E)[:K]]).int()
+    part = dict(BLOCK_I=4, GROUPS=2, FORM=2, SLOTS=1, num_warps=1, num_stages=1)
+    down = dict(BLOCK_H=16, GROUPS=2, FORM=2, SPLIT=1, num_warps=1, num_stages=1)
+    for pf in (None, (0.5, 1)):
+        launches.clear()
+        cfg = {"decode": part, "down": down, "PDL": 2, **({"L2PF": pf[0], "L2PF_KEEP": pf[1]} if pf else {})}
+        decode.decode_experts(x, None, w13, w2, s13, s2, torch.rand(1, K), ids, fp8_block=True, activation="silu",
+                              routed_scaling_factor=1.0, out_dtype=torch.float32, cfg=cfg, w13_interleaved=True)
+        kernel, args, kw = launches[0]
+        assert kernel is kernels._decode_gate_up_v2_kernel
+        bound = dict(zip(kernel.arg_names[:len(args)], args, strict=True))  # (the constexprs come as keywords)
+        assert kw["L2PF"] == (2 if pf else 0)
+        if pf:
+            assert bound["pf_ptr"] is w2 and bound["pfs_ptr"] is s2
+            assert bound["pf_stride_e"] == H * inter and bound["pf_limit"] == H * inter // 2
+            assert bound["pf_chunk"] == -(-(H * inter // 2) // (inter // 4) // 16) * 16
+            assert bound["pfs_stride_e"] == s2[0].numel() * 4 and bound["pfs_bytes"] == s2[0].numel() * 4
 
 
 def test_shipped_decode_tables_are_launchable():

@@ -752,14 +752,35 @@ def _quant_groups_4d(x, codes_dtype: tl.constexpr):
     return _as_codes(q, codes_dtype) * s[:, :, None, None]
 
 
+# L2 prefetch of the down kernel's weights from the gate/up programs (docs/decisions.md, "Decode: the down weights
+# prefetched into L2 by the gate/up programs"): one Hopper bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90+) per
+# contiguous chunk, issued by the program's thread 0 (a scalar in Triton is computed by every thread), with the
+# 64-bit policy of ``createpolicy`` (evict_last: the chunk outlives the gate/up weights streaming past it) or none.
+_PF_ASM = tl.constexpr("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+           "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+_PF_ASM_KEEP = tl.constexpr("{ .reg .pred p; .reg .u32 t; .reg .b64 pol; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }")
+
+
+@triton.jit
+def _prefetch_l2(addr, nbytes, KEEP: tl.constexpr):
+    """Prefetch ``nbytes`` (a multiple of 16, > 0) at byte address ``addr`` (int64, 16-byte aligned) into L2."""
+    if KEEP:
+        tl.inline_asm_elementwise(_PF_ASM_KEEP, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h_ptr, cnt_ptr, H, inter, E, n_cnt,
                               stride_x, stride_xs, stride_xsk, stride_it, stride_ik, stride_we, stride_wn,
-                              stride_wse, stride_wsn, stride_wsk, stride_h, TOP_K: tl.constexpr, ACT: tl.constexpr,
+                              stride_wse, stride_wsn, stride_wsk, stride_h, pf_ptr, pf_stride_e, pf_chunk, pf_limit,
+                              pfs_ptr, pfs_stride_e, pfs_bytes, TOP_K: tl.constexpr, ACT: tl.constexpr,
                               FP8: tl.constexpr, QUANT_X: tl.constexpr, INTERLEAVED: tl.constexpr,
                               SLOTS: tl.constexpr, BLOCK_I: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
                               EVEN_K: tl.constexpr, ZERO_CNT: tl.constexpr, PDL: tl.constexpr,
-                              STAGES: tl.constexpr):
+                              STAGES: tl.constexpr, L2PF: tl.constexpr = 0, W_EVICT: tl.constexpr = ""):
     """``_decode_gate_up_kernel``'s math in form 2: program (token x group of SLOTS slots, I-block) writes h[slot,
     I-block] = act(gate) * up in fp32 for each of its SLOTS slots (rows: SLOTS x BLOCK_I (slot, I-row) pairs, each
     with its own expert; rows of a slot whose id is outside [0, E) load and store nothing). Several slots a program
@@ -769,12 +790,30 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
     counters of the split down kernel (which runs after this one). STAGES > 1: Triton's software pipeline over the
     loop (its loads run STAGES - 1 steps ahead through shared memory, cp.async; a loop without a dot is pipelined
     only when the loop asks, ``tl.range(num_stages=)``). PDL: 1 lets the down kernel launch once every program is
-    past its loop, 2 as soon as every program has started (it waits for this grid before reading h)."""
+    past its loop, 2 as soon as every program has started (it waits for this grid before reading h). L2PF (1, or 2:
+    with an evict_last policy; never in the interpreter): before its loop, program (slots, I-block j) prefetches into
+    L2 bytes [j * pf_chunk, min((j + 1) * pf_chunk, pf_limit)) of each of its slots' experts' down weights (byte
+    offsets of ``pf_ptr`` + e * pf_stride_e), and the programs of I-block 0 the expert's first ``pfs_bytes`` of down
+    block scales, so the down kernel reads them from L2 while these programs still stream gate/up from HBM.
+    W_EVICT: the weight
+    loads' eviction policy ("" or "evict_first": an L2 evict_first policy, so they do not push out prefetched
+    lines)."""
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
     GROUPS_PER_T: tl.constexpr = TOP_K // SLOTS
     t = tl.program_id(0) // GROUPS_PER_T
     k0 = (tl.program_id(0) % GROUPS_PER_T) * SLOTS
+    if L2PF:
+        start = tl.program_id(1).to(tl.int64) * pf_chunk
+        n_pf = tl.minimum(pf_chunk, pf_limit - start)
+        for s in tl.static_range(SLOTS):
+            e_pf = tl.load(ids_ptr + t * stride_it + (k0 + s) * stride_ik).to(tl.int64)
+            if (e_pf >= 0) & (e_pf < E):
+                if n_pf > 0:
+                    _prefetch_l2(pf_ptr.to(tl.int64, bitcast=True) + e_pf * pf_stride_e + start, n_pf.to(tl.int32),
+                                 L2PF == 2)
+                if (pfs_bytes > 0) & (tl.program_id(1) == 0):
+                    _prefetch_l2(pfs_ptr.to(tl.int64, bitcast=True) + e_pf * pfs_stride_e, pfs_bytes, L2PF == 2)
     if ZERO_CNT:
         if (k0 == 0) & (tl.program_id(1) == 0):
             for c in range(0, n_cnt, 128):
@@ -814,8 +853,8 @@ def _decode_gate_up_v2_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ids_ptr, h
         else:
             k_mask = offs_k < H - k * GROUPS * 128
         w_mask = ok[:, None, None, None] & k_mask[None, :, :, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
         x = tl.load(x_ptrs, mask=k_mask[None, :, :, :], other=0.0).to(tl.float32)  # [1, GROUPS, LANES, VEC]
         if FP8:
             g_ok = grp[None, :] < tl.cdiv(H, 128) - k * GROUPS  # [1, GROUPS]: groups inside H
@@ -847,14 +886,16 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
                            scale, n_cnt, stride_h, stride_it, stride_ik, stride_wt, stride_wk, stride_we, stride_wn,
                            stride_wse, stride_wsn, stride_wsk, stride_out, stride_p, TOP_K: tl.constexpr,
                            FP8: tl.constexpr, BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, VEC: tl.constexpr,
-                           SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
+                           SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+                           W_EVICT: tl.constexpr = ""):
     """``_decode_down_kernel``'s math in form 2. Without SPLIT: program (token, H-block) sums its token's slots in
     registers. SPLIT (K times the programs: each streams one slot's w2 block): program (slot, H-block) writes its
     top-k-weighted fp32 partial to ``part`` [T*K, H], then adds one to the token's H-block counter (zeroed by the
     gate/up kernel); the program that brings it to K sums the token's valid partials in slot order, times the
     routed scaling factor, into the output: deterministic (the sum's order is fixed, whichever program does it).
     FP8: h quantized per 128-column group each step; BLOCK_H divides 128, so one weight scale row a program.
-    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory)."""
+    STAGES: as the gate/up kernel's (Triton's software pipeline over the loop, through shared memory). W_EVICT: the
+    weight loads' eviction policy ("" or "evict_first")."""
     hb = tl.program_id(1)
     if SPLIT:
         slot = tl.program_id(0).to(tl.int64)
@@ -889,7 +930,8 @@ def _decode_down_v2_kernel(h_ptr, w_ptr, w_scale_ptr, ids_ptr, topk_w_ptr, out_p
         hv = tl.load(h_ptr + (t * TOP_K + k) * stride_h + cols[None, :, :, :], mask=i_mask[None, :, :, :],
                      other=0.0)
         wv = tl.load(w_ptr + e * stride_we + offs_h.to(tl.int64)[:, None, None, None] * stride_wn
-                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0)
+                     + cols[None, :, :, :], mask=h_mask[:, None, None, None] & i_mask[None, :, :, :], other=0.0,
+                     eviction_policy=W_EVICT)
         if FP8:
             w_s = tl.load(w_scale_ptr + e * stride_wse + s_row * stride_wsn + (i * GROUPS + grp) * stride_wsk,
                           mask=(i * GROUPS + grp) * 128 < limit, other=0.0)  # [GROUPS]
