@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from moe_core.contracts import (CombineInput, DispatchOutput, Format, QuantizedActivations, StandardDispatch, TopK,
-                                WireDtype)
+from moe_core.contracts import (
+    CombineInput,
+    DispatchOutput,
+    Format,
+    QuantizedActivations,
+    StandardDispatch,
+    TopK,
+    WireDtype,
+)
 
 if TYPE_CHECKING:
     from moe_core.backends import BackendSpec

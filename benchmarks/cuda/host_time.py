@@ -328,6 +328,8 @@ def build_emulated_layer(cfg: MoEConfig) -> MoELayer:
 
     layer = MoELayer(cfg, plan=dataclasses.replace(plan(cfg, dry_run=True), dry_run=False), check_ids=False,
                      device=torch.device("cpu"))
+    if hasattr(layer.experts, "_device_name"):  # (the triton experts read it from the device)
+        layer.experts._device_name = H100
     layer._loaded = True
     layout = getattr(layer.experts, "w13_layout", None)
     if layout is not None and cfg.quant.value == "unquantized":
@@ -336,8 +338,42 @@ def build_emulated_layer(cfg: MoEConfig) -> MoELayer:
     return layer
 
 
+def graph_eager_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int) -> dict[str, Any]:
+    """The design question of an eager forward replaying a CUDA graph of the whole layer (``--graph-eager``): the
+    inputs copied into the graph's static buffers, the graph replayed, the output cloned (the caller keeps it).
+    Host time per such call (as host_us) and its device time (back to back, the profiler's kernels and copies)."""
+    xs, ws, ids = x.clone(), topk.weights.clone(), topk.ids.clone()
+    static = TopK(ws, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            layer(xs, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = layer(xs, static)
+
+    def call():
+        xs.copy_(x)
+        ws.copy_(topk.weights)
+        ids.copy_(topk.ids)
+        graph.replay()
+        return ys.clone()
+
+    warm_up(call, x.device)
+    host = host_times(call, x.device, iters)
+    want = layer(x, topk)
+    got = call()
+    sync(x.device)
+    prof = profile(call, x.device, max(5, iters // 5))
+    return {"graph_eager_host_us": statistics.median(host) * 1e6, "graph_eager_gpu_us": prof["gpu_us"],
+            "graph_eager_launches": prof["launches"], "graph_eager_equal": bool(torch.equal(got, want))}
+
+
 def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_sections: bool,
-                 trace_path: Optional[str] = None, host_only: bool = False) -> dict[str, Any]:
+                 trace_path: Optional[str] = None, host_only: bool = False, graph_eager: bool = False
+                 ) -> dict[str, Any]:
     dev = layer.device
 
     def call():
@@ -367,6 +403,8 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
         else:
             row.update(profile(call, dev, max(5, iters // 5)))
             row["syncs"] = count_syncs(call, dev)
+        if graph_eager and dev.type == "cuda":
+            row.update(graph_eager_cell(layer, x, topk, iters))
         if trace_path:
             trace(call, dev, trace_path)
         if with_sections:
@@ -407,6 +445,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="no forward's launches recorded and replayed (each one through the direct launcher: the "
                         "replay's baseline)")
     p.add_argument("--json", default=None)
+    p.add_argument("--graph-eager", action="store_true",
+                   help="also the host and device time of an eager call replaying a CUDA graph of the layer (inputs "
+                        "copied in, output cloned): graph_eager_* (a design measurement)")
     p.add_argument("--traces", default=None, metavar="DIR",
                    help="also a chrome trace with Python frames per cell (DIR/host-<preset>-<quant>-<backend>-<T>.json.gz)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu", "cpu-emulated"),
@@ -453,7 +494,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                   if args.traces else None)
                     try:
                         r = {"preset": name, "quant": q, "backend": backend, "T": T,
-                             **measure_cell(layer, x, topk, args.iters, sections, trace_path, host_only=emulated)}
+                             **measure_cell(layer, x, topk, args.iters, sections, trace_path, host_only=emulated,
+                                          graph_eager=args.graph_eager)}
                     except Exception as exc:  # report the cell, keep the others
                         print(f"<!-- {name} {q} {backend} T={T} FAILED: {type(exc).__name__}: {exc} -->", flush=True)
                         continue
@@ -463,6 +505,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           f"{r.get('replayed_launches', 0) + r['direct_launches']:g}/"  # (BASE: no replays)
                           f"{r.get('replayed_launches', 0) + r['direct_launches'] + r['triton_launches']:g} |",
                           flush=True)
+                    if "graph_eager_host_us" in r:
+                        print(f"<!--   graph eager: host {r['graph_eager_host_us']:.1f} us, gpu {r['graph_eager_gpu_us']:.1f} "
+                              f"us, {r['graph_eager_launches']:g} device ops, equal {r['graph_eager_equal']} -->", flush=True)
                     if emulated:
                         print(f"<!--   host_us p10 {r['host_us_p10']:.1f} min {r['host_us_min']:.1f} best batch "
                               f"{r['host_best_us']:.1f} -->", flush=True)

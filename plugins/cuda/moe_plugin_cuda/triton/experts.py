@@ -208,11 +208,7 @@ class TritonExperts(Experts):
                                         routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
                                         cfg=cfg, w13_interleaved=d.w13_interleaved)
 
-    def apply_tokens(self, layer, hidden_states: torch.Tensor, topk) -> torch.Tensor:
-        """A pass-through dispatcher's token list (bf16): ``_fused`` without the contract objects."""
-        return self._fused(layer, hidden_states, None, topk)
-
-    def _fused(self, layer, data: torch.Tensor, scale: Optional[torch.Tensor], topk) -> torch.Tensor:
+    def _fused(self, layer, data: torch.Tensor, topk, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token list (``_activations``' data and scale) -> ``[T, H]``."""
         compiling = torch.compiler.is_compiling()
         # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
@@ -222,12 +218,15 @@ class TritonExperts(Experts):
                                                            self.decision.compute_dtype)
         return self.run_fused(data, scale, *w, topk.weights, topk.ids)
 
+    apply_tokens = _fused  # a pass-through dispatcher's bf16 token list, without the contract objects
+
     def apply(self, layer: "MoELayer", dispatched):
-        if isinstance(dispatched, StandardDispatch):
-            return StandardCombine(hidden=self._fused(layer, *self._activations(dispatched.hidden), dispatched.topk))
-        if isinstance(dispatched, EPNormalDispatch):
-            return EPNormalCombine(hidden=self._fused(layer, *self._activations(dispatched.hidden), dispatched.topk),
-                                   handle=dispatched.handle)
+        if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
+            data, scale = self._activations(dispatched.hidden)
+            out = self._fused(layer, data, dispatched.topk, scale)
+            if isinstance(dispatched, StandardDispatch):
+                return StandardCombine(hidden=out)
+            return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             w = expert_weights(layer, self.decision.fp8_block)
             data, scale = self._activations(dispatched.hidden)
