@@ -153,9 +153,19 @@ def test_what_changes_the_key_or_cannot_be_replayed(device):
     assert run(hidden.contiguous(), w, ids, cfg) == 0  # rows H apart, not H + 8
     assert run(hidden, w, ids, cfg, _weights(False, device, DTYPE)) == 0  # other weights
     assert len(programs) == 4
+    # the weights are keyed by identity and whole address: the same tensor moved (``.data =``, what a loader may
+    # do) or another tensor over the same memory records again; the program keeps its weights alive (an id of a
+    # freed tensor could name another one)
+    w13, w2, _, _ = moved = tuple(t.clone() if t is not None else None for t in weights)
+    assert run(hidden, w, ids, cfg, moved) == 0 and run(hidden, w, ids, cfg, moved) == 4
+    w13.data = w13.data.clone()
+    assert run(hidden, w, ids, cfg, moved) == 0 and run(hidden, w, ids, cfg, moved) == 4
+    assert run(hidden, w, ids, cfg, (w13.view(w13.shape), *moved[1:])) == 0
+    assert all(any(t is w2 for t in p.keep) for p in list(programs.values())[-3:])
+    assert len(programs) == 7
     strided_w = torch.rand(K, 2, device=device).t()  # [T, K] not contiguous: flattening it copies
     assert run(hidden, strided_w, ids, cfg) == 0 and run(hidden, strided_w, ids, cfg) == 0
-    assert len(programs) == 5 and programs[next(reversed(programs))] is None
+    assert len(programs) == 8 and programs[next(reversed(programs))] is None
 
 
 @pytest.mark.skipif(cuda, reason="emulated launchers")
