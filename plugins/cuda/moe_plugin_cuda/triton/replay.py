@@ -15,8 +15,10 @@ A call is kept only where replaying it is exactly the call: every launch went st
 launcher; every tensor parameter lies in exactly one of the call's tensors (a temporary made inside the call,
 e.g. a cast or a copy, is in none: not kept); the only torch operations the call made were allocations and views
 (nothing computed outside the launches); descriptor parameters are over the weights (fixed for the key). The key
-holds whatever the pipeline read from its inputs: shapes, strides, dtypes, devices, the data pointers modulo 16
-(what Triton specializes on; the weights' whole pointers, which their cached TMA descriptors hold), the config
+holds whatever the pipeline read from its inputs: the activations' and routing's shapes, strides, dtypes, device
+and data pointers modulo 16 (what Triton specializes on); the weights by identity and whole address (their cached
+TMA descriptors hold it; the program keeps them alive, and a weight reshaped in place is a weight change, after
+which the owner's ``process_weights`` empties the cache: docs/decisions.md, "The decode host path"), the config
 object, the options and ``launch.direct_state()``.
 """
 
@@ -70,9 +72,10 @@ class Program:
     ``pointers`` (the order of ``build``'s spans). ``info``: what the caller kept with it (e.g. what to allocate).
 
     ``run`` is a function generated for the program (as Triton generates its own argument binders): one
-    statement per distinct address (which tensor + byte offset) and one launcher call per launch, its grid, its
-    kernel handle and its constant parameters bound as the function's globals. A loop that built each launch's
-    parameters from a list cost about as much as the launches' own Python on the CPU."""
+    statement per distinct address (which tensor + byte offset) and one launcher call per launch, its grid and
+    its constant parameters written as literals (ints, bools, None, finite floats), its launcher, kernel handle,
+    metadata and other constants as the function's globals. A loop that built each launch's parameters from a
+    list cost about as much as the launches' own Python (docs/decisions.md, "The decode host path")."""
 
     __slots__ = ("run", "launches", "info", "keep", "source")
 
