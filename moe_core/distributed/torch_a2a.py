@@ -692,20 +692,30 @@ def _masked_pairs(slab_index: torch.Tensor, valid: torch.Tensor, weights: torch.
     return torch.where(valid, slab_index, first).clamp(max=last_row), torch.where(valid, weights, 0.0)
 
 
-def _to_host(t: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Start copying ``t`` to the host now, in stream order; the returned call waits for that copy only (not for
-    work queued after it) and gives the host tensor. On the CPU: ``t`` itself."""
-    if t.device.type == "cpu":
-        return lambda: t
-    host = t.to("cpu", non_blocking=True)  # (pinned: an asynchronous copy)
-    copied = torch.Event(device=t.device)
-    copied.record()
+class _HostCopy:
+    """A device tensor's copy to the host, started in stream order; ``wait()`` waits for that copy only (not for
+    work queued after it) and gives the host tensor. The pinned buffer and the event are kept for the next copy
+    of the same shape (one dispatcher, one thread: each copy is read before the next one starts); on the CPU the
+    tensor itself."""
 
-    def wait() -> torch.Tensor:
-        copied.synchronize()
-        return host
+    def __init__(self) -> None:
+        self.host: Optional[torch.Tensor] = None
+        self.copied: Optional[torch.Event] = None
 
-    return wait
+    def start(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
+        if t.device.type == "cpu":
+            return lambda: t
+        host = self.host
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)  # (an asynchronous copy)
+            self.copied = torch.Event(device=t.device)
+        host.copy_(t, non_blocking=True)
+        self.copied.record()
+        return self.wait
+
+    def wait(self) -> torch.Tensor:
+        self.copied.synchronize()
+        return self.host
 
 
 def _scale_words(dtype: WireDtype, hidden: int) -> int:
@@ -787,6 +797,7 @@ class TorchA2ADispatcher(Dispatcher):
         self.n_scale = _scale_words(self.wire, self.hidden)
         self.meta_words = self.n_scale + 2 * self.top_k + 2  # + sender's bad-id count, token count
         self._local_of: Optional[torch.Tensor] = None  # exact normal mode's id map (_local_table), built at first use
+        self._msg_host = _HostCopy()  # exact normal mode's counts messages on their way to the host read
         self.fused = kernels_option(cfg, ctx.spec.name) == "auto"  # a plugin's kernels where registered (decision 63)
         self.exchange = exchange_option(cfg, ctx.spec.name)  # the fixed-capacity modes' transport (decision 66)
         mode = "masked" if self.masked else "worst_case" if self.worst_case else "exact"
@@ -887,7 +898,7 @@ class TorchA2ADispatcher(Dispatcher):
         early = None
         if chunk:  # the rows and the counts messages (decision 66)
             recv = kernels.exchange_normal(x, topk.ids, topk.weights, row, msg, self.wire, self.group, chunk)
-            host = _to_host(msg)
+            host = self._msg_host.start(msg)
             if 2 * x.shape[0] >= chunk:  # unpacked at the chunks' size while the host reads (decision 70)
                 early = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden, self.top_k, self.rank,
                                        self.num_local, rows=self.world * chunk, chunk=chunk)
@@ -908,7 +919,9 @@ class TorchA2ADispatcher(Dispatcher):
             recv = torch.empty(n_recv, send.shape[1], dtype=torch.uint8, device=x.device)
             dist.all_to_all_single(recv, send[:sum(send_counts)], recv_counts, send_counts, group=self.group)
         if early is not None:
-            data, scale, lids, weights, counts = (t if t is None or t.dim() == 1 else t[:n_recv] for t in early)
+            data, scale, lids, weights, counts = early
+            data, lids, weights = data[:n_recv], lids[:n_recv], weights[:n_recv]
+            scale = scale if scale is None else scale[:n_recv]
         else:
             data, scale, lids, weights, counts = kernels.unpack(recv, msg[1], self.wire, x.dtype, self.hidden,
                                                                 self.top_k, self.rank, self.num_local, rows=n_recv,

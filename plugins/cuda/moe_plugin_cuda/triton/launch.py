@@ -35,6 +35,17 @@ try:  # (not needed to launch: only to key a host-side descriptor by its special
 except ImportError:  # pragma: no cover - older Triton
     TensorDescriptor = ()  # type: ignore[assignment,misc]
 
+# host-side arithmetic for launch grids and constexprs: Triton's ``cdiv`` and ``next_power_of_2`` are constexpr
+# functions, 5-12 us a call on the host (a torch_a2a dispatch made ~15 such calls, 2026-11-26)
+def pow2(n: int) -> int:
+    """The least power of two >= ``n`` (1 for ``n`` <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 enabled = True  # False: every launch through kernel[grid] (a baseline to measure against: host_time.py)
 MAX_ENTRIES = 4096  # compiled kernels kept (all kernels, devices and specializations); emptied when full
 

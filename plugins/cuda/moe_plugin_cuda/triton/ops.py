@@ -15,20 +15,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moe_plugin_cuda.triton import decode, kernels, replay
 from moe_plugin_cuda.triton import launch as launch_mod
-from moe_plugin_cuda.triton.launch import launch
+from moe_plugin_cuda.triton.launch import cdiv, launch, pow2
 from moe_plugin_cuda.triton.replay import Programs
 from moe_plugin_cuda.workspace import Layouts, layout
 
 FP8 = torch.float8_e4m3fn
-
-
-# host-side arithmetic (Triton's cdiv and next_power_of_2 are constexpr functions, a few us a call on the host)
-def pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 SMALL_ALIGN_MAX = 1024  # slots up to which one program does the whole alignment (one launch)
