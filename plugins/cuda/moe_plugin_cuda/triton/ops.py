@@ -337,8 +337,9 @@ def fused_experts(
     args = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
             routed_scaling_factor, out_dtype, cfg, w13_interleaved)
     # (replayable: a one-program alignment, no temporaries; larger calls never pay for a key or a recording)
+    shape = hidden.shape
     state = (launch_mod.direct_state() if programs is not None and replay.enabled
-             and 0 < hidden.shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
+             and 0 < shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
     if state is None:
         return _fused_experts(*args, out, descriptors, layouts)[0]
     # everything the pipeline reads from its arguments but their data (docs/decisions.md, "A decode forward
@@ -360,7 +361,7 @@ def fused_experts(
         po = 0 if out is None else out.data_ptr()
         extra = tuple(None if t is None else (t.shape, t.stride(), t.dtype, p & 15)
                       for t, p in ((a_scale, pa), (out, po)))
-    key = (state, id(cfg), hidden.shape, hidden.stride(), hidden.dtype, hidden.device, hp & 15,
+    key = (state, id(cfg), shape, hidden.stride(), hidden.dtype, hidden.device, hp & 15,
            topk_weights.shape, topk_weights.stride(), topk_weights.dtype, wp & 15,
            topk_ids.shape, topk_ids.stride(), topk_ids.dtype, ip & 15, id(w13), p13, id(w2), p2, scales, extra,
            fp8_block, activation, routed_scaling_factor, out_dtype, w13_interleaved)
