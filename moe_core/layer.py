@@ -218,6 +218,9 @@ class MoELayer(nn.Module):
                 self._dispatch = self.dispatcher.dispatch
                 self._apply_experts = self.experts.apply
                 self._combine = self.dispatcher.combine
+        # a dispatcher that only wraps and unwraps (single rank, bf16): the experts straight on the token list
+        self._apply_tokens = (self.experts.apply_tokens if not self._trace and not self.plan.fused
+                              and self.dispatcher.passes_tokens_through else None)
 
     def _allocate(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[str, ...]:
         for name, (shape, dtype) in shapes.items():
@@ -425,6 +428,8 @@ class MoELayer(nn.Module):
         return self._routed(hidden_states, topk)
 
     def _routed(self, hidden_states: torch.Tensor, topk: TopK) -> torch.Tensor:
+        if self._apply_tokens is not None:
+            return self._apply_tokens(self, hidden_states, topk)
         if self._fused:
             return self._fused_forward(self, hidden_states, topk)
         if self._gathers_tokens:  # every rank passes its own tokens, whatever the dispatcher (decision 43)

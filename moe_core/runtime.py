@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from moe_core.contracts import CombineInput, DispatchOutput, Format, TopK, WireDtype
+from moe_core.contracts import (
+    CombineInput,
+    DispatchOutput,
+    Format,
+    QuantizedActivations,
+    StandardDispatch,
+    TopK,
+    WireDtype,
+)
 
 if TYPE_CHECKING:
     from moe_core.backends import BackendSpec
@@ -64,6 +72,10 @@ class Dispatcher(_Backend):
     # remap, then an all-reduce of the output). MoELayer's rule is that every rank passes its own
     # tokens (decision 43): for such a dispatcher the layer gathers them first and keeps its rows
     expects_replicated_input: bool = False
+    # True when dispatch only wraps the tokens and routing as they came into a ``StandardDispatch`` (bf16, no
+    # remap, no communication) and combine only returns ``StandardCombine.hidden``: the layer then calls the
+    # experts' ``apply_tokens`` instead of the three stages (the same result, no contract objects per forward)
+    passes_tokens_through: bool = False
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> DispatchOutput:
         raise NotImplementedError
@@ -79,6 +91,12 @@ class Experts(_Backend):
 
     def apply(self, layer: "MoELayer", dispatched: DispatchOutput) -> CombineInput:
         raise NotImplementedError
+
+    def apply_tokens(self, layer: "MoELayer", hidden_states: torch.Tensor, topk: TopK) -> torch.Tensor:
+        """``apply`` on a token list as a pass-through dispatcher hands it (``Dispatcher.passes_tokens_through``):
+        ``[T, H]`` in the params dtype, local ids -> the weighted sum ``[T, H]``. A backend may override it with a
+        shorter way to the same result (its decode hot path); the default builds the contracts."""
+        return self.apply(layer, StandardDispatch(QuantizedActivations(hidden_states), topk)).hidden
 
 
 class FusedMoE(_Backend):

@@ -19,6 +19,14 @@ turns it on). Columns, per forward:
                ``moe_plugin_cuda.triton.launch`` straight through the compiled kernel's launcher (the rest went through
                ``kernel[grid]``)
 
+``--device cpu-emulated``: the same cells on the CPU, the layer planned for the H100 (its tuned tables, so the
+same path as there), weights allocated but never read, every Triton launch going through an emulated compiled
+launcher that logs and returns (``plugins/cuda/tests/emulation/triton_launch_emulation.py``, ``execute=False``): the
+host's Python of a forward, before/after comparable off the device (the launches' own cost in Triton's launcher
+and the driver, and the CUDA caching allocator, are not in it). Only host_us (median and, on a shared CPU, the
+10th percentile ``host_us_p10``; ``host_best_us``: the least mean of ``iters / 10`` batches of 10 calls, as
+timeit's best of repeats, the steadiest on a shared CPU) and the sections are measured there.
+
 ``--sections``: the calls again with ``perf_counter`` timers around the pipeline's pieces (the layer's
 stages, the backends' launchers, each Triton kernel's launch by kernel name (``launch NAME``: through
 ``moe_plugin_cuda.triton.launch``, direct or not; ``triton launch NAME``: through ``JITFunction.run``), TMA
@@ -218,8 +226,8 @@ class Sections:
 
 def instrument(layer: MoELayer, sections: Sections) -> None:
     """Timers around the layer's stages and the CUDA plugin's pipeline pieces."""
-    for stage in ("_dispatch", "_apply", "_combine", "_fused_forward"):
-        if hasattr(layer, stage):
+    for stage in ("_dispatch", "_apply_experts", "_combine", "_fused_forward", "_apply_tokens"):
+        if getattr(layer, stage, None) is not None:
             setattr(layer, stage, sections.wrap(f"layer.{stage[1:]}", getattr(layer, stage)))
     try:
         from moe_plugin_cuda.triton import ops as triton_ops
@@ -231,9 +239,9 @@ def instrument(layer: MoELayer, sections: Sections) -> None:
             sections.patch(triton_ops, fn, f"triton_ops.{fn}")
         sections.patch_launcher(triton_ops)
         sections.patch_triton_launches()
-        from moe_plugin_cuda.triton import replay
-
-        sections.patch(replay.Program, "run", "replay.Program.run")
+        for program in getattr(layer.experts, "_programs", {}).values():  # (the recorded calls' launches)
+            if program is not None:
+                sections.patch(program, "run", "replay.Program.run")
     try:
         from moe_plugin_cuda.cutlass import experts as cutlass_experts
         from moe_plugin_cuda.cutlass import ops as cutlass_ops
@@ -274,8 +282,98 @@ def trace(fn: Callable[[], Any], device: torch.device, path: str, calls: int = 5
     os.remove(path)
 
 
+class _Patches:
+    """``setattr`` with undo (what the launch emulation's ``install`` takes as its monkeypatch)."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def setattr(self, owner: Any, name: str, value: Any) -> None:
+        old = getattr(owner, name)
+        setattr(owner, name, value)
+        self._undo.append(lambda: setattr(owner, name, old))
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def emulate_h100(patches: _Patches) -> None:
+    """The CPU made to plan and launch as the H100 does (``--device cpu-emulated``): the CUDA backends available,
+    the H100's tuned tables, Triton's compiled launchers emulated without running the kernels."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "plugins", "cuda", "tests", "emulation"))
+    os.environ["TRITON_INTERPRET"] = "1"  # (the emulation runs the interpreter's kernels; none runs here)
+    import triton_launch_emulation
+    from moe_plugin_cuda import probes
+    from moe_plugin_cuda.cutlass import experts as cutlass_experts
+    from moe_plugin_cuda.cutlass import lib as cutlass_lib
+
+    from moe_core.backends import available
+
+    triton_launch_emulation.install(patches, execute=False)
+    patches.setattr(probes, "probe_cutlass", lambda: available("emulated"))
+    patches.setattr(probes, "probe_triton", lambda: available("emulated"))
+    patches.setattr(cutlass_lib, "library", lambda *a, **k: None)
+    patches.setattr(cutlass_experts, "_device_name", lambda index: H100)
+
+
+def build_emulated_layer(cfg: MoEConfig) -> MoELayer:
+    """``cfg`` (a CUDA config) planned as on the H100 and built on the CPU, its weights allocated (untouched pages:
+    never read) and marked processed as ``process_weights`` leaves them."""
+    import dataclasses
+
+    layer = MoELayer(cfg, plan=dataclasses.replace(plan(cfg, dry_run=True), dry_run=False), check_ids=False,
+                     device=torch.device("cpu"))
+    if hasattr(layer.experts, "_device_name"):  # (the triton experts read it from the device)
+        layer.experts._device_name = H100
+    layer._loaded = True
+    layout = getattr(layer.experts, "w13_layout", None)
+    if layout is not None and cfg.quant.value == "unquantized":
+        layout.mark(layer.w13)  # (as if interleaved: the values are never read)
+    layer.process_weights()
+    return layer
+
+
+def graph_eager_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int) -> dict[str, Any]:
+    """The design question of an eager forward replaying a CUDA graph of the whole layer (``--graph-eager``): the
+    inputs copied into the graph's static buffers, the graph replayed, the output cloned (the caller keeps it).
+    Host time per such call (as host_us) and its device time (back to back, the profiler's kernels and copies)."""
+    xs, ws, ids = x.clone(), topk.weights.clone(), topk.ids.clone()
+    static = TopK(ws, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            layer(xs, static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = layer(xs, static)
+
+    def call():
+        xs.copy_(x)
+        ws.copy_(topk.weights)
+        ids.copy_(topk.ids)
+        graph.replay()
+        return ys.clone()
+
+    warm_up(call, x.device)
+    host = host_times(call, x.device, iters)
+    want = layer(x, topk)
+    got = call()
+    sync(x.device)
+    prof = profile(call, x.device, max(5, iters // 5))
+    return {"graph_eager_host_us": statistics.median(host) * 1e6, "graph_eager_gpu_us": prof["gpu_us"],
+            "graph_eager_launches": prof["launches"], "graph_eager_equal": bool(torch.equal(got, want))}
+
+
 def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_sections: bool,
-                 trace_path: Optional[str] = None) -> dict[str, Any]:
+                 trace_path: Optional[str] = None, host_only: bool = False, graph_eager: bool = False
+                 ) -> dict[str, Any]:
     dev = layer.device
 
     def call():
@@ -290,15 +388,32 @@ def measure_cell(layer: MoELayer, x: torch.Tensor, topk: TopK, iters: int, with_
         before = dict(launch_stats)
         host = host_times(call, dev, iters)
         row: dict[str, Any] = {"host_us": statistics.median(host) * 1e6, "host_us_min": min(host) * 1e6,
+                               "host_us_p10": sorted(host)[len(host) // 10] * 1e6,
                                **{f"{k}_launches": (launch_stats[k] - before[k]) / iters for k in before}}
-        row.update(profile(call, dev, max(5, iters // 5)))
-        row["syncs"] = count_syncs(call, dev)
+        if host_only:  # (a shared CPU: the least mean of many short batches, as timeit's best of repeats)
+            batches = []
+            for _ in range(max(20, iters // 10)):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    call()
+                batches.append((time.perf_counter() - t0) / 10 * 1e6)
+            row["host_best_us"] = min(batches)
+            row.update(prof_cpu_us=float("nan"), launches=row["replayed_launches"] + row["direct_launches"]
+                       + row["triton_launches"], gpu_us=float("nan"), syncs=0)
+        else:
+            row.update(profile(call, dev, max(5, iters // 5)))
+            row["syncs"] = count_syncs(call, dev)
+        if graph_eager and dev.type == "cuda":
+            try:
+                row.update(graph_eager_cell(layer, x, topk, iters))
+            except Exception as exc:  # (the cell's own numbers stand)
+                print(f"<!--   graph eager FAILED: {type(exc).__name__}: {exc} -->", flush=True)
         if trace_path:
             trace(call, dev, trace_path)
         if with_sections:
             sections = Sections()
-            saved = {k: getattr(layer, k) for k in ("_dispatch", "_apply", "_combine", "_fused_forward")
-                     if hasattr(layer, k)}
+            saved = {k: getattr(layer, k) for k in ("_dispatch", "_apply_experts", "_combine", "_fused_forward",
+                                                    "_apply_tokens") if hasattr(layer, k)}
             instrument(layer, sections)
             try:
                 call()
@@ -333,14 +448,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="no forward's launches recorded and replayed (each one through the direct launcher: the "
                         "replay's baseline)")
     p.add_argument("--json", default=None)
+    p.add_argument("--graph-eager", action="store_true",
+                   help="also the host and device time of an eager call replaying a CUDA graph of the layer (inputs "
+                        "copied in, output cloned): graph_eager_* (a design measurement)")
     p.add_argument("--traces", default=None, metavar="DIR",
                    help="also a chrome trace with Python frames per cell (DIR/host-<preset>-<quant>-<backend>-<T>.json.gz)")
-    p.add_argument("--device", default="cuda", help="cpu: the machinery on the reference backend (a check)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu", "cpu-emulated"),
+                   help="cpu: the machinery on the reference backend (a check); cpu-emulated: the H100's plan on the "
+                        "CPU, Triton launches emulated and not run (the host's Python, see above)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("host_time.py needs a CUDA device (or --device cpu)", file=sys.stderr)
         return 1
+    emulated = args.device == "cpu-emulated"
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    patches = _Patches()
+    if emulated:
+        emulate_h100(patches)
     if args.triton_launch:
         from moe_plugin_cuda.triton import launch
 
@@ -357,11 +481,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in args.presets:
         for q in args.quant:
             for backend in args.backends:
-                cfg = preset(name, quant=q, device=args.device, experts=backend)
+                cfg = preset(name, quant=q, device="cuda" if emulated else args.device, experts=backend)
                 try:
-                    layer = build_layer(cfg, device, args.check_ids)
+                    layer = build_emulated_layer(cfg) if emulated else build_layer(cfg, device, args.check_ids)
                 except PlanError as exc:
                     print(f"<!-- skip {name} {q} {backend}: {exc.summary} -->", flush=True)
+                    continue
+                except RuntimeError as exc:  # (emulated: the CPU could not allocate the weights)
+                    print(f"<!-- skip {name} {q} {backend}: {type(exc).__name__}: {exc} -->", flush=True)
                     continue
                 for T in args.tokens:
                     x, topk, _ = make_inputs(cfg, layer, T)
@@ -370,7 +497,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                   if args.traces else None)
                     try:
                         r = {"preset": name, "quant": q, "backend": backend, "T": T,
-                             **measure_cell(layer, x, topk, args.iters, sections, trace_path)}
+                             **measure_cell(layer, x, topk, args.iters, sections, trace_path, host_only=emulated,
+                                          graph_eager=args.graph_eager)}
                     except Exception as exc:  # report the cell, keep the others
                         print(f"<!-- {name} {q} {backend} T={T} FAILED: {type(exc).__name__}: {exc} -->", flush=True)
                         continue
@@ -380,6 +508,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                           f"{r.get('replayed_launches', 0) + r['direct_launches']:g}/"  # (BASE: no replays)
                           f"{r.get('replayed_launches', 0) + r['direct_launches'] + r['triton_launches']:g} |",
                           flush=True)
+                    if "graph_eager_host_us" in r:
+                        print(f"<!--   graph eager: host {r['graph_eager_host_us']:.1f} us, gpu {r['graph_eager_gpu_us']:.1f} "
+                              f"us, {r['graph_eager_launches']:g} device ops, equal {r['graph_eager_equal']} -->", flush=True)
+                    if emulated:
+                        print(f"<!--   host_us p10 {r['host_us_p10']:.1f} min {r['host_us_min']:.1f} best batch "
+                              f"{r['host_best_us']:.1f} -->", flush=True)
                     for s in r.get("sections", []):
                         print(f"<!--   {s['section']:40s} x{s['per_forward']:<4g} {s['us_per_forward']:8.1f} us -->",
                               flush=True)
@@ -387,7 +521,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__, "argv": sys.argv[1:],
+        meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else args.device, "torch": torch.__version__, "argv": sys.argv[1:],
                 "check_ids": args.check_ids, "direct_launch": not args.triton_launch, "replay": not args.no_replay}
         try:
             import triton

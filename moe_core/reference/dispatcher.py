@@ -34,6 +34,7 @@ class StandardDispatcher(Dispatcher):
         self.num_local = cfg.num_local_experts
         self.ep = cfg.ep_size > 1
         self.wire = ctx.dispatch_dtype
+        self.passes_tokens_through = not self.ep and self.wire is WireDtype.BF16
 
     def dispatch(self, hidden_states: torch.Tensor, topk: TopK) -> StandardDispatch:
         if self.ep:

@@ -114,6 +114,23 @@ def test_trace_mode_goes_through_pluggy_and_matches(layer, caplog):
     assert "-> dispatch" in caplog.text and "-> apply" in caplog.text and "-> combine" in caplog.text
 
 
+def test_pass_through_dispatcher_runs_the_experts_on_the_token_list(layer, monkeypatch):
+    """Single rank, bf16 wire: the standard dispatcher only wraps and unwraps, so the layer calls the experts'
+    ``apply_tokens`` (no contract objects per forward): the three stages' bytes, the default ``apply_tokens`` of
+    an experts backend that only has ``apply`` included; traced layers and EP ranks keep the three stages."""
+    assert layer.dispatcher.passes_tokens_through and layer._apply_tokens is not None
+    x, topk = x_bf16(9), random_topk(9, 6, 2, drop=0.3)
+    staged = layer._combine(layer._apply_experts(layer, layer._dispatch(x, topk)))
+    assert torch.equal(layer(x, topk), staged)
+    # the base class's apply_tokens (what a backend without its own hot path gets): the contracts, then apply
+    calls = []
+    apply = layer.experts.apply
+    monkeypatch.setattr(layer.experts, "apply", lambda lay, d: calls.append(type(d).__name__) or apply(lay, d))
+    assert torch.equal(mc.plugin_api.Experts.apply_tokens(layer.experts, layer, x, topk), staged)
+    assert calls == ["StandardDispatch"]
+    assert mc.MoELayer(CFG, trace=True)._apply_tokens is None
+
+
 def test_ep_rank_loads_its_slice_of_a_full_checkpoint():
     t = checkpoint(mc.QuantScheme.INT8_W8A8, 8, 64, 32)
     cfg = mc.MoEConfig(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, quant="int8_w8a8",
@@ -138,6 +155,7 @@ def test_standard_dispatcher_under_ep_remaps_ids_and_sums_over_ranks_like_one_pr
     for rank in range(2):
         layer = mc.MoELayer(CFG.replace(ep_size=2, ep_rank=rank, dispatcher="standard"))
         assert layer.plan.dispatcher.name == "standard"
+        assert not layer.dispatcher.passes_tokens_through and layer._apply_tokens is None  # (remap, all-reduce)
         layer.load_weights(**t)
         layer.process_weights()
         layer(x, topk)

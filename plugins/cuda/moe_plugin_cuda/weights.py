@@ -23,6 +23,15 @@ def _get(layer: Any, name: str, detach: bool = True) -> Optional[torch.Tensor]:
 def expert_weights(layer: Any, scaled: bool, detach: bool = True) -> ExpertWeights:
     """The layer's expert weights; ``detach``: Parameters as plain tensors (``.data``, a torch op each: what torch
     ops and custom ops need when a weight requires grad; a Triton launch reads only the pointer)."""
+    params = None if detach else getattr(layer, "_parameters", None)
+    if params is not None:  # (an nn.Module's Parameters: its own dict, not four trips through Module.__getattr__)
+        w13, w2 = params.get("w13"), params.get("w2")
+        if w13 is not None and w2 is not None:
+            if not scaled:
+                return ExpertWeights(w13, w2)
+            s13, s2 = params.get("w13_scale"), params.get("w2_scale")
+            if s13 is not None and s2 is not None:
+                return ExpertWeights(w13, w2, s13, s2)
     w13, w2 = _get(layer, "w13", detach), _get(layer, "w2", detach)
     if w13 is None or w2 is None:
         raise ValueError("the layer has no expert weights (w13, w2): load_weights() first")

@@ -70,6 +70,15 @@ class CutlassDecision:
 
 
 @functools.cache
+def _triton_ops():
+    """``moe_plugin_cuda.triton.ops`` (imports triton, an optional dependency: on first use, not with this module;
+    cached: a function-local import costs a microsecond per decode forward)."""
+    from moe_plugin_cuda.triton import ops
+
+    return ops
+
+
+@functools.cache
 def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
@@ -158,9 +167,7 @@ def run_fused(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_id
                                          fp8_block=fp8_block, routed_scaling_factor=routed_scaling_factor,
                                          out_dtype=out_dtype, gemm=cutlass_ops.grouped_gemm(path, fp8_block),
                                          variants=variants, w13_interleaved=not fp8_block)
-    from moe_plugin_cuda.triton import ops as triton_ops
-
-    return triton_ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
+    return _triton_ops().fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids,
                                     fp8_block=fp8_block, activation="silu", routed_scaling_factor=routed_scaling_factor,
                                     out_dtype=out_dtype, cfg=cfg, w13_interleaved=not fp8_block,
                                     descriptors=descriptors, layouts=layouts, programs=programs)
@@ -257,6 +264,14 @@ class CutlassExperts(Experts):
 
         self._programs = Programs()  # the Triton path's recorded calls (triton.replay), emptied by process_weights
         self._paths: dict = {}  # choose_path's answers by T (run_fused), emptied by process_weights
+        d = self.decision
+        # run_fused's options, built once (not per forward): the custom op's, and eager calls' with the caches
+        self._op_kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype,
+                               routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.out_dtype,
+                               min_rows=d.min_rows, config_dir=d.config_dir, grouped_gemm=d.grouped_gemm,
+                               decode_max_tokens=d.decode_max_tokens)
+        self._run_kwargs = dict(self._op_kwargs, descriptors=self._descriptors, layouts=self._layouts,
+                                programs=self._programs, paths=self._paths)
         if self.decision.grouped_gemm == "deepgemm":
             from moe_plugin_cuda.deepgemm import lib as deepgemm_lib
 
@@ -291,6 +306,15 @@ class CutlassExperts(Experts):
             return qa.data, None
         return qa.dequantize(self.decision.out_dtype), None
 
+    def apply_tokens(self, layer: "MoELayer", hidden_states: torch.Tensor, topk) -> torch.Tensor:
+        """A pass-through dispatcher's token list (bf16): ``apply``'s token-list branch without the contract
+        objects."""
+        if torch.compiler.is_compiling():
+            w = expert_weights(layer, self.decision.fp8_block, detach=True)
+            return _fused_op(hidden_states, None, *w, topk.weights, topk.ids, **self._op_kwargs)
+        w = expert_weights(layer, self.decision.fp8_block, detach=False)
+        return run_fused(hidden_states, None, *w, topk.weights, topk.ids, **self._run_kwargs)
+
     def apply(self, layer: "MoELayer", dispatched):
         d = self.decision
         compiling = torch.compiler.is_compiling()
@@ -298,16 +322,11 @@ class CutlassExperts(Experts):
         w = expert_weights(layer, d.fp8_block, detach=compiling)
         if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
             data, scale = self._activations(dispatched.hidden)
-            args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, dispatched.topk.weights, dispatched.topk.ids)
-            # eager calls skip the custom op's dispatch (host time), as the triton backend's do
-            kwargs = dict(fp8_block=d.fp8_block, table_dtype=d.table_dtype, routed_scaling_factor=d.routed_scaling_factor,
-                          out_dtype=d.out_dtype, min_rows=d.min_rows, config_dir=d.config_dir,
-                          grouped_gemm=d.grouped_gemm, decode_max_tokens=d.decode_max_tokens)
+            topk = dispatched.topk
             if compiling:
-                out = _fused_op(*args, **kwargs)
-            else:
-                out = run_fused(*args, **kwargs, descriptors=self._descriptors, layouts=self._layouts,
-                                programs=self._programs, paths=self._paths)
+                out = _fused_op(data, scale, *w, topk.weights, topk.ids, **self._op_kwargs)
+            else:  # eager calls skip the custom op's dispatch (host time), as the triton backend's do
+                out = run_fused(data, scale, *w, topk.weights, topk.ids, **self._run_kwargs)
             if isinstance(dispatched, StandardDispatch):
                 return StandardCombine(hidden=out)
             return EPNormalCombine(hidden=out, handle=dispatched.handle)

@@ -117,6 +117,12 @@ class TritonExperts(Experts):
         self._layouts = Layouts()  # the workspace layout (one allocation per forward) per T
         self.w13_layout = InterleavedW13()  # layer.w13 is gate/up interleaved once process_weights ran
         self.op_key = next(_KEYS)  # how the torch.compile custom ops find this backend
+        d = self.decision
+        # fused_experts' options but the launch, built once (not per forward)
+        self._fused_kwargs = dict(fp8_block=d.fp8_block, activation=d.activation,
+                                  routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
+                                  w13_interleaved=d.w13_interleaved, descriptors=self._descriptors,
+                                  layouts=self._layouts, programs=self._programs)
         _BACKENDS[self.op_key] = self
 
     # ------------------------------------------------------------------ configs
@@ -185,12 +191,11 @@ class TritonExperts(Experts):
 
     def run_fused(self, hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
         """STANDARD / EP_NORMAL token list through the pipeline -> ``[T, H]`` in the params dtype."""
-        d = self.decision
-        return self._ops.fused_experts(
-            hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block=d.fp8_block,
-            activation=d.activation, routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
-            cfg=self.fused_config(hidden.shape[0], hidden.device), w13_interleaved=d.w13_interleaved,
-            descriptors=self._descriptors, layouts=self._layouts, programs=self._programs)
+        cfg = self._fused_configs.get(hidden.shape[0])
+        if cfg is None:
+            cfg = self.fused_config(hidden.shape[0], hidden.device)
+        return self._ops.fused_experts(hidden, scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, cfg=cfg,
+                                       **self._fused_kwargs)
 
     def run_masked(self, hidden, scale, masked_m, w13, w2, w13_scale, w2_scale) -> torch.Tensor:
         """EP_MASKED slab ``[E_local, C, H]`` -> expert outputs ``[E_local, C, H]`` (unweighted)."""
@@ -203,22 +208,25 @@ class TritonExperts(Experts):
                                         routed_scaling_factor=d.routed_scaling_factor, out_dtype=d.compute_dtype,
                                         cfg=cfg, w13_interleaved=d.w13_interleaved)
 
-    def _fused(self, layer, qa: QuantizedActivations, topk) -> torch.Tensor:
+    def _fused(self, layer, data: torch.Tensor, topk, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token list (``_activations``' data and scale) -> ``[T, H]``."""
         compiling = torch.compiler.is_compiling()
         # eager: the Parameters themselves (the launches read pointers; ``.data`` is a torch op per weight and call)
         w = expert_weights(layer, self.decision.fp8_block, detach=compiling)
-        data, scale = self._activations(qa)
-        args = (data, scale, w.w13, w.w2, w.w13_scale, w.w2_scale, topk.weights, topk.ids)
         if compiling:
-            return torch.ops.moe_cuda.triton_fused_experts(self.op_key, *args, self.decision.compute_dtype)
-        return self.run_fused(*args)
+            return torch.ops.moe_cuda.triton_fused_experts(self.op_key, data, scale, *w, topk.weights, topk.ids,
+                                                           self.decision.compute_dtype)
+        return self.run_fused(data, scale, *w, topk.weights, topk.ids)
+
+    apply_tokens = _fused  # a pass-through dispatcher's bf16 token list, without the contract objects
 
     def apply(self, layer: "MoELayer", dispatched):
-        if isinstance(dispatched, StandardDispatch):
-            return StandardCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk))
-        if isinstance(dispatched, EPNormalDispatch):
-            return EPNormalCombine(hidden=self._fused(layer, dispatched.hidden, dispatched.topk),
-                                   handle=dispatched.handle)
+        if isinstance(dispatched, (StandardDispatch, EPNormalDispatch)):
+            data, scale = self._activations(dispatched.hidden)
+            out = self._fused(layer, data, dispatched.topk, scale)
+            if isinstance(dispatched, StandardDispatch):
+                return StandardCombine(hidden=out)
+            return EPNormalCombine(hidden=out, handle=dispatched.handle)
         if isinstance(dispatched, EPMaskedDispatch):
             w = expert_weights(layer, self.decision.fp8_block)
             data, scale = self._activations(dispatched.hidden)

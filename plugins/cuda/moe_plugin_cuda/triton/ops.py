@@ -337,20 +337,37 @@ def fused_experts(
     args = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, fp8_block, activation,
             routed_scaling_factor, out_dtype, cfg, w13_interleaved)
     # (replayable: a one-program alignment, no temporaries; larger calls never pay for a key or a recording)
+    shape = hidden.shape
     state = (launch_mod.direct_state() if programs is not None and replay.enabled
-             and 0 < hidden.shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
+             and 0 < shape[0] * topk_ids.shape[1] <= SMALL_ALIGN_MAX else None)
     if state is None:
         return _fused_experts(*args, out, descriptors, layouts)[0]
     # everything the pipeline reads from its arguments but their data (docs/decisions.md, "A decode forward
-    # replays its launches"); the pointers in the order of the program's tensors (the workspace's last)
-    tensors = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, out)
-    ptrs = [0 if t is None else t.data_ptr() for t in tensors]
-    ptrs.append(0)
-    key = (state, id(cfg), fp8_block, activation, routed_scaling_factor, out_dtype, w13_interleaved, hidden.device,
-           *[None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors],
-           ptrs[0] & 15, ptrs[1] & 15, ptrs[2], ptrs[3], ptrs[4], ptrs[5], ptrs[6] & 15, ptrs[7] & 15, ptrs[8] & 15)
+    # replays its launches" and "The decode host path: ..."): the activations' and routing's shapes, strides, dtypes
+    # and alignment; the weights by identity and whole address (a program keeps them alive, so an id is not reused
+    # while it is kept; a weight given another shape in place at the same address is a weight change: the owner's
+    # process_weights empties the cache); the pointers in the order of the program's tensors (the workspace's last)
+    hp, wp, ip = hidden.data_ptr(), topk_weights.data_ptr(), topk_ids.data_ptr()
+    p13, p2 = w13.data_ptr(), w2.data_ptr()
+    ps13 = ps2 = pa = po = 0
+    scales = None
+    if w13_scale is not None or w2_scale is not None:
+        ps13 = 0 if w13_scale is None else w13_scale.data_ptr()
+        ps2 = 0 if w2_scale is None else w2_scale.data_ptr()
+        scales = (id(w13_scale), ps13, id(w2_scale), ps2)
+    extra = None  # (the layer's calls pass neither)
+    if a_scale is not None or out is not None:
+        pa = 0 if a_scale is None else a_scale.data_ptr()
+        po = 0 if out is None else out.data_ptr()
+        extra = tuple(None if t is None else (t.shape, t.stride(), t.dtype, p & 15)
+                      for t, p in ((a_scale, pa), (out, po)))
+    key = (state, id(cfg), shape, hidden.stride(), hidden.dtype, hidden.device, hp & 15,
+           topk_weights.shape, topk_weights.stride(), topk_weights.dtype, wp & 15,
+           topk_ids.shape, topk_ids.stride(), topk_ids.dtype, ip & 15, id(w13), p13, id(w2), p2, scales, extra,
+           fp8_block, activation, routed_scaling_factor, out_dtype, w13_interleaved)
     program = programs.get(key)
     if program is not None:
+        ptrs = [hp, pa, p13, p2, ps13, ps2, wp, ip, po, 0]
         nbytes, out_shape, device, merged, offset = program.info
         if out is None and merged:  # decode: the output and its small scratch in one allocation (after the output)
             full = torch.empty(merged, dtype=out_dtype, device=device)
@@ -370,13 +387,14 @@ def fused_experts(
         except TypeError:  # a launcher that takes no integer pointer (the check before its launch): never again
             programs.put(key, None)
             return _fused_experts(*args, out, descriptors, layouts)[0]
-        launch_mod.stats["replayed"] += len(program.steps)
+        launch_mod.stats["replayed"] += program.launches
         return out
     if key in programs:  # recorded, not replayable
         return _fused_experts(*args, out, descriptors, layouts)[0]
     with replay.recording() as (recorded, views):
         result, scratch = _fused_experts(*args, out, descriptors, layouts)
-    spans = [replay.span(t) for t in tensors[:8]] + [replay.span(result), scratch]
+    tensors = (hidden, a_scale, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids)
+    spans = [replay.span(t) for t in tensors] + [replay.span(result), scratch]
     program = None
     if not views.computed and (spans[8][0] | spans[9][0]) & 15 == 0:
         nbytes = spans[9][1] - spans[9][0]
@@ -384,7 +402,8 @@ def fused_experts(
         offset = -(-result.numel() * out_dtype.itemsize // 256) * 256  # (where the scratch starts)
         merged = -(-(offset + nbytes) // out_dtype.itemsize) if "decode" in cfg and out is None else 0
         program = replay.build(recorded, spans, fixed=(2, 3, 4, 5),
-                               info=(nbytes, result.shape, result.device, merged, offset), keep=cfg)
+                               info=(nbytes, result.shape, result.device, merged, offset),
+                               keep=(cfg, w13, w2, w13_scale, w2_scale))
     programs.put(key, program)
     return result
 

@@ -15,15 +15,17 @@ A call is kept only where replaying it is exactly the call: every launch went st
 launcher; every tensor parameter lies in exactly one of the call's tensors (a temporary made inside the call,
 e.g. a cast or a copy, is in none: not kept); the only torch operations the call made were allocations and views
 (nothing computed outside the launches); descriptor parameters are over the weights (fixed for the key). The key
-holds whatever the pipeline read from its inputs: shapes, strides, dtypes, devices, the data pointers modulo 16
-(what Triton specializes on; the weights' whole pointers, which their cached TMA descriptors hold), the config
+holds whatever the pipeline read from its inputs: the activations' and routing's shapes, strides, dtypes, device
+and data pointers modulo 16 (what Triton specializes on); the weights by identity and whole address (their cached
+TMA descriptors hold it; the program keeps them alive, and a weight reshaped in place is a weight change, after
+which the owner's ``process_weights`` empties the cache: docs/decisions.md, "The decode host path"), the config
 object, the options and ``launch.direct_state()``.
 """
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Hashable, Optional, Sequence
+import math
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 import triton
@@ -69,23 +71,46 @@ class Program:
     """The launches of one recorded call: ``run(pointers, stream)`` issues them again, the call's tensors at
     ``pointers`` (the order of ``build``'s spans). ``info``: what the caller kept with it (e.g. what to allocate).
 
-    Per call the addresses (tensor, byte offset) the launches take are computed once, into one list after which
-    the constant parameters follow; each launch picks its parameters out of it with a C-level ``itemgetter``."""
+    ``run`` is a function generated for the program (as Triton generates its own argument binders): one
+    statement per distinct address (which tensor + byte offset) and one launcher call per launch, its grid and
+    its constant parameters written as literals (ints, bools, None, finite floats), its launcher, kernel handle,
+    metadata and other constants as the function's globals. A loop that built each launch's parameters from a
+    list cost about as much as the launches' own Python (docs/decisions.md, "The decode host path")."""
 
-    __slots__ = ("addresses", "constants", "steps", "info", "keep")
+    __slots__ = ("run", "launches", "info", "keep", "source")
 
-    def __init__(self, addresses: list, constants: list, steps: list, info: Any, keep: Any) -> None:
-        self.addresses = addresses  # (which tensor, byte offset) of each distinct address a launch takes
-        self.constants = constants  # the other parameters' values
-        self.steps = steps  # (launcher, grid x, y, z, function, metadata, its parameters' itemgetter)
+    def __init__(self, run: Callable[[Sequence[int], int], None], launches: int, info: Any, keep: Any,
+                 source: str) -> None:
+        self.run = run  # run(pointers, stream)
+        self.launches = launches
         self.info = info
         self.keep = keep  # what the key names by identity (kept alive, so that its id is not reused)
+        self.source = source  # run's generated code (for reading: what a replay issues)
 
-    def run(self, pointers: Sequence[int], stream: int) -> None:
-        values = [pointers[which] + offset for which, offset in self.addresses]
-        values += self.constants
-        for run, g0, g1, g2, function, metadata, params in self.steps:
-            run(g0, g1, g2, stream, function, metadata, None, None, None, *params(values))
+
+def _generate(addresses: list, constants: list, steps: list) -> tuple[Callable, str]:
+    """``Program.run`` for launches ``steps`` = (launcher, grid, function, metadata, parameters as (is an
+    address, index into ``addresses`` or ``constants``))."""
+    names: dict[str, Any] = {}
+    lines = ["def run(pointers, stream):"]
+    lines += [f"    a{i} = pointers[{which}] + {offset}" for i, (which, offset) in enumerate(addresses)]
+
+    def constant(i: int) -> str:  # (ints, bools, None and finite floats as literals: no lookup per call)
+        value = constants[i]
+        if value is None or type(value) in (int, bool) or (type(value) is float and math.isfinite(value)):
+            return repr(value)
+        names[f"c{i}"] = value
+        return f"c{i}"
+
+    for j, (launcher, grid, function, metadata, pick) in enumerate(steps):
+        names[f"launcher{j}"], names[f"function{j}"], names[f"metadata{j}"] = launcher, function, metadata
+        g = [int(x) for x in grid] + [1] * (3 - len(grid))
+        params = "".join(f", a{i}" if address else f", {constant(i)}" for address, i in pick)
+        lines.append(f"    launcher{j}({g[0]}, {g[1]}, {g[2]}, stream, function{j}, metadata{j}, None, None, None"
+                     f"{params})")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<moe_plugin_cuda.triton.replay program>", "exec"), names)  # noqa: S102 (our own text)
+    return names["run"], source
 
 
 def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Sequence[int], info: Any = None,
@@ -103,8 +128,8 @@ def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Seq
         return None
     addresses: dict[tuple[int, int], int] = {}  # (which, offset) -> its index in Program.run's values
     constants: list = []
-    picks = []  # per launch: each parameter's (is an address, index)
-    for compiled, _, params in recorded:
+    steps = []
+    for compiled, grid, params in recorded:
         if compiled is None:
             return None
         pick = []
@@ -123,15 +148,9 @@ def build(recorded: list, spans: Sequence[Optional[tuple[int, int]]], fixed: Seq
                 return None
             pick.append((False, len(constants)))
             constants.append(a)
-        picks.append(pick)
-    steps = []
-    for (compiled, grid, _), pick in zip(recorded, picks, strict=True):
-        indices = [i if address else len(addresses) + i for address, i in pick]
-        params = operator.itemgetter(*indices) if len(indices) > 1 else (lambda values, i=indices: tuple(
-            values[j] for j in i))
-        steps.append((compiled.run, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                      compiled.function, compiled.packed_metadata, params))
-    return Program(list(addresses), constants, steps, info, keep)
+        steps.append((compiled.run, grid, compiled.function, compiled.packed_metadata, pick))
+    run, source = _generate(list(addresses), constants, steps)
+    return Program(run, len(steps), info, keep, source)
 
 
 class recording:
