@@ -120,12 +120,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--traces", action="store_true")
     ap.add_argument("--stack", action="store_true", help="the traces with Python frames (where the host time goes)")
-    args = ap.parse_args()
+    run_world(worker, ap.parse_args())
+
+
+def run_world(worker, args, world: int = 2) -> None:
+    """``worker(rank, world, port, args)`` on ``world`` spawned ranks (127.0.0.1, a free port), ``args.out`` made."""
     os.makedirs(args.out, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args), nprocs=2)
+    mp.spawn(worker, args=(world, port, args), nprocs=world)
 
 
 if __name__ == "__main__":

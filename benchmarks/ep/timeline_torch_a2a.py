@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profile_torch_a2a import make  # noqa: E402
+from profile_torch_a2a import make, run_world  # noqa: E402
 
 from moe_core.distributed import torch_a2a  # noqa: E402
 from moe_core.plugins import get_plugin_manager  # noqa: E402
@@ -238,12 +236,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--pieces", action="store_true", help="also each piece's host cost, called on its own")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port, args), nprocs=2)
+    run_world(worker, ap.parse_args())
 
 
 if __name__ == "__main__":

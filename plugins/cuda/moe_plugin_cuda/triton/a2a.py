@@ -216,6 +216,32 @@ def _e4m3_bits(q):
 
 
 @triton.jit
+def _fp8_groups(v, inv_qmax, QMAX: tl.constexpr, FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """fp32 ``v [groups, GROUP]`` -> (its e4m3 codes, uint8, and one fp32 scale per group), as the core quantizer."""
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
+    scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+    return _e4m3_bits(tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)), scale
+
+
+@triton.jit
+def _int8_scale(x_row, HL, H, inv_qmax, BH: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                RECIPROCAL: tl.constexpr):
+    """A token's one fp32 INT8 scale (its first ``HL`` of ``H`` channels)."""
+    amax = tl.zeros([BH], dtype=tl.float32)
+    for start in range(0, H, BH):
+        offs = start + tl.arange(0, BH)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax), FLOOR)
+    return scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+
+
+@triton.jit
+def _int8_codes(v, scale, QMAX: tl.constexpr):
+    q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
+    return tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+
+
+@triton.jit
 def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl.constexpr, WIRE: tl.constexpr,
                  NS: tl.constexpr, GROUP: tl.constexpr, GB: tl.constexpr, BH: tl.constexpr, QMAX: tl.constexpr,
                  FLOOR: tl.constexpr, RECIPROCAL: tl.constexpr):
@@ -234,26 +260,17 @@ def _store_token(x_row, HL, send_ptr, base, sent, valid, H, DP, inv_qmax, WP: tl
             g = start // GROUP + tl.arange(0, GB)
             offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
-            scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
-            q = _e4m3_bits(q)
+            q, scale = _fp8_groups(v, inv_qmax, QMAX, FLOOR, RECIPROCAL)
             tl.store(send_ptr + base[:, None, None] + offs[None, :, :], q[None, :, :],
                      mask=sent[:, None, None] & (offs < H)[None, :, :])
             tl.store((side[:, None]).to(tl.pointer_type(tl.float32)) + g[None, :],
                      tl.where(valid[:, None], scale[None, :], 0.0), mask=sent[:, None] & (g < NS)[None, :])
     else:  # INT8, one fp32 scale per token
-        amax = tl.zeros([BH], dtype=tl.float32)
-        for start in range(0, H, BH):
-            offs = start + tl.arange(0, BH)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.max(amax), FLOOR)
-        scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+        scale = _int8_scale(x_row, HL, H, inv_qmax, BH, QMAX, FLOOR, RECIPROCAL)
         for start in range(0, H, BH):
             offs = start + tl.arange(0, BH)
             v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
-            q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
-            q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+            q = _int8_codes(v, scale, QMAX)
             tl.store((send_ptr + base[:, None]).to(tl.pointer_type(tl.int8)) + offs[None, :], q[None, :],
                      mask=sent[:, None] & (offs < H)[None, :])
         tl.store(side.to(tl.pointer_type(tl.float32)), tl.where(valid, scale, 0.0), mask=sent)
@@ -280,27 +297,18 @@ def _store_token_pairs(x_row, HL, slab_ptr, scale_ptr, rows, here, H, DB, inv_qm
             g = start // GROUP + tl.arange(0, GB)
             offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
-            scale = tl.maximum(tl.max(tl.abs(v), axis=1), FLOOR)
-            scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -QMAX), QMAX)
-            q = _e4m3_bits(q)
+            q, scale = _fp8_groups(v, inv_qmax, QMAX, FLOOR, RECIPROCAL)
             for k in tl.static_range(K):
                 row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
                 ok = tl.sum(tl.where(kk == k, here.to(tl.int32), 0), axis=0) + g * 0 > 0
                 tl.store(slab_ptr + row * DB + offs, q, mask=ok[:, None] & (offs < H))
                 tl.store(scale_ptr + row * NS + g, scale, mask=ok & (g < NS))
     else:
-        amax = tl.zeros([BH], dtype=tl.float32)
-        for start in range(0, H, BH):
-            offs = start + tl.arange(0, BH)
-            amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)))
-        scale = tl.maximum(tl.max(amax), FLOOR)
-        scale = scale * inv_qmax if RECIPROCAL else tl.math.div_rn(scale, QMAX)
+        scale = _int8_scale(x_row, HL, H, inv_qmax, BH, QMAX, FLOOR, RECIPROCAL)
         for start in range(0, H, BH):
             offs = start + tl.arange(0, BH)
             v = tl.load(x_row + offs, mask=offs < HL, other=0.0).to(tl.float32)
-            q = (tl.math.div_rn(v, scale) + _MAGIC) - _MAGIC
-            q = tl.minimum(tl.maximum(q, -QMAX), QMAX).to(tl.int8)
+            q = _int8_codes(v, scale, QMAX)
             for k in tl.static_range(K):
                 row = tl.sum(tl.where(kk == k, rows, 0), axis=0)
                 ok = tl.sum(tl.where(kk == k, here.to(tl.int32), 0), axis=0) + offs * 0 > 0
