@@ -13,8 +13,12 @@ Each cell (preset x quant x T x backend; ``auto`` = the planner's pick, reported
             runs them is timed at the host's pace, as an engine without graphs sees it (median)
   host_us   CPU time of the forward with the GPU idle (launches are asynchronous; median)
   floor_us  the memory floor: bytes of the touched experts' weights (+ FP8 block scales) and of the
-            activations in and out at ``--bw`` (3.0 TB/s, the H100 figure ``moe_core.bench`` uses),
-            or the FLOP floor if that is higher (``moe_core.bench.floor_model``)
+            activations in and out at the device's bandwidth in ``moe_core.bench.DEVICE_PEAKS`` (H100 3.0 TB/s,
+            H200 4.3; ``--bw`` overrides), or the FLOP floor if that is higher (``moe_core.bench.floor_model``)
+
+``--own-tables-only`` ignores the tables of a stand-in device (``tuning_configs.TABLE_STAND_INS``: an H200 reads
+the H100's): what the device runs on the untuned heuristics. The report also gives a device-to-device copy's
+bandwidth measured at the start (bytes read and written), next to the floor's figure.
 
 Writes ``decode-<gpu>-<date>.json`` (a list of rows {"preset", "quant", "T", "backend", "graph_us",
 "eager_us", "host_us", "floor_us"}; ``graph_us`` null where there is no graph) and the same as a
@@ -41,14 +45,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from host_time import PRESETS, build_layer, host_times, make_inputs, sync, warm_up  # noqa: E402
 
-from moe_core.bench import floor_model  # noqa: E402
+from moe_core.bench import device_peaks, floor_model  # noqa: E402
 from moe_core.config import MoEConfig, RouterConfig, preset  # noqa: E402
 from moe_core.contracts import QuantScheme  # noqa: E402
 from moe_core.planner import PlanError, plan  # noqa: E402
 
 GRAPH_CALLS = 20  # forwards per captured graph
-FLUSH_BYTES = 256 << 20  # > 5x the H100's 50 MB L2
-BW, PEAK_BF16, PEAK_FP8 = 3.0e12, 732e12, 1288e12  # moe_core.bench's H100 figures
+FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 # --cpu-smoke: a layer small enough for the reference backend on a CI machine
 SMOKE = dict(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
              router=RouterConfig(scoring="softmax", renormalize=True))
@@ -103,13 +106,34 @@ def eager_times(call: Callable[[], Any], device: torch.device, reps: int) -> lis
     return out
 
 
-def floor_us(cfg: MoEConfig, T: int, touched: int) -> float:
-    fp8 = cfg.quant in (QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN)
-    return floor_model(cfg, T, touched, BW, PEAK_FP8 if fp8 else PEAK_BF16)["floor_s"] * 1e6
+def floor_us(cfg: MoEConfig, T: int, touched: int, peaks: tuple[float, float, float]) -> Optional[float]:
+    """The cell's floor at ``peaks`` (bandwidth, peak bf16, peak FP8), or None where they are unknown."""
+    bw, bf16, fp8 = peaks
+    if bw is None:
+        return None
+    scaled = cfg.quant in (QuantScheme.FP8_BLOCK, QuantScheme.FP8_PER_TOKEN)
+    return floor_model(cfg, T, touched, bw, fp8 if scaled else bf16)["floor_s"] * 1e6
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Bytes read and written per second by a device-to-device copy of ``nbytes`` (median of 10)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    out = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        out.append(2 * nbytes / (start.elapsed_time(end) * 1e-3))
+    return statistics.median(out)
 
 
 def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backends: list[str], tokens: list[int],
-              device: torch.device, reps: int, warm_only: bool = False) -> list[dict[str, Any]]:
+              device: torch.device, reps: int, warm_only: bool = False,
+              peaks: tuple[float, float, float] = (None, None, None)) -> list[dict[str, Any]]:
     """Rows for each (preset name, quant, config for an experts backend) x backend x T."""
     rows = []
     for name, q, make_cfg in configs:
@@ -150,7 +174,7 @@ def run_cells(configs: list[tuple[str, str, Callable[[str], MoEConfig]]], backen
                 row = {"preset": name, "quant": q, "T": T, "backend": backend,
                        "graph_us": None if graph is None else round(graph * 1e6, 2),
                        "eager_us": round(eager * 1e6, 2), "host_us": round(host * 1e6, 2),
-                       "floor_us": round(floor_us(cfg, T, touched), 2)}
+                       "floor_us": None if (f := floor_us(cfg, T, touched, peaks)) is None else round(f, 2)}
                 rows.append(row)
                 pick = " (pick)" if backend == picked else ""
                 print(f"  {name:16s} {q:11s} T={T:<3d} {backend + pick:16s} graph {row['graph_us']} eager "
@@ -167,17 +191,19 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"`{meta['command']}` (torch {meta['torch']}, triton {meta.get('triton', '-')}); microseconds per "
             "forward, median; graph = many forwards replayed in one CUDA graph, eager = from an idle GPU with "
             "L2 flushed, host = CPU time of the call with the GPU idle, floor = touched experts' weights + "
-            f"activations at {BW / 1e12:g} TB/s; frac = floor / graph. Planner's pick: "
+            f"activations at {meta['bw_tbs']} TB/s (a device-to-device copy measured {meta.get('copy_tbs', '-')} "
+            "TB/s read + written); frac = floor / graph. Planner's pick: "
             + ", ".join(f"{k}: {v}" for k, v in meta["auto_plan"].items()), "",
             "| preset | quant | T | backend | graph_us | eager_us | host_us | floor_us | frac |",
             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         g = r["graph_us"]
-        frac = f"{r['floor_us'] / g:.2f}" if g else "-"
+        floor = r["floor_us"]
+        frac = f"{floor / g:.2f}" if g and floor else "-"
         pick = " (pick)" if meta["auto_plan"].get(f"{r['preset']}/{r['quant']}") == r["backend"] else ""
         head.append(f"| {r['preset']} | {r['quant']} | {r['T']} | {r['backend']}{pick} | "
                     f"{'-' if g is None else f'{g:.1f}'} | {r['eager_us']:.1f} | {r['host_us']:.1f} | "
-                    f"{r['floor_us']:.1f} | {frac} |")
+                    f"{'-' if floor is None else f'{floor:.1f}'} | {frac} |")
     return "\n".join(head) + "\n"
 
 
@@ -190,14 +216,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
-    p.add_argument("--gpu", default="h100", help="the file name's device tag")
+    p.add_argument("--gpu", help="the file name's device tag (default: h100 or h200 from the device's name)")
+    p.add_argument("--bw", type=float, help="the floor's bandwidth, B/s (default: moe_core.bench.DEVICE_PEAKS)")
+    p.add_argument("--own-tables-only", action="store_true",
+                   help="ignore a stand-in device's tables (tuning_configs.TABLE_STAND_INS): the untuned heuristics")
     p.add_argument("--warm-only", action="store_true", help="run each cell once, time nothing, write nothing")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU reference backend (CI)")
     args = p.parse_args(argv)
 
+    peaks: tuple = (None, None, None)
     if args.cpu_smoke:
         torch.set_num_threads(1)  # a shared CI machine: threads only contend
         device, kind, tag = torch.device("cpu"), "cpu", "cpu-smoke"
+        peaks = device_peaks("H100")  # (a floor to check the arithmetic against: the H100's figures)
         configs = [("smoke", q, lambda b, q=q: MoEConfig(**SMOKE, quant=q, device="cpu",
                                                           experts="reference" if b == "auto" else b))
                    for q in args.quant]
@@ -206,13 +237,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not torch.cuda.is_available():
             print("decode.py needs a CUDA device (or --cpu-smoke)", file=sys.stderr)
             return 1
-        device, kind, tag = torch.device("cuda", torch.cuda.current_device()), "cuda", args.gpu
+        device, kind = torch.device("cuda", torch.cuda.current_device()), "cuda"
+        name = torch.cuda.get_device_name(device)
+        tag = args.gpu or next((g.lower() for g in ("H100", "H200") if g in name), "gpu")
+        peaks = device_peaks(name)
+        if args.own_tables_only:
+            from moe_plugin_cuda.triton import tuning_configs
+
+            tuning_configs.TABLE_STAND_INS = {}
         configs = [(name, q, lambda b, name=name, q=q: preset(name, quant=q, device="cuda", experts=b))
                    for name in args.presets for q in args.quant]
         backends = args.backends
     t0, threads = time.time(), torch.get_num_threads()
     try:
-        rows = run_cells(configs, backends, args.tokens, device, args.reps, args.warm_only)
+        if args.bw:
+            peaks = (args.bw, *peaks[1:])
+        copy = None if kind != "cuda" or args.warm_only else copy_bandwidth(device)
+        rows = run_cells(configs, backends, args.tokens, device, args.reps, args.warm_only, peaks)
     finally:
         torch.set_num_threads(threads)
     print(f"{len(rows)} cells in {time.time() - t0:.0f} s", file=sys.stderr)
@@ -226,6 +267,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             auto[f"{name}/{q}"] = f"none ({exc.summary})"
     meta = {"device": torch.cuda.get_device_name(device) if kind == "cuda" else platform.processor() or "cpu",
             "date": args.date, "torch": torch.__version__, "auto_plan": auto,
+            "bw_tbs": "-" if peaks[0] is None else f"{peaks[0] / 1e12:g}",
+            "copy_tbs": "-" if copy is None else f"{copy / 1e12:.2f}",
             "command": "python benchmarks/cuda/decode.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     try:
         import triton

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31's device pass on one H100, inside BUDGET_S seconds (default 340):
+# Issue 31's device pass on one H100 (or H200: the same chip), inside BUDGET_S seconds (default 340):
 #   1. install this tree and the CUTLASS / DeepGEMM headers (WHEELHOUSE: a folder of their wheels); the cutlass
 #      backend's libraries start building in the background
 #   (GPU tests start first: TESTS_K below, bounded by TESTS_S seconds where given; with SWEEP they run alongside its
@@ -18,6 +18,9 @@
 #   5. host_time.py on this tree (T=1, sections) -> OUT/host_time.md; with BASE, host_time.py at T=1 on BASE (the
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
 #   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
+#   7. with DECODE_AGAIN (decode.py argument sets separated by ";", e.g. "--own-tables-only --gpu h200-own"), decode.py
+#      once more per set, the same cells (warmed in step 3 too) -> OUT/decode-<its tag>-<date>.{json,md}
+# TEST_FILES: the GPU tests' files (default: the decode path's and the layers', plugins/cuda/tests/test_*.py).
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # PRESETS (default all four): the presets of decode.py and host_time.py; QUANT (default both): decode.py's.
 # Usage (repo root): WHEELHOUSE=DIR BASE=DIR SWEEP="..." bash benchmarks/cuda/decode_h100.sh OUT
@@ -54,7 +57,7 @@ if [ "$TESTS_K" != none ]; then  # (with SWEEP: alongside its compile phase, end
   say "GPU tests start (-k '$TESTS_K')"
   timeout "${TESTS_S:-$(until_left $(( ${WARM_LEFT:-190} + 5 )))}" python3 -m pytest plugins/cuda/tests/test_decode.py \
     plugins/cuda/tests/test_replay.py plugins/cuda/tests/test_launch.py plugins/cuda/tests/test_triton.py \
-    plugins/cuda/tests/test_cutlass.py -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
+    plugins/cuda/tests/test_cutlass.py $TEST_FILES -m gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-4} -k "$TESTS_K" > "$OUT/gpu_tests.log" 2>&1 &
   TESTS_PID=$!
 fi
 
@@ -85,9 +88,11 @@ fi
 say "warm Triton's cache, GPU tests"
 
 for p in $PRESETS; do
-  (for b in ${BACKENDS:-triton cutlass}; do
-     python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends $b --tokens ${TOKENS:-1 16 64} \
-       ${QUANT:+--quant $QUANT}; done
+  (IFS=';' read -ra AGAIN <<< "$DECODE_AGAIN"
+   for b in ${BACKENDS:-triton cutlass}; do
+     for a in "" "${AGAIN[@]}"; do
+       python3 "$BENCH/decode.py" --warm-only --presets "$p" --backends $b --tokens ${TOKENS:-1 16 64} \
+         ${QUANT:+--quant $QUANT} $a; done; done
   ) > "$LOGS/warm_$p.log" 2>&1 &
 done
 if [ -n "$BASE" ]; then
@@ -107,6 +112,15 @@ fi
 say decode
 timeout "$(until_left 30)" python3 "$BENCH/decode.py" --presets $PRESETS --tokens ${TOKENS:-1 16 64} \
   --backends ${BACKENDS:-auto triton cutlass} ${QUANT:+--quant $QUANT} --out-dir "$OUT" 2>&1 | tail -n 70
+
+if [ -n "$DECODE_AGAIN" ]; then
+  IFS=';' read -ra AGAIN <<< "$DECODE_AGAIN"
+  for a in "${AGAIN[@]}"; do
+    say "decode ($a)"
+    timeout "$(until_left 30)" python3 "$BENCH/decode.py" --presets $PRESETS --tokens ${TOKENS:-1 16 64} \
+      --backends ${BACKENDS:-auto triton cutlass} ${QUANT:+--quant $QUANT} --out-dir "$OUT" $a 2>&1 | tail -n 70
+  done
+fi
 
 say "host_time (this tree)"
 HT_LEFT=3; [ -n "$BASE" ] && HT_LEFT=25; [ -n "$EXTRA_TOKENS" ] && HT_LEFT=35  # (what the phases after get)

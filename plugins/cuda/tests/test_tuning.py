@@ -84,6 +84,36 @@ def test_tuned_config_files_carry_the_kernel_version(tmp_path):
     assert cfg["gemm1"]["BLOCK_M"] == 32
 
 
+def test_a_stand_in_devices_tables_serve_until_the_device_has_its_own(tmp_path, monkeypatch):
+    """An H200 reads the H100's tables (same chip) for the pipeline, the cutlass paths and the decode kernels; a
+    table under its own name wins; a device with no stand-in gets the heuristics."""
+    import json
+
+    from moe_plugin_cuda.triton import tuning_configs as tc
+
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert tc.TABLE_STAND_INS[h200] == h100 and tc.table_devices(h100) == (h100,)
+    shape = dict(E=128, inter=768, H=2048)  # qwen3-30b-a3b: the package holds the H100's tables for it
+    for kernel in (tc.TRITON_TABLE, tc.CUTLASS_TABLE):
+        entry, name = tc.lookup(64, *shape.values(), "fp8_block", h200, kernel=kernel)
+        assert entry is not None and name == tc.config_file_name(*shape.values(), h100, "fp8_block", kernel)
+        assert entry == tc.lookup(64, *shape.values(), "fp8_block", h100, kernel=kernel)[0]
+    assert tc.get_config(64, 128, 8, 768, 2048, "bf16", "Some GPU")[1] == "heuristic"
+    h100_decode = tc.decode_plan(1, 128, 8, 768, 2048, "bf16", h100)
+    assert h100_decode is not None and tc.decode_plan(1, 128, 8, 768, 2048, "bf16", h200) is h100_decode
+    c = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=2, num_stages=2)
+    own = tc.config_file_name(*shape.values(), h200, "bf16")
+    tc.save_table(tmp_path / own, {64: {"gemm1": c, "gemm2": c}})
+    entry, name = tc.lookup(64, *shape.values(), "bf16", h200, str(tmp_path))
+    assert name == own and entry["gemm1"]["BLOCK_N"] == 32
+    own_decode = {"max_tokens": 4, "config": {"decode": {"BLOCK_I": 8}}}
+    shape_key = tc.decode_shape(128, 8, 768, 2048, "bf16")
+    (tmp_path / tc.decode_table_name(h200)).write_text(json.dumps({shape_key: own_decode}))
+    assert tc.decode_plan(4, 128, 8, 768, 2048, "bf16", h200, str(tmp_path)) == own_decode["config"]
+    monkeypatch.setattr(tc, "TABLE_STAND_INS", {})
+    assert tc.lookup(64, *shape.values(), "fp8_block", h200) == (None, "")
+
+
 def test_shipped_tables_follow_the_kernels_rules():
     """Every shipped table measured every T the benchmark runs (the lookup takes the nearest entry: a
     table starting at T=1024 ran its T=1024 path at T=1); every entry: both GEMMs share BLOCK_M and

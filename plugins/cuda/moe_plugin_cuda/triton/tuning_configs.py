@@ -40,6 +40,16 @@ OPTIONAL_KEYS = {"TWO_ACC": 0, "B_TMA": 0, "TAIL_TILES": 0, "A_TMA": 0}
 TRITON_TABLE = f"v{KERNEL_VERSION}"
 CUTLASS_TABLE = "cutlass-v1"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# A device with no table of its own reads the tables of the same processor measured on another part: the H200 is the
+# H100's chip (same SMs, shared memory and clocks) with faster memory (docs/decisions.md, "Tables of a stand-in
+# device"). Its own tables, once swept, win. ``lookup`` returns the file it read.
+TABLE_STAND_INS = {"NVIDIA H200": "NVIDIA H100 80GB HBM3"}
+
+
+def table_devices(device_name: str) -> tuple[str, ...]:
+    """The device names whose tables a device reads, its own first."""
+    stand_in = TABLE_STAND_INS.get(device_name)
+    return (device_name,) if stand_in is None else (device_name, stand_in)
 
 
 def table_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
@@ -132,8 +142,8 @@ def as_two_acc(cfg: dict[str, dict[str, int]], keep_tma: bool = False) -> dict[s
 def lookup(M: int, E: int, inter: int, H: int, dtype: str, device_name: Optional[str],
            config_dir: Optional[str] = None, kernel: str = TRITON_TABLE) -> tuple[Optional[dict[str, Any]], str]:
     """(entry of the tuned table nearest to M, file name), or (None, "") when no table exists."""
-    if device_name:
-        name = config_file_name(E, inter, H, device_name, dtype, kernel)
+    names = [config_file_name(E, inter, H, dev, dtype, kernel) for dev in table_devices(device_name)] if device_name else []
+    for name in names:
         for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
             table = _load(os.path.join(d, name))
             if table:
@@ -204,13 +214,15 @@ def decode_plan(T: int, E: int, top_k: int, inter: int, H: int, dtype: str, devi
     ``max_tokens``, or past ``max_tokens`` when given). The same object for every T of a shape (callers key
     recorded launches on it by identity and cache it per T)."""
     entry = None
-    if device_name:
-        shape = decode_shape(E, top_k, inter, H, dtype)
+    shape = decode_shape(E, top_k, inter, H, dtype)
+    for dev in table_devices(device_name) if device_name else ():
         for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
-            table = _load_decode(os.path.join(d, decode_table_name(device_name)))
+            table = _load_decode(os.path.join(d, decode_table_name(dev)))
             if table and shape in table:
                 entry = table[shape]
                 break
+        if entry is not None:
+            break
     if max_tokens is not None:
         limit = max_tokens
     elif entry is not None:
