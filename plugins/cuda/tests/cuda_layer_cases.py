@@ -135,16 +135,22 @@ def refill_inputs(layer, x, topk):
     topk.ids.copy_(new.ids)
 
 
-def replay_on_new_inputs(layer, x, topk, expected, tol):
+def replay_on_new_inputs(layer, x, topk, expected, tol, fp8_scheme=None):
     """One forward of ``layer`` captured in a CUDA graph (after a warm-up on a side stream), then replayed twice
     on new tokens and routing written into the captured ``x`` and ``topk``: each replay against
-    ``expected(x, topk)`` within ``tol``."""
+    ``expected(x, topk)`` within ``tol``; with ``fp8_scheme`` (``(x, topk)`` -> ``fp8_scheme_reference``'s pair),
+    within ``tol`` of that, allowing its flip slack (at T = 1 one h value at an e4m3 rounding midpoint, rounded the
+    other way, measured 0.035-0.039 against float64: over 0.03 with no fault)."""
     g, out = capture_forward(layer, x, topk)
     for _ in range(2):
         refill_inputs(layer, x, topk)
         g.replay()
         torch.cuda.synchronize()
-        assert relative_error(out, expected(x, topk)) < tol
+        if fp8_scheme is not None:
+            ok, err = within_fp8_scheme(out, fp8_scheme(x, topk), tol)
+            assert ok, err
+        else:
+            assert relative_error(out, expected(x, topk)) < tol
 
 
 def check_compiled(backend, quant, options):
