@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import GRAPH_CALLS, eager_times, floor_us, graph_time  # noqa: E402
 from host_time import build_layer, host_times, make_inputs, warm_up  # noqa: E402
 
+from moe_core.bench import device_peaks  # noqa: E402
 from moe_core.config import preset  # noqa: E402
 from moe_core.contracts import QuantScheme, TopK  # noqa: E402
 
@@ -318,6 +319,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                   l2pf=tuple(args.l2pf))
     forms = () if args.current_only else tuple(args.forms)
     dev = torch.device("cuda", torch.cuda.current_device())
+    peaks = device_peaks(torch.cuda.get_device_name(dev))
     rows = []
     for name in args.presets:
         for q in args.quant:
@@ -337,8 +339,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             for T in args.tokens:
                 tag = f"{name:16s} {q:11s} T={T:<3d}"
                 x, topk, touched = make_inputs(cfg, layer, T)
+                floor = floor_us(cfg, T, touched, peaks)
                 row: dict[str, Any] = {"preset": name, "quant": q, "T": T,
-                                       "floor_us": round(floor_us(cfg, T, touched), 2)}
+                                       "floor_us": None if floor is None else round(floor, 2)}
                 try:
                     if T in args.sweep_tokens:
                         row["kernels"] = sweep_kernels(tag, x, topk, w, fp8, experts.decision.w13_interleaved,
@@ -362,7 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         row[label] = {"graph_us": round(g, 2), "eager_us": round(e, 2), "host_us": round(hst, 2),
                                       "config": experts.fused_config(T, dev)}
                         print(f"  {tag} layer {label:8s} graph {g:.1f} eager {e:.1f} host {hst:.1f} floor "
-                              f"{row['floor_us']} frac {row['floor_us'] / g:.2f}", file=sys.stderr, flush=True)
+                              f"{row['floor_us']} frac {(row['floor_us'] or float('nan')) / g:.2f}", file=sys.stderr,
+                              flush=True)
                 except Exception as exc:
                     print(f"  {tag}: FAILED {type(exc).__name__}: {str(exc)[:300]}", file=sys.stderr)
                 rows.append(row)
@@ -379,14 +383,18 @@ def current_config(cfg, table_path: Optional[str]) -> Optional[dict]:
     """The shape's config in the decode table at ``table_path`` (else the package's for this device), if any."""
     from moe_plugin_cuda.triton import tuning_configs
 
-    path = table_path or str(tuning_configs.CONFIG_DIR / tuning_configs.decode_table_name(torch.cuda.get_device_name()))
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        table = json.load(f)
     dtype = tuning_configs.table_dtype(cfg.quant, cfg.params_dtype)
     key = tuning_configs.decode_shape(cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size, dtype)
-    return table.get(key, {}).get("config")
+    paths = [table_path] if table_path else [  # this device's table, else its stand-in's (what the layer runs)
+        str(tuning_configs.CONFIG_DIR / tuning_configs.decode_table_name(d))
+        for d in tuning_configs.table_devices(torch.cuda.get_device_name())]
+    for path in paths:
+        if os.path.exists(path):
+            with open(path) as f:
+                entry = json.load(f).get(key)
+            if entry is not None:
+                return entry.get("config")
+    return None
 
 
 def write(rows: list[dict[str, Any]], args) -> None:
