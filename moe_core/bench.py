@@ -56,8 +56,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # (name substring, bandwidth B/s, peak bf16 FLOP/s, peak FP8 FLOP/s): the figures of moe-plugin-cuda's
 # performance bar for the H100 SXM (issue #5; benchmarks/cuda/vs_bar.py scores against them); the H200 is the same
-# chip with faster memory: 4.3 TB/s, a device-to-device copy's (read + written) on the lent H200s
-# (benchmarks/cuda/results/decode-h200-2026-11-29.md), as 3.0 is about the H100's
+# chip with faster memory: 4.3 TB/s, 0.9 of its datasheet's 4.8 as 3.0 is of the H100's 3.35 (device-to-device copies
+# measured 4.2-4.3 TB/s read + written on the lent H200s: benchmarks/cuda/results/decode-h200-2026-11-29.md)
 DEVICE_PEAKS = (("H100", 3.0e12, 732e12, 1288e12), ("H200", 4.3e12, 732e12, 1288e12))
 
 

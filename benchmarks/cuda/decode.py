@@ -238,9 +238,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("decode.py needs a CUDA device (or --cpu-smoke)", file=sys.stderr)
             return 1
         device, kind = torch.device("cuda", torch.cuda.current_device()), "cuda"
-        name = torch.cuda.get_device_name(device)
-        tag = args.gpu or next((g.lower() for g in ("H100", "H200") if g in name), "gpu")
-        peaks = device_peaks(name)
+        device_name = torch.cuda.get_device_name(device)
+        tag = args.gpu or next((g.lower() for g in ("H100", "H200") if g in device_name), "gpu")
+        peaks = device_peaks(device_name)
         if args.own_tables_only:
             from moe_plugin_cuda.triton import tuning_configs
 

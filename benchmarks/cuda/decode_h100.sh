@@ -18,8 +18,9 @@
 #   5. host_time.py on this tree (T=1, sections) -> OUT/host_time.md; with BASE, host_time.py at T=1 on BASE (the
 #      code before, imported through PYTHONPATH) -> OUT/host_time_base.md
 #   6. with EXTRA_TOKENS, decode.py for the planner's pick at those T in what is left (rows printed, files in the logs)
-#   7. with DECODE_AGAIN (and DECODE_LEFT, the seconds step 4 leaves for it) (decode.py argument sets separated by ";", e.g. "--own-tables-only --gpu h200-own"), decode.py
-#      once more per set, the same cells (warmed in step 3 too) -> OUT/decode-<its tag>-<date>.{json,md}
+#   7. with DECODE_AGAIN (decode.py argument sets separated by ";", e.g. "--own-tables-only --gpu h200-own"), decode.py
+#      once more per set, the same cells (warmed in step 3 too) -> OUT/decode-<its tag>-<date>.{json,md};
+#      DECODE_LEFT: the seconds step 4 leaves for them (default 30)
 # TEST_FILES: the GPU tests' files (default: the decode path's and the layers', plugins/cuda/tests/test_*.py).
 # Each phase gets what is left of the budget; the logs of the rest are in OUT/logs.tar.
 # PRESETS (default all four): the presets of decode.py and host_time.py; QUANT (default both): decode.py's.
