@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from host_time import PRESETS, build_layer, host_times, make_inputs, sync, warm_up  # noqa: E402
 
-from moe_core.bench import device_peaks, floor_model  # noqa: E402
+from moe_core.bench import DEVICE_PEAKS, device_peaks, floor_model  # noqa: E402
 from moe_core.config import MoEConfig, RouterConfig, preset  # noqa: E402
 from moe_core.contracts import QuantScheme  # noqa: E402
 from moe_core.planner import PlanError, plan  # noqa: E402
@@ -239,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 1
         device, kind = torch.device("cuda", torch.cuda.current_device()), "cuda"
         device_name = torch.cuda.get_device_name(device)
-        tag = args.gpu or next((g.lower() for g in ("H100", "H200") if g in device_name), "gpu")
+        tag = args.gpu or next((needle.lower() for needle, *_ in DEVICE_PEAKS if needle in device_name), "gpu")
         peaks = device_peaks(device_name)
         if args.own_tables_only:
             from moe_plugin_cuda.triton import tuning_configs
@@ -248,10 +248,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         configs = [(name, q, lambda b, name=name, q=q: preset(name, quant=q, device="cuda", experts=b))
                    for name in args.presets for q in args.quant]
         backends = args.backends
+    if args.bw:
+        peaks = (args.bw, *peaks[1:])
     t0, threads = time.time(), torch.get_num_threads()
     try:
-        if args.bw:
-            peaks = (args.bw, *peaks[1:])
         copy = None if kind != "cuda" or args.warm_only else copy_bandwidth(device)
         rows = run_cells(configs, backends, args.tokens, device, args.reps, args.warm_only, peaks)
     finally:

@@ -384,17 +384,15 @@ def current_config(cfg, table_path: Optional[str]) -> Optional[dict]:
     from moe_plugin_cuda.triton import tuning_configs
 
     dtype = tuning_configs.table_dtype(cfg.quant, cfg.params_dtype)
-    key = tuning_configs.decode_shape(cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size, dtype)
-    paths = [table_path] if table_path else [  # this device's table, else its stand-in's (what the layer runs)
-        str(tuning_configs.CONFIG_DIR / tuning_configs.decode_table_name(d))
-        for d in tuning_configs.table_devices(torch.cuda.get_device_name())]
-    for path in paths:
-        if os.path.exists(path):
-            with open(path) as f:
-                entry = json.load(f).get(key)
-            if entry is not None:
-                return entry.get("config")
-    return None
+    shape = (cfg.num_experts, cfg.top_k, cfg.intermediate_size, cfg.hidden_size, dtype)
+    if table_path:  # (read afresh: the sweep merges into it)
+        if not os.path.exists(table_path):
+            return None
+        with open(table_path) as f:
+            entry = json.load(f).get(tuning_configs.decode_shape(*shape))
+    else:  # what the layer runs: this device's table, else its stand-in's
+        entry = tuning_configs.decode_table_entry(*shape, torch.cuda.get_device_name())
+    return None if entry is None else entry.get("config")
 
 
 def write(rows: list[dict[str, Any]], args) -> None:

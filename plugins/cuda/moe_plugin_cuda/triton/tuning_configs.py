@@ -27,7 +27,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -50,6 +50,15 @@ def table_devices(device_name: str) -> tuple[str, ...]:
     """The device names whose tables a device reads, its own first."""
     stand_in = TABLE_STAND_INS.get(device_name)
     return (device_name,) if stand_in is None else (device_name, stand_in)
+
+
+def _table_paths(file_name: Callable[[str], str], device_name: Optional[str],
+                 config_dir: Optional[str]) -> Iterator[str]:
+    """The table files a device reads, in order: ``file_name(device)`` for its own name, then its stand-in's; each in
+    ``config_dir`` before the package's ``configs/``."""
+    for dev in table_devices(device_name) if device_name else ():
+        for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
+            yield os.path.join(d, file_name(dev))
 
 
 def table_dtype(quant: QuantScheme, params_dtype: torch.dtype) -> str:
@@ -142,21 +151,19 @@ def as_two_acc(cfg: dict[str, dict[str, int]], keep_tma: bool = False) -> dict[s
 def lookup(M: int, E: int, inter: int, H: int, dtype: str, device_name: Optional[str],
            config_dir: Optional[str] = None, kernel: str = TRITON_TABLE) -> tuple[Optional[dict[str, Any]], str]:
     """(entry of the tuned table nearest to M, file name), or (None, "") when no table exists."""
-    names = [config_file_name(E, inter, H, dev, dtype, kernel) for dev in table_devices(device_name)] if device_name else []
-    for name in names:
-        for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
-            table = _load(os.path.join(d, name))
-            if table:
-                cfg = table[min(table, key=lambda m: abs(m - M))]
-                entry: dict[str, Any] = {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
-                                             **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
-                                         for k in ("gemm1", "gemm2") if k in cfg}
-                if "path" in cfg:  # the cutlass table's: which path, and which CUTLASS kernels
-                    entry["path"] = str(cfg["path"])
-                for key in ("cutlass_variants", "deepgemm_variants"):
-                    if key in cfg:
-                        entry[key] = [int(v) for v in cfg[key]]
-                return entry, name
+    for path in _table_paths(lambda dev: config_file_name(E, inter, H, dev, dtype, kernel), device_name, config_dir):
+        table = _load(path)
+        if table:
+            cfg = table[min(table, key=lambda m: abs(m - M))]
+            entry: dict[str, Any] = {k: {**{kk: int(cfg[k][kk]) for kk in KEYS},
+                                         **{kk: int(cfg[k].get(kk, v)) for kk, v in OPTIONAL_KEYS.items()}}
+                                     for k in ("gemm1", "gemm2") if k in cfg}
+            if "path" in cfg:  # the cutlass table's: which path, and which CUTLASS kernels
+                entry["path"] = str(cfg["path"])
+            for key in ("cutlass_variants", "deepgemm_variants"):
+                if key in cfg:
+                    entry[key] = [int(v) for v in cfg[key]]
+            return entry, os.path.basename(path)
     return None, ""
 
 
@@ -208,21 +215,23 @@ def _load_decode(path: str) -> Optional[dict[str, Any]]:
         return json.load(f)
 
 
+def decode_table_entry(E: int, top_k: int, inter: int, H: int, dtype: str, device_name: Optional[str],
+                       config_dir: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The shape's entry (``{"max_tokens", "config"}``) in the decode table the device reads, or None."""
+    shape = decode_shape(E, top_k, inter, H, dtype)
+    for path in _table_paths(decode_table_name, device_name, config_dir):
+        table = _load_decode(path)
+        if table and shape in table:
+            return table[shape]
+    return None
+
+
 def decode_plan(T: int, E: int, top_k: int, inter: int, H: int, dtype: str, device_name: Optional[str],
                 config_dir: Optional[str] = None, max_tokens: Optional[int] = None) -> Optional[dict[str, Any]]:
     """The decode kernels' launch for T tokens of this shape, or None where the pipeline runs (T past the shape's
     ``max_tokens``, or past ``max_tokens`` when given). The same object for every T of a shape (callers key
     recorded launches on it by identity and cache it per T)."""
-    entry = None
-    shape = decode_shape(E, top_k, inter, H, dtype)
-    for dev in table_devices(device_name) if device_name else ():
-        for d in ([config_dir] if config_dir else []) + [str(CONFIG_DIR)]:
-            table = _load_decode(os.path.join(d, decode_table_name(dev)))
-            if table and shape in table:
-                entry = table[shape]
-                break
-        if entry is not None:
-            break
+    entry = decode_table_entry(E, top_k, inter, H, dtype, device_name, config_dir)
     if max_tokens is not None:
         limit = max_tokens
     elif entry is not None:
